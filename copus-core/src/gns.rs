@@ -1,0 +1,337 @@
+//! Gradient noise scale (McCandlish et al. 2018), measured online.
+//!
+//! A gradient averaged over B samples has `E|g_B|^2 = |G|^2 + tr(Sigma) / B`. Two batch sizes
+//! give two equations; per step the probe supplies both: the mean squared norm `L` of the
+//! `n` micro-batch gradients (size `B_m`) and the squared norm `T` of their mean (size `n B_m`):
+//!
+//! `|G|^2 ~ (n T - L) / (n - 1)`, `tr(Sigma) ~ B_m n (L - T) / (n - 1)`, `B_simple = tr(Sigma) / |G|^2`.
+//!
+//! Numerator and denominator are smoothed separately with a bias-corrected EMA, then divided.
+//! With one micro-batch per step (n = 1) consecutive steps are differenced instead:
+//! `E|g_t - g_{t-1}|^2 = tr(Sigma) (1/B_t + 1/B_{t-1})` and `E[g_t . g_{t-1}] = |G|^2`, which
+//! holds only while G stays put between steps, so such estimates are marked biased.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Bad numbers handed to the estimator.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum GnsError {
+    /// A norm is negative, NaN or infinite.
+    #[error("`{field}` must be a finite number >= 0, got {value}")]
+    BadNorm {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A batch size is zero, or the two sizes are equal.
+    #[error("batch sizes must be positive and different, got small = {small}, big = {big}")]
+    BadBatches {
+        /// Smaller batch.
+        small: f64,
+        /// Bigger batch.
+        big: f64,
+    },
+    /// EMA factor outside [0, 1).
+    #[error("`theta` must be in [0, 1), got {0}")]
+    BadTheta(f64),
+}
+
+/// One estimate of the gradient's signal and noise.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NoiseEstimate {
+    /// |G|^2, squared norm of the true gradient.
+    pub grad_sq: f64,
+    /// tr(Sigma), trace of the per-sample gradient covariance.
+    pub trace: f64,
+    /// Whether the estimate came from differencing steps (biased when G drifts).
+    pub biased: bool,
+}
+
+impl NoiseEstimate {
+    /// `B_simple = tr(Sigma) / |G|^2`; `None` while |G|^2 is not positive (noise dominates the
+    /// measurement), which callers treat as "very large".
+    pub fn b_simple(&self) -> Option<f64> {
+        (self.grad_sq > 0.0 && self.trace >= 0.0).then(|| self.trace / self.grad_sq)
+    }
+}
+
+fn check_norm(field: &'static str, value: f64) -> Result<f64, GnsError> {
+    if value.is_finite() && value >= 0.0 { Ok(value) } else { Err(GnsError::BadNorm { field, value }) }
+}
+
+/// The two-batch-size estimator: mean squared norms `sq_small` at batch `b_small` and `sq_big`
+/// at `b_big` (offline: averages over many batches of each size; online: one step's L and T).
+pub fn two_batch_estimate(b_small: f64, sq_small: f64, b_big: f64, sq_big: f64) -> Result<NoiseEstimate, GnsError> {
+    if !(b_small > 0.0 && b_big > 0.0 && b_small != b_big && b_small.is_finite() && b_big.is_finite()) {
+        return Err(GnsError::BadBatches { small: b_small, big: b_big });
+    }
+    let sq_small = check_norm("sq_small", sq_small)?;
+    let sq_big = check_norm("sq_big", sq_big)?;
+    let grad_sq = (b_big * sq_big - b_small * sq_small) / (b_big - b_small);
+    let trace = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big);
+    Ok(NoiseEstimate { grad_sq, trace, biased: false })
+}
+
+/// What the probe measured in one optimizer step (after un-scaling, before clipping, with the
+/// loss normalised the same way at both sizes: each norm is that of a mean gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    /// Samples per micro-batch, B_m.
+    pub micro_batch: usize,
+    /// Micro-batches in the step over all dp ranks, n = B_g / B_m.
+    pub num_micro: usize,
+    /// L: mean over micro-batches of |g_k|^2, each g_k the mean gradient of micro-batch k.
+    pub mean_micro_sq_norm: f64,
+    /// T: |g|^2 of the step's mean gradient (after the dp reduction).
+    pub grad_sq_norm: f64,
+    /// |g_t - g_{t-1}|^2 against the previous step's mean gradient, when the probe keeps it;
+    /// used only when n == 1.
+    pub diff_sq_norm: Option<f64>,
+}
+
+/// Bias-corrected exponential moving average.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Ema {
+    biased: f64,
+    weight: f64,
+}
+
+impl Ema {
+    fn update(&mut self, theta: f64, x: f64) {
+        self.biased = theta * self.biased + (1.0 - theta) * x;
+        self.weight = theta * self.weight + (1.0 - theta);
+    }
+    fn value(&self) -> Option<f64> {
+        (self.weight > 0.0).then(|| self.biased / self.weight)
+    }
+}
+
+/// Online, smoothed estimator; its state serialises for checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GnsEstimator {
+    theta: f64,
+    grad_sq: Ema,
+    trace: Ema,
+    from_differencing: Ema,
+    /// (batch, |g|^2) of the previous step, for the n == 1 fallback.
+    previous: Option<(f64, f64)>,
+    observations: u64,
+}
+
+impl Default for GnsEstimator {
+    fn default() -> Self {
+        Self::new(0.95).expect("0.95 is a valid theta")
+    }
+}
+
+impl GnsEstimator {
+    /// An estimator whose EMAs keep `theta` of the old value per step (0.95: about 20 steps).
+    pub fn new(theta: f64) -> Result<Self, GnsError> {
+        if !(0.0..1.0).contains(&theta) {
+            return Err(GnsError::BadTheta(theta));
+        }
+        Ok(Self {
+            theta,
+            grad_sq: Ema::default(),
+            trace: Ema::default(),
+            from_differencing: Ema::default(),
+            previous: None,
+            observations: 0,
+        })
+    }
+
+    /// Feeds one step; returns that step's raw estimate (`None` for the first n == 1 step or
+    /// an n == 1 step without a difference norm).
+    pub fn observe(&mut self, s: &StepStats) -> Result<Option<NoiseEstimate>, GnsError> {
+        if s.micro_batch == 0 || s.num_micro == 0 {
+            return Err(GnsError::BadBatches { small: s.micro_batch as f64, big: (s.micro_batch * s.num_micro) as f64 });
+        }
+        let t = check_norm("grad_sq_norm", s.grad_sq_norm)?;
+        let batch = (s.micro_batch * s.num_micro) as f64;
+        let raw = if s.num_micro >= 2 {
+            let l = check_norm("mean_micro_sq_norm", s.mean_micro_sq_norm)?;
+            Some(two_batch_estimate(s.micro_batch as f64, l, batch, t)?)
+        } else {
+            let diff = s.diff_sq_norm.map(|d| check_norm("diff_sq_norm", d)).transpose()?;
+            match (self.previous, diff) {
+                (Some((prev_batch, prev_sq)), Some(diff)) => {
+                    let trace = diff / (1.0 / batch + 1.0 / prev_batch);
+                    let dot = 0.5 * (t + prev_sq - diff);
+                    Some(NoiseEstimate { grad_sq: dot, trace, biased: true })
+                }
+                _ => None,
+            }
+        };
+        self.previous = Some((batch, t));
+        if let Some(e) = raw {
+            self.grad_sq.update(self.theta, e.grad_sq);
+            self.trace.update(self.theta, e.trace);
+            self.from_differencing.update(self.theta, if e.biased { 1.0 } else { 0.0 });
+            self.observations += 1;
+        }
+        Ok(raw)
+    }
+
+    /// The smoothed estimate so far; biased when differenced steps carry more than 1% of it.
+    pub fn estimate(&self) -> Option<NoiseEstimate> {
+        Some(NoiseEstimate {
+            grad_sq: self.grad_sq.value()?,
+            trace: self.trace.value()?,
+            biased: self.from_differencing.value()? > 0.01,
+        })
+    }
+
+    /// Smoothed B_simple.
+    pub fn b_simple(&self) -> Option<f64> {
+        self.estimate()?.b_simple()
+    }
+
+    /// Steps that contributed an estimate.
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+    use rand_distr::{Distribution, StandardNormal};
+
+    /// Synthetic per-sample gradients: G fixed, covariance diagonal with known trace.
+    struct Synthetic {
+        g: Vec<f64>,
+        sd: Vec<f64>,
+        rng: StdRng,
+    }
+
+    impl Synthetic {
+        fn new(dim: usize, grad_sq: f64, trace: f64, seed: u64) -> Self {
+            let mut rng = StdRng::seed_from_u64(seed);
+            // Uneven G and Sigma, scaled to the requested |G|^2 and tr(Sigma).
+            let g: Vec<f64> = (0..dim).map(|_| StandardNormal.sample(&mut rng)).collect();
+            let gn: f64 = g.iter().map(|x| x * x).sum();
+            let g = g.iter().map(|x| x * (grad_sq / gn).sqrt()).collect();
+            let var: Vec<f64> = (0..dim).map(|i| 1.0 + (i % 7) as f64).collect();
+            let vs: f64 = var.iter().sum();
+            let sd = var.iter().map(|v| (v * trace / vs).sqrt()).collect();
+            Self { g, sd, rng }
+        }
+        /// Mean gradient of a batch of `b` samples: G + N(0, Sigma / b).
+        fn batch(&mut self, b: usize) -> Vec<f64> {
+            let s = (b as f64).sqrt();
+            self.g
+                .iter()
+                .zip(&self.sd)
+                .map(|(g, sd)| {
+                    let z: f64 = StandardNormal.sample(&mut self.rng);
+                    g + sd * z / s
+                })
+                .collect()
+        }
+    }
+
+    fn sq(v: &[f64]) -> f64 {
+        v.iter().map(|x| x * x).sum()
+    }
+
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / b.abs()
+    }
+
+    #[test]
+    fn closed_form_on_exact_expectations() {
+        // |G|^2 = 2, tr = 64: E|g_4|^2 = 18, E|g_32|^2 = 4 exactly.
+        let e = two_batch_estimate(4.0, 18.0, 32.0, 4.0).unwrap();
+        assert!((e.grad_sq - 2.0).abs() < 1e-12 && (e.trace - 64.0).abs() < 1e-9);
+        assert!((e.b_simple().unwrap() - 32.0).abs() < 1e-9);
+        // The online form with n = 8 micro-batches of 4 is the same equation.
+        let mut est = GnsEstimator::new(0.9).unwrap();
+        let raw = est
+            .observe(&StepStats { micro_batch: 4, num_micro: 8, mean_micro_sq_norm: 18.0, grad_sq_norm: 4.0, diff_sq_norm: None })
+            .unwrap()
+            .unwrap();
+        assert!((raw.grad_sq - 2.0).abs() < 1e-12 && (raw.trace - 64.0).abs() < 1e-9);
+        // Bias correction: after one observation the smoothed value is the observation.
+        assert!((est.b_simple().unwrap() - 32.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn smoothed_online_estimates_land_within_five_percent() {
+        let (grad_sq, trace) = (1.5, 120.0);
+        let mut syn = Synthetic::new(2000, grad_sq, trace, 7);
+        let mut est = GnsEstimator::new(0.95).unwrap();
+        let (b_m, n) = (4, 16);
+        for _ in 0..300 {
+            let micro: Vec<Vec<f64>> = (0..n).map(|_| syn.batch(b_m)).collect();
+            let l = micro.iter().map(|g| sq(g)).sum::<f64>() / n as f64;
+            let mean: Vec<f64> = (0..micro[0].len()).map(|i| micro.iter().map(|g| g[i]).sum::<f64>() / n as f64).collect();
+            est.observe(&StepStats { micro_batch: b_m, num_micro: n, mean_micro_sq_norm: l, grad_sq_norm: sq(&mean), diff_sq_norm: None })
+                .unwrap();
+        }
+        let e = est.estimate().unwrap();
+        assert!(!e.biased);
+        assert!(rel(e.grad_sq, grad_sq) < 0.05, "|G|^2 {} vs {grad_sq}", e.grad_sq);
+        assert!(rel(e.trace, trace) < 0.05, "tr {} vs {trace}", e.trace);
+        assert!(rel(e.b_simple().unwrap(), trace / grad_sq) < 0.05);
+    }
+
+    #[test]
+    fn differencing_fallback_is_marked_biased_and_close_when_g_is_still() {
+        let (grad_sq, trace) = (2.0, 100.0);
+        let mut syn = Synthetic::new(2000, grad_sq, trace, 11);
+        let mut est = GnsEstimator::new(0.95).unwrap();
+        let mut prev: Option<Vec<f64>> = None;
+        for _ in 0..400 {
+            let g = syn.batch(32);
+            let diff = prev.as_ref().map(|p| sq(&g.iter().zip(p).map(|(a, b)| a - b).collect::<Vec<_>>()));
+            est.observe(&StepStats { micro_batch: 32, num_micro: 1, mean_micro_sq_norm: sq(&g), grad_sq_norm: sq(&g), diff_sq_norm: diff })
+                .unwrap();
+            prev = Some(g);
+        }
+        let e = est.estimate().unwrap();
+        assert!(e.biased);
+        assert_eq!(est.observations(), 399);
+        assert!(rel(e.grad_sq, grad_sq) < 0.05, "{}", e.grad_sq);
+        assert!(rel(e.trace, trace) < 0.05, "{}", e.trace);
+    }
+
+    #[test]
+    fn offline_two_batch_estimator_recovers_the_truth() {
+        let (grad_sq, trace) = (0.8, 40.0);
+        let mut syn = Synthetic::new(1000, grad_sq, trace, 3);
+        let mean_sq = |syn: &mut Synthetic, b| (0..400).map(|_| sq(&syn.batch(b))).sum::<f64>() / 400.0;
+        let small = mean_sq(&mut syn, 2);
+        let big = mean_sq(&mut syn, 64);
+        let e = two_batch_estimate(2.0, small, 64.0, big).unwrap();
+        assert!(rel(e.grad_sq, grad_sq) < 0.05, "{}", e.grad_sq);
+        assert!(rel(e.trace, trace) < 0.05, "{}", e.trace);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        assert!(matches!(two_batch_estimate(4.0, 1.0, 4.0, 1.0), Err(GnsError::BadBatches { .. })));
+        let mut est = GnsEstimator::default();
+        let e = est
+            .observe(&StepStats { micro_batch: 4, num_micro: 2, mean_micro_sq_norm: f64::NAN, grad_sq_norm: 1.0, diff_sq_norm: None })
+            .unwrap_err();
+        assert_eq!(e.to_string(), "`mean_micro_sq_norm` must be a finite number >= 0, got NaN");
+        assert!(GnsEstimator::new(1.0).is_err());
+        assert_eq!(est.estimate(), None);
+        // Noise-dominated measurement: |G|^2 estimate <= 0 gives no B_simple.
+        assert_eq!(NoiseEstimate { grad_sq: -0.1, trace: 3.0, biased: false }.b_simple(), None);
+    }
+
+    #[test]
+    fn estimator_state_round_trips_through_ron() {
+        let mut est = GnsEstimator::new(0.9).unwrap();
+        est.observe(&StepStats { micro_batch: 2, num_micro: 4, mean_micro_sq_norm: 9.0, grad_sq_norm: 3.0, diff_sq_norm: None })
+            .unwrap();
+        let text = ron::to_string(&est).unwrap();
+        let back: GnsEstimator = ron::from_str(&text).unwrap();
+        assert_eq!(back, est);
+    }
+}

@@ -1,0 +1,26 @@
+//! copus-core: the decision engine of copus, with no tensor dependency.
+//!
+//! copus co-adapts the global batch size B_g, the 3D parallel layout S = (dp, tp, pp) and the
+//! micro-batch size B_m while an LLM pre-trains, choosing by Goodput = throughput x statistical
+//! efficiency. This crate holds all of that reasoning:
+//!
+//! - [`layout`]: validated `ParallelDims` and the `RankGrid` of ranks and groups;
+//! - [`model`]: `ModelSpec` shapes, parameter and FLOP counts, presets, per-parameter sharding specs;
+//! - [`memory`]: bytes per rank against a device budget;
+//! - [`candidates`]: every (S, B_g, B_m) with `B_g = dp * B_m * a`, rejections with reasons;
+//! - [`gns`]: the online gradient-noise-scale estimator;
+//! - [`goodput`]: statistical efficiency, objectives and learning-rate rules;
+//! - [`throughput`]: measured profiles and the analytic cluster model;
+//! - [`schedule`]: GPipe and 1F1B pipeline schedules as instruction lists;
+//! - [`policy`]: the policies that decide when to change batch size or layout, and the oracle;
+//! - [`reshard`]: the moves that take every shard from one layout to another.
+
+pub mod candidates;
+pub mod gns;
+pub mod goodput;
+pub mod layout;
+pub mod memory;
+pub mod model;
+pub mod policy;
+pub mod schedule;
+pub mod throughput;
