@@ -156,7 +156,7 @@ impl CandidateSpace {
                 return Err(SpaceError::BadList { field, got: list.clone() });
             }
         }
-        if !(device_memory > 0.0) {
+        if device_memory.is_nan() || device_memory <= 0.0 {
             return Err(SpaceError::BadMemory(device_memory));
         }
         let mut global_batches = global_batches;

@@ -380,13 +380,12 @@ mod tests {
             for d in &all {
                 prop_assert_eq!(ParallelDims::new(d.dp, d.tp, d.pp, world).unwrap(), *d);
                 let grid = RankGrid::new(*d);
-                let mut seen = vec![false; world];
+                let mut seen = std::collections::HashSet::new();
                 for r in 0..world {
                     let c = grid.coord(r).unwrap();
                     prop_assert_eq!(grid.rank(c), r);
-                    seen[r] = true;
+                    prop_assert!(seen.insert((c.dp, c.tp, c.pp)), "two ranks share {:?}", c);
                 }
-                prop_assert!(seen.iter().all(|&s| s));
                 for axis in [Axis::Dp, Axis::Tp, Axis::Pp] {
                     let groups = grid.groups(axis);
                     prop_assert_eq!(groups.len(), world / d.degree(axis));

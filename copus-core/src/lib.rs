@@ -22,5 +22,6 @@ pub mod layout;
 pub mod memory;
 pub mod model;
 pub mod policy;
+pub mod reshard;
 pub mod schedule;
 pub mod throughput;
