@@ -28,8 +28,8 @@ pub struct Candidate {
 impl Candidate {
     /// Builds a candidate if `B_g = dp * B_m * a` for a whole `a >= 1`.
     pub fn new(dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Result<Self, Rejection> {
-        let per_step = dims.dp * micro_batch;
-        if micro_batch == 0 || global_batch == 0 || global_batch % per_step != 0 {
+        let per_step = dims.dp.checked_mul(micro_batch).unwrap_or(0);
+        if per_step == 0 || global_batch == 0 || global_batch % per_step != 0 {
             return Err(Rejection::BatchNotDivisible { global_batch, dp: dims.dp, micro_batch });
         }
         Ok(Self { dims, global_batch, micro_batch, num_micro: global_batch / per_step })
@@ -240,6 +240,14 @@ mod tests {
         assert!(matches!(r, Rejection::OutOfMemory { .. }), "{r}");
         assert!(r.to_string().contains("GiB"));
         assert!(s.check(&m, ParallelDims { dp: 1, tp: 4, pp: 2 }, 8, 1).is_ok());
+    }
+
+    #[test]
+    fn huge_or_zero_sizes_are_rejections_not_panics() {
+        let d = ParallelDims { dp: usize::MAX, tp: 1, pp: 1 };
+        assert!(matches!(Candidate::new(d, 8, usize::MAX), Err(Rejection::BatchNotDivisible { .. })));
+        assert!(Candidate::new(ParallelDims::serial(), 8, 0).is_err());
+        assert!(Candidate::new(ParallelDims { dp: 0, tp: 1, pp: 1 }, 8, 1).is_err());
     }
 
     #[test]

@@ -108,11 +108,11 @@ impl ThroughputProfile {
             if e.dp == 0 || e.tp == 0 || e.pp == 0 || e.micro_batch == 0 {
                 return Err(bad("dp, tp, pp and micro_batch must be at least 1".into()));
             }
-            if e.global_batch == 0 || e.global_batch % (e.dp * e.micro_batch) != 0 {
+            let per_step = e.dp.checked_mul(e.micro_batch).unwrap_or(0);
+            if e.global_batch == 0 || per_step == 0 || e.global_batch % per_step != 0 {
                 return Err(bad(format!(
-                    "global_batch {} is not a whole multiple of dp * micro_batch = {}",
-                    e.global_batch,
-                    e.dp * e.micro_batch
+                    "global_batch {} is not a whole multiple of dp * micro_batch = {} * {}",
+                    e.global_batch, e.dp, e.micro_batch
                 )));
             }
             if !(e.samples_per_sec.is_finite() && e.samples_per_sec > 0.0) {
@@ -185,7 +185,8 @@ impl ThroughputProfile {
     /// nearest points; with one point, time per micro-batch is taken as constant. `None` where
     /// nothing was measured for (S, B_m) or extrapolation gives no positive time.
     pub fn lookup(&self, dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Option<f64> {
-        if micro_batch == 0 || global_batch % (dims.dp * micro_batch) != 0 || global_batch == 0 {
+        let per_step = dims.dp.checked_mul(micro_batch).unwrap_or(0);
+        if per_step == 0 || global_batch == 0 || global_batch % per_step != 0 {
             return None;
         }
         let pts = self.index.get(&(dims, micro_batch))?;
@@ -571,6 +572,8 @@ mod tests {
         let e = ThroughputProfile::from_csv("x", "y", bad).unwrap_err().to_string();
         assert!(e.contains("row 0") && e.contains("global_batch 9"), "{e}");
         assert!(ThroughputProfile::from_csv("x", "y", "dp,tp\n1,x\n").is_err());
+        let huge = format!("dp,tp,pp,global_batch,micro_batch,samples_per_sec\n{},1,1,8,{},1.0\n", usize::MAX, usize::MAX);
+        assert!(ThroughputProfile::from_csv("x", "y", &huge).is_err());
     }
 
     #[test]
