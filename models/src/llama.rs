@@ -1,0 +1,340 @@
+//! A Llama-style decoder: token embedding, RMSNorm, rotary position embedding (rotate-half, as
+//! in Llama checkpoints), grouped-query causal attention, SwiGLU MLP, final norm, LM head (tied
+//! or untied). No biases except optional q/k/v biases (Qwen2).
+//!
+//! Shape legend: b batch, s sequence, d hidden, h query heads, k kv heads, e head dim,
+//! f MLP hidden, v vocabulary.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
+use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use copus_core::model::{ModelSpec, ParamSpec};
+
+/// Configuration of a [`Llama`] model; build one from a copus-core [`ModelSpec`].
+#[derive(Config, Debug)]
+pub struct LlamaConfig {
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Model width d.
+    pub hidden: usize,
+    /// Query heads h.
+    pub num_heads: usize,
+    /// Key/value heads k (divides h).
+    pub num_kv_heads: usize,
+    /// SwiGLU inner width f.
+    pub ffn_hidden: usize,
+    /// Vocabulary size v.
+    pub vocab_size: usize,
+    /// Longest sequence the model will see.
+    pub max_seq_len: usize,
+    /// LM head shares the embedding matrix.
+    #[config(default = false)]
+    pub tied_embeddings: bool,
+    /// q/k/v projections carry biases.
+    #[config(default = false)]
+    pub qkv_bias: bool,
+    /// RoPE base.
+    #[config(default = 10000.0)]
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+    /// Standard deviation of the normal initialisation of matrices.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+impl LlamaConfig {
+    /// The configuration of a copus-core shape.
+    pub fn from_spec(spec: &ModelSpec) -> Self {
+        Self::new(
+            spec.num_layers,
+            spec.hidden,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.ffn_hidden,
+            spec.vocab_size,
+            spec.seq_len,
+        )
+        .with_tied_embeddings(spec.tied_embeddings)
+        .with_qkv_bias(spec.qkv_bias)
+    }
+
+    /// The copus-core shape of this configuration.
+    pub fn spec(&self, name: &str) -> ModelSpec {
+        ModelSpec {
+            name: name.into(),
+            num_layers: self.num_layers,
+            hidden: self.hidden,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            ffn_hidden: self.ffn_hidden,
+            vocab_size: self.vocab_size,
+            seq_len: self.max_seq_len,
+            tied_embeddings: self.tied_embeddings,
+            qkv_bias: self.qkv_bias,
+        }
+    }
+
+    /// Every parameter's name and shape, without allocating anything (the same list the built
+    /// model holds).
+    pub fn param_specs(&self) -> Vec<ParamSpec> {
+        self.spec("llama").param_specs()
+    }
+
+    /// Parameter count, without allocating.
+    pub fn num_params(&self) -> u64 {
+        self.spec("llama").num_params()
+    }
+
+    fn linear(&self, d_in: usize, d_out: usize, bias: bool, device: &Device) -> Linear {
+        LinearConfig::new(d_in, d_out)
+            .with_bias(bias)
+            .with_initializer(Initializer::Normal { mean: 0.0, std: self.init_std })
+            .init(device)
+    }
+
+    /// Builds the model on `device` (use `device.autodiff()` to train it).
+    pub fn init(&self, device: &Device) -> Llama {
+        self.spec("llama").validate().unwrap_or_else(|e| panic!("invalid Llama configuration: {e}"));
+        let d = self.hidden;
+        let e = d / self.num_heads;
+        let kv = self.num_kv_heads * e;
+        let layers = (0..self.num_layers)
+            .map(|_| DecoderLayer {
+                attn_norm: RmsNorm::new(d, self.norm_eps, device),
+                attn: Attention {
+                    q_proj: self.linear(d, d, self.qkv_bias, device),
+                    k_proj: self.linear(d, kv, self.qkv_bias, device),
+                    v_proj: self.linear(d, kv, self.qkv_bias, device),
+                    o_proj: self.linear(d, d, false, device),
+                    num_heads: self.num_heads,
+                    num_kv_heads: self.num_kv_heads,
+                    head_dim: e,
+                },
+                mlp_norm: RmsNorm::new(d, self.norm_eps, device),
+                mlp: Mlp {
+                    gate_proj: self.linear(d, self.ffn_hidden, false, device),
+                    up_proj: self.linear(d, self.ffn_hidden, false, device),
+                    down_proj: self.linear(self.ffn_hidden, d, false, device),
+                },
+            })
+            .collect();
+        Llama {
+            embed_tokens: EmbeddingConfig::new(self.vocab_size, d)
+                .with_initializer(Initializer::Normal { mean: 0.0, std: self.init_std })
+                .init(device),
+            layers,
+            norm: RmsNorm::new(d, self.norm_eps, device),
+            lm_head: (!self.tied_embeddings).then(|| self.linear(d, self.vocab_size, false, device)),
+            rope_theta: self.rope_theta,
+        }
+    }
+}
+
+/// Root-mean-square normalisation with a learned scale, `x / sqrt(mean(x^2) + eps) * weight`.
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    /// Scale, `[d]`, initialised to ones.
+    pub weight: Param<Tensor<1>>,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(d: usize, eps: f64, device: &Device) -> Self {
+        Self { weight: Param::from_tensor(Tensor::ones([d], device)), eps }
+    }
+
+    /// Normalises the last dim.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt();
+        (x / rms) * self.weight.val().unsqueeze()
+    }
+}
+
+/// Rotary position embedding tables for one sequence length.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    cos_se: Tensor<2>,
+    sin_se: Tensor<2>,
+}
+
+impl Rope {
+    /// Tables for positions `0..seq_len` and head dim `head_dim` (rotate-half layout:
+    /// frequency i applies to dims i and i + e/2).
+    pub fn new(seq_len: usize, head_dim: usize, theta: f64, device: &Device) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq_len * head_dim);
+        let mut sin = Vec::with_capacity(seq_len * head_dim);
+        for pos in 0..seq_len {
+            for j in 0..head_dim {
+                let i = j % half;
+                let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
+                let angle = pos as f64 * inv_freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let t = |v: Vec<f32>| Tensor::<2>::from_data(TensorData::new(v, [seq_len, head_dim]), device);
+        Self { cos_se: t(cos), sin_se: t(sin) }
+    }
+
+    /// Rotates `x_bhse` by position.
+    pub fn apply(&self, x_bhse: Tensor<4>) -> Tensor<4> {
+        let [_, _, _, e] = x_bhse.dims();
+        let half = e / 2;
+        let x1 = x_bhse.clone().narrow(3, 0, half);
+        let x2 = x_bhse.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        let cos: Tensor<4> = self.cos_se.clone().unsqueeze();
+        let sin: Tensor<4> = self.sin_se.clone().unsqueeze();
+        x_bhse * cos + rotated * sin
+    }
+}
+
+/// Grouped-query causal self-attention.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// `[d, h*e]`.
+    pub q_proj: Linear,
+    /// `[d, k*e]`.
+    pub k_proj: Linear,
+    /// `[d, k*e]`.
+    pub v_proj: Linear,
+    /// `[h*e, d]`.
+    pub o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    /// Attention of `x_bsd` over itself with a causal mask. Head counts are those of this
+    /// module's weights (a tensor-parallel shard holds fewer heads).
+    pub fn forward(&self, x_bsd: Tensor<3>, rope: &Rope) -> Tensor<3> {
+        let [b, s, _] = x_bsd.dims();
+        let e = self.head_dim;
+        let [_, q_width] = self.q_proj.weight.dims();
+        let [_, kv_width] = self.k_proj.weight.dims();
+        let (h, k) = (q_width / e, kv_width / e);
+        let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
+        let k_bkse = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
+        let v_bkse = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
+        // Query head i reads kv head i / (h / k).
+        let repeat = |t: Tensor<4>| {
+            if h == k { t } else { t.unsqueeze_dim::<5>(2).expand([b, k, h / k, s, e]).reshape([b, h, s, e]) }
+        };
+        let (k_bhse, v_bhse) = (repeat(k_bkse), repeat(v_bkse));
+        let scores_bhss = q_bhse.matmul(k_bhse.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
+        let future: Tensor<2, Bool> = Tensor::tril_mask([s, s], 0, &scores_bhss.device());
+        let future: Tensor<4, Bool> = future.unsqueeze::<4>().expand([b, h, s, s]);
+        let probs_bhss = softmax(scores_bhss.mask_fill(future, f32::NEG_INFINITY), 3);
+        let out_bsd = probs_bhss.matmul(v_bhse).swap_dims(1, 2).reshape([b, s, h * e]);
+        self.o_proj.forward(out_bsd)
+    }
+}
+
+/// SwiGLU MLP, `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// `[d, f]`.
+    pub gate_proj: Linear,
+    /// `[d, f]`.
+    pub up_proj: Linear,
+    /// `[f, d]`.
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    /// Applies the MLP.
+    pub fn forward(&self, x_bsd: Tensor<3>) -> Tensor<3> {
+        self.down_proj.forward(silu(self.gate_proj.forward(x_bsd.clone())) * self.up_proj.forward(x_bsd))
+    }
+}
+
+/// One pre-norm decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// Norm before attention.
+    pub attn_norm: RmsNorm,
+    /// Self-attention.
+    pub attn: Attention,
+    /// Norm before the MLP.
+    pub mlp_norm: RmsNorm,
+    /// MLP.
+    pub mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+    pub fn forward(&self, x_bsd: Tensor<3>, rope: &Rope) -> Tensor<3> {
+        let h_bsd = x_bsd.clone() + self.attn.forward(self.attn_norm.forward(x_bsd), rope);
+        h_bsd.clone() + self.mlp.forward(self.mlp_norm.forward(h_bsd))
+    }
+}
+
+/// The decoder.
+#[derive(Module, Debug)]
+pub struct Llama {
+    /// Token embedding `[v, d]`.
+    pub embed_tokens: Embedding,
+    /// Decoder layers.
+    pub layers: Vec<DecoderLayer>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// LM head `[d, v]`; `None` when tied to the embedding.
+    pub lm_head: Option<Linear>,
+    rope_theta: f64,
+}
+
+impl Llama {
+    /// RoPE tables for a sequence length on this model's device.
+    pub fn rope(&self, seq_len: usize) -> Rope {
+        let e = self.layers.first().map_or(2, |l| l.attn.head_dim);
+        Rope::new(seq_len, e, self.rope_theta, &self.embed_tokens.weight.device())
+    }
+
+    /// Hidden states after the final norm, `[b, s, d]`.
+    pub fn hidden(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3> {
+        let [_, s] = tokens_bs.dims();
+        let rope = self.rope(s);
+        let mut x_bsd = self.embed_tokens.forward(tokens_bs);
+        for layer in &self.layers {
+            x_bsd = layer.forward(x_bsd, &rope);
+        }
+        self.norm.forward(x_bsd)
+    }
+
+    /// Projects hidden states to logits `[b, s, v]`.
+    pub fn head(&self, x_bsd: Tensor<3>) -> Tensor<3> {
+        match &self.lm_head {
+            Some(head) => head.forward(x_bsd),
+            None => {
+                let [b, s, d] = x_bsd.dims();
+                let w_vd = self.embed_tokens.weight.val();
+                let [v, _] = w_vd.dims();
+                x_bsd.reshape([b * s, d]).matmul(w_vd.transpose()).reshape([b, s, v])
+            }
+        }
+    }
+
+    /// Logits `[b, s, v]` of next-token prediction.
+    pub fn forward(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3> {
+        self.head(self.hidden(tokens_bs))
+    }
+
+    /// Summed next-token cross entropy over every position, `[1]`: divide by the number of
+    /// target tokens of the whole step to get the mean.
+    pub fn loss_sum(&self, inputs_bs: Tensor<2, Int>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+        cross_entropy_sum(self.forward(inputs_bs), targets_bs)
+    }
+}
+
+/// `-sum log softmax(logits)[target]` over all positions.
+pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    let logp_bsv = log_softmax(logits_bsv, 2);
+    let picked_bs1 = logp_bsv.gather(2, targets_bs.unsqueeze_dim::<3>(2));
+    picked_bs1.sum().neg()
+}
