@@ -152,6 +152,59 @@ mod tests {
         }
     }
 
+    fn flat_params(model: &Llama) -> Vec<f32> {
+        struct V(Vec<f32>);
+        impl burn::module::ModuleVisitor for V {
+            fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+                self.0.extend(p.val().into_data().try_to_vec::<f32>().unwrap());
+            }
+        }
+        let mut v = V(Vec::new());
+        model.visit(&mut v);
+        v.0
+    }
+
+    #[test]
+    fn one_step_is_the_same_for_every_micro_batch_split() {
+        // B_g = 8 sequences of 16 tokens as 1x8, 2x4, 4x2 and 8x1 micro-batches.
+        use copus_burn::{MicroBatch, OptimConfig, Trainer};
+        let dev = device().autodiff();
+        let mut spec = ModelSpec::tiny_1m();
+        spec.seq_len = 16;
+        let model = LlamaConfig::from_spec(&spec).init(&dev);
+        let data: Vec<i64> = (0..8 * 17).map(|i| (i * 7919 % 2048) as i64).collect();
+        let split = |b_m: usize| -> Vec<MicroBatch> {
+            (0..8 / b_m)
+                .map(|k| {
+                    let rows = &data[k * b_m * 17..(k + 1) * b_m * 17];
+                    let inputs: Vec<i64> = rows.chunks(17).flat_map(|r| r[..16].to_vec()).collect();
+                    let targets: Vec<i64> = rows.chunks(17).flat_map(|r| r[1..].to_vec()).collect();
+                    MicroBatch {
+                        inputs: Tensor::from_data(TensorData::new(inputs, [b_m, 16]), &dev),
+                        targets: Tensor::from_data(TensorData::new(targets, [b_m, 16]), &dev),
+                    }
+                })
+                .collect()
+        };
+        let cfg = OptimConfig { lr: 1e-3, warmup_steps: 0, ..OptimConfig::default() };
+        let run = |b_m: usize| {
+            let mut t = Trainer::new(model.clone(), cfg.clone()).unwrap();
+            let m = t.step(&split(b_m)).unwrap();
+            (m, flat_params(t.model()))
+        };
+        let (m8, p8) = run(8);
+        let before = flat_params(&model);
+        assert!(before.iter().zip(&p8).any(|(a, b)| (a - b).abs() > 1e-4), "the step moved the weights");
+        for b_m in [4, 2, 1] {
+            let (m, p) = run(b_m);
+            assert_eq!((m.micro_batch, m.num_micro, m.global_batch), (b_m, 8 / b_m, 8));
+            assert!((m.loss - m8.loss).abs() < 1e-5 * m8.loss, "loss {} vs {}", m.loss, m8.loss);
+            assert!((m.grad_norm - m8.grad_norm).abs() < 1e-5 * m8.grad_norm);
+            let worst = p.iter().zip(&p8).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "B_m {b_m}: max parameter difference {worst}");
+        }
+    }
+
     #[test]
     fn large_presets_report_counts_without_allocating() {
         for (spec, published) in [

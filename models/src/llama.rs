@@ -8,7 +8,8 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::{silu, softmax};
+use copus_burn::{CausalLm, cross_entropy_sum};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -332,9 +333,11 @@ impl Llama {
     }
 }
 
-/// `-sum log softmax(logits)[target]` over all positions.
-pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
-    let logp_bsv = log_softmax(logits_bsv, 2);
-    let picked_bs1 = logp_bsv.gather(2, targets_bs.unsqueeze_dim::<3>(2));
-    picked_bs1.sum().neg()
+impl CausalLm for Llama {
+    fn loss_sum(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        Llama::loss_sum(self, inputs, targets)
+    }
+    fn no_decay_predicates(&self) -> Vec<String> {
+        vec!["norm".into(), "embed_tokens".into()]
+    }
 }

@@ -1,0 +1,181 @@
+//! copus-burn: copus execution on Burn 0.22.
+//!
+//! - [`trainer`]: the single-rank trainer with micro-batching, token-normalised loss, AdamW,
+//!   warmup + cosine schedule with the batch-size LR rule, global-norm clipping and the
+//!   gradient-noise-scale probe feeding copus-core's estimator;
+//! - [`grads`]: whole-model gradient arithmetic (squared norms, scaling, sums);
+//! - [`cross_entropy_sum`]: the summed next-token loss models use.
+//!
+//! The crate is model-agnostic: a model implements [`CausalLm`].
+
+pub mod grads;
+pub mod trainer;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor};
+
+pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate};
+
+/// `-sum log softmax(logits)[target]` over all positions, `[1]`.
+pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    let logp_bsv = log_softmax(logits_bsv, 2);
+    logp_bsv.gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::Module;
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+    use burn::tensor::{Device, TensorData};
+
+    /// A next-token model small enough for exact checks: embedding then a linear head.
+    #[derive(Module, Debug)]
+    struct Bigram {
+        emb: Embedding,
+        out: Linear,
+    }
+
+    impl CausalLm for Bigram {
+        fn loss_sum(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+            cross_entropy_sum(self.out.forward(self.emb.forward(inputs)), targets)
+        }
+        fn no_decay_predicates(&self) -> Vec<String> {
+            vec!["emb".into()]
+        }
+    }
+
+    const V: usize = 16;
+
+    fn device() -> Device {
+        Device::flex().autodiff()
+    }
+
+    fn model() -> Bigram {
+        let d = device();
+        d.seed(3);
+        Bigram { emb: EmbeddingConfig::new(V, 8).init(&d), out: LinearConfig::new(8, V).init(&d) }
+    }
+
+    /// Sequences where token t is followed by (3t + 1) mod V, with a few random positions.
+    fn sequences(count: usize, seq: usize, seed: u64) -> Vec<Vec<i64>> {
+        let mut x = seed;
+        (0..count)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let mut t = (x >> 33) as i64 % V as i64;
+                (0..=seq)
+                    .map(|_| {
+                        let cur = t;
+                        t = (3 * t + 1) % V as i64;
+                        cur
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn micro_batches(seqs: &[Vec<i64>], b_m: usize) -> Vec<MicroBatch> {
+        let s = seqs[0].len() - 1;
+        seqs.chunks(b_m)
+            .map(|c| {
+                let inputs: Vec<i64> = c.iter().flat_map(|q| q[..s].to_vec()).collect();
+                let targets: Vec<i64> = c.iter().flat_map(|q| q[1..].to_vec()).collect();
+                MicroBatch {
+                    inputs: Tensor::from_data(TensorData::new(inputs, [c.len(), s]), &device()),
+                    targets: Tensor::from_data(TensorData::new(targets, [c.len(), s]), &device()),
+                }
+            })
+            .collect()
+    }
+
+    fn flat(m: &Bigram) -> Vec<f32> {
+        let mut v = m.emb.weight.val().into_data().try_to_vec::<f32>().unwrap();
+        v.extend(m.out.weight.val().into_data().try_to_vec::<f32>().unwrap());
+        v
+    }
+
+    #[test]
+    fn the_split_of_a_step_does_not_change_the_gradient() {
+        let m = model();
+        let seqs = sequences(8, 6, 1);
+        let whole = accumulate(&m, &micro_batches(&seqs, 8)).unwrap();
+        for b_m in [4, 2, 1] {
+            let split = accumulate(&m, &micro_batches(&seqs, b_m)).unwrap();
+            assert!((split.loss - whole.loss).abs() < 1e-6 * whole.loss, "B_m {b_m}: loss");
+            let diff = grads::diff_sq_norm(&m, &split.grads, &whole.grads);
+            assert!(diff.sqrt() < 1e-5 * whole.grad_sq_norm.sqrt(), "B_m {b_m}: |diff| {}", diff.sqrt());
+            assert!((split.grad_sq_norm - whole.grad_sq_norm).abs() < 1e-5 * whole.grad_sq_norm);
+        }
+    }
+
+    #[test]
+    fn micro_batch_norms_are_the_norms_of_each_micro_batch_mean_gradient() {
+        // Independent reference: the gradient of each 1-sequence micro-batch on its own.
+        let m = model();
+        let seqs = sequences(4, 5, 9);
+        let joint = accumulate(&m, &micro_batches(&seqs, 1)).unwrap();
+        let alone: Vec<f64> = seqs.iter().map(|s| accumulate(&m, &micro_batches(std::slice::from_ref(s), 1)).unwrap().grad_sq_norm).collect();
+        let mean = alone.iter().sum::<f64>() / alone.len() as f64;
+        assert!((joint.mean_micro_sq_norm - mean).abs() < 1e-5 * mean, "{} vs {mean}", joint.mean_micro_sq_norm);
+        // And T is the norm of the mean of those gradients, which is smaller than their mean norm.
+        assert!(joint.grad_sq_norm < joint.mean_micro_sq_norm);
+    }
+
+    #[test]
+    fn schedule_by_hand() {
+        let c = OptimConfig { lr: 1.0, warmup_steps: 4, total_steps: 14, min_lr_ratio: 0.1, ..OptimConfig::default() };
+        assert_eq!(c.schedule(0), 0.25);
+        assert_eq!(c.schedule(3), 1.0);
+        assert!((c.schedule(4) - 1.0).abs() < 1e-12);
+        // Half way through the cosine: 0.1 + 0.9 * 0.5.
+        assert!((c.schedule(9) - 0.55).abs() < 1e-12);
+        assert!((c.schedule(14) - 0.1).abs() < 1e-12);
+        assert!((c.schedule(100) - 0.1).abs() < 1e-12);
+        // sqrt rule at 4x the reference batch doubles the rate.
+        assert!((c.lr_at(3, 32, None) - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn training_lowers_the_loss_and_feeds_the_noise_estimator() {
+        let mut t = Trainer::new(model(), OptimConfig { lr: 0.05, warmup_steps: 1, total_steps: 40, ..OptimConfig::default() }).unwrap();
+        let mut first = None;
+        let mut last = None;
+        for step in 0..30 {
+            let seqs = sequences(8, 6, 100 + step);
+            let m = t.step(&micro_batches(&seqs, 2)).unwrap();
+            first.get_or_insert(m.loss);
+            last = Some(m);
+        }
+        let last = last.unwrap();
+        assert!(last.loss < 0.5 * first.unwrap(), "{} -> {}", first.unwrap(), last.loss);
+        assert_eq!((last.step, last.global_batch, last.micro_batch, last.num_micro), (30, 8, 2, 4));
+        assert_eq!(last.tokens_seen, 30 * 8 * 6);
+        assert!(last.grad_sq.is_some() && last.trace.is_some());
+        assert_eq!(t.gns().observations(), 30);
+    }
+
+    #[test]
+    fn one_micro_batch_per_step_uses_the_biased_fallback() {
+        let mut t = Trainer::new(model(), OptimConfig::default()).unwrap();
+        let a = t.step(&micro_batches(&sequences(4, 6, 1), 4)).unwrap();
+        assert!(a.b_simple.is_none(), "the first n == 1 step has nothing to difference");
+        let b = t.step(&micro_batches(&sequences(4, 6, 2), 4)).unwrap();
+        assert!(b.gns_biased && b.trace.is_some());
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let e = Trainer::new(model(), OptimConfig { beta2: 1.0, ..OptimConfig::default() }).err().unwrap();
+        assert_eq!(e.to_string(), "optimizer setting `beta2` must be in [0, 1), got 1");
+        let mut t = Trainer::new(model(), OptimConfig::default()).unwrap();
+        let mut mb = micro_batches(&sequences(4, 6, 1), 2);
+        mb.extend(micro_batches(&sequences(1, 6, 1), 1));
+        assert!(matches!(t.step(&mb), Err(TrainError::Batch(_))));
+        assert!(matches!(t.step(&[]), Err(TrainError::Batch(_))));
+        // The model survives a refused step.
+        let before = flat(t.model());
+        t.step(&micro_batches(&sequences(2, 6, 1), 2)).unwrap();
+        assert_ne!(before, flat(t.model()));
+    }
+}

@@ -1,0 +1,337 @@
+//! The single-rank trainer: one optimizer step is `a` micro-batches of `B_m` sequences, the loss
+//! normalised by the step's total number of target tokens (so it does not depend on how B_g is
+//! split), gradients accumulated, AdamW with explicit PyTorch-like settings, warmup + cosine
+//! schedule scaled by the batch-size LR rule, global-norm clipping, and the gradient-noise-scale
+//! probe: each micro-batch's squared gradient norm and the squared norm of the step's mean
+//! gradient feed copus-core's estimator, measured before clipping.
+
+use std::time::Instant;
+
+use burn::module::{Module, ParamGroup};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Int, Tensor};
+use copus_core::gns::{GnsEstimator, StepStats};
+use copus_core::goodput::LrRule;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::grads;
+
+/// A causal language model copus can train.
+pub trait CausalLm: Module + Clone + Send + std::fmt::Debug + 'static {
+    /// Summed next-token cross entropy over every position of `inputs` `[b, s]`, shape `[1]`.
+    fn loss_sum(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1>;
+    /// Path fragments of parameters that take no weight decay (norms, embeddings).
+    fn no_decay_predicates(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Bad trainer settings or inputs.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum TrainError {
+    /// A setting out of range.
+    #[error("optimizer setting `{field}` must be {allowed}, got {value}")]
+    Setting {
+        /// Field.
+        field: &'static str,
+        /// Allowed values.
+        allowed: &'static str,
+        /// Value.
+        value: f64,
+    },
+    /// A step with no micro-batch, or micro-batches of different shapes.
+    #[error("a step needs one or more micro-batches of equal shape [B_m, seq]; {0}")]
+    Batch(String),
+    /// The gradient-noise estimator refused the measurement.
+    #[error("gradient noise scale: {0}")]
+    Gns(#[from] copus_core::gns::GnsError),
+    /// The loss is not finite.
+    #[error("the loss became {0} at step {1}; lower the learning rate or enable clipping")]
+    NonFinite(f64, u64),
+}
+
+/// AdamW, schedule and clipping settings. Defaults follow common Llama pre-training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate at the reference batch `b0`.
+    pub lr: f64,
+    /// Reference global batch (sequences) for the LR rule and statistical efficiency.
+    pub b0: usize,
+    /// How the LR follows B_g.
+    pub lr_rule: LrRule,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Steps of the cosine decay (after which the LR stays at its floor).
+    pub total_steps: u64,
+    /// Final LR as a fraction of the peak.
+    pub min_lr_ratio: f64,
+    /// Adam beta 1.
+    pub beta1: f64,
+    /// Adam beta 2.
+    pub beta2: f64,
+    /// Adam epsilon (PyTorch's default 1e-8; Burn's is 1e-5).
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Apply weight decay to norms and embeddings too.
+    pub decay_norms_and_embeddings: bool,
+    /// Clip the global gradient norm to this value.
+    pub clip_norm: Option<f64>,
+    /// EMA factor of the noise-scale estimator.
+    pub gns_theta: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            b0: 8,
+            lr_rule: LrRule::Sqrt,
+            warmup_steps: 20,
+            total_steps: 1000,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            decay_norms_and_embeddings: false,
+            clip_norm: Some(1.0),
+            gns_theta: 0.95,
+        }
+    }
+}
+
+fn check(field: &'static str, value: f64, ok: bool, allowed: &'static str) -> Result<(), TrainError> {
+    if ok && value.is_finite() { Ok(()) } else { Err(TrainError::Setting { field, allowed, value }) }
+}
+
+impl OptimConfig {
+    /// Checks every range.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        check("lr", self.lr, self.lr > 0.0, "> 0")?;
+        check("b0", self.b0 as f64, self.b0 > 0, ">= 1")?;
+        check("total_steps", self.total_steps as f64, self.total_steps > 0, ">= 1")?;
+        check("min_lr_ratio", self.min_lr_ratio, (0.0..=1.0).contains(&self.min_lr_ratio), "in [0, 1]")?;
+        check("beta1", self.beta1, (0.0..1.0).contains(&self.beta1), "in [0, 1)")?;
+        check("beta2", self.beta2, (0.0..1.0).contains(&self.beta2), "in [0, 1)")?;
+        check("eps", self.eps, self.eps > 0.0, "> 0")?;
+        check("weight_decay", self.weight_decay, self.weight_decay >= 0.0, ">= 0")?;
+        if let Some(c) = self.clip_norm {
+            check("clip_norm", c, c > 0.0, "> 0 (or None)")?;
+        }
+        check("gns_theta", self.gns_theta, (0.0..1.0).contains(&self.gns_theta), "in [0, 1)")
+    }
+
+    /// Schedule factor at `step` (0-based): linear warmup to 1, cosine to `min_lr_ratio`.
+    pub fn schedule(&self, step: u64) -> f64 {
+        if step < self.warmup_steps {
+            return (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let decay = self.total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let t = ((step - self.warmup_steps) as f64 / decay).min(1.0);
+        self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    /// Learning rate at `step` for global batch `batch` and noise scale `phi`.
+    pub fn lr_at(&self, step: u64, batch: usize, phi: Option<f64>) -> f64 {
+        self.lr * self.schedule(step) * self.lr_rule.factor(batch as f64, self.b0 as f64, phi)
+    }
+}
+
+/// One micro-batch: inputs and next-token targets, both `[B_m, seq]`.
+#[derive(Clone, Debug)]
+pub struct MicroBatch {
+    /// Token ids.
+    pub inputs: Tensor<2, Int>,
+    /// The token after each input position.
+    pub targets: Tensor<2, Int>,
+}
+
+/// What one step measured; one JSONL line of `metrics.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Optimizer steps done after this one.
+    pub step: u64,
+    /// Mean loss per target token.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global batch B_g, sequences.
+    pub global_batch: usize,
+    /// Micro-batch B_m, sequences.
+    pub micro_batch: usize,
+    /// Micro-batches in the step.
+    pub num_micro: usize,
+    /// Target tokens seen so far.
+    pub tokens_seen: u64,
+    /// Wall seconds of the step.
+    pub step_time: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Smoothed |G|^2.
+    pub grad_sq: Option<f64>,
+    /// Smoothed tr(Sigma).
+    pub trace: Option<f64>,
+    /// Smoothed B_simple (sequences).
+    pub b_simple: Option<f64>,
+    /// Whether the estimate comes from differencing steps (n == 1).
+    pub gns_biased: bool,
+}
+
+/// A step's accumulated gradient and the probe's numbers.
+pub struct Accumulated {
+    /// Mean gradient of the step (the loss is normalised by all target tokens).
+    pub grads: GradientsParams,
+    /// Mean loss per target token.
+    pub loss: f64,
+    /// L: mean over micro-batches of |g_k|^2, g_k the mean gradient of micro-batch k.
+    pub mean_micro_sq_norm: f64,
+    /// T: |g|^2 of the step's mean gradient.
+    pub grad_sq_norm: f64,
+}
+
+/// Computes the step's gradient over micro-batches without updating anything.
+pub fn accumulate<M: CausalLm>(model: &M, micro: &[MicroBatch]) -> Result<Accumulated, TrainError> {
+    let Some(first) = micro.first() else { return Err(TrainError::Batch("got none".into())) };
+    let shape = first.inputs.dims();
+    for (k, m) in micro.iter().enumerate() {
+        if m.inputs.dims() != shape || m.targets.dims() != shape {
+            return Err(TrainError::Batch(format!(
+                "micro-batch {k} has inputs {:?} and targets {:?}, the first has {shape:?}",
+                m.inputs.dims(),
+                m.targets.dims()
+            )));
+        }
+    }
+    let n = micro.len();
+    let tokens_per_micro = (shape[0] * shape[1]) as f64;
+    let total_tokens = tokens_per_micro * n as f64;
+    let mut acc: Option<GradientsParams> = None;
+    let mut loss = 0.0;
+    let mut sum_micro_sq = 0.0;
+    for m in micro {
+        let loss_k = model.loss_sum(m.inputs.clone(), m.targets.clone()).div_scalar(total_tokens);
+        let g = GradientsParams::from_grads(loss_k.backward(), model);
+        loss += f64::from(loss_k.into_scalar::<f32>());
+        // g is this micro-batch's share of the step mean; its own mean gradient is n times it.
+        sum_micro_sq += grads::sq_norm(model, &g) * (n * n) as f64;
+        acc = Some(grads::add(model, acc, g));
+    }
+    let grads = acc.expect("at least one micro-batch");
+    let grad_sq_norm = grads::sq_norm(model, &grads);
+    Ok(Accumulated { grads, loss, mean_micro_sq_norm: sum_micro_sq / n as f64, grad_sq_norm })
+}
+
+/// Trains a model on one rank.
+pub struct Trainer<M: CausalLm> {
+    model: Option<M>,
+    optim: ModuleOptimizer,
+    cfg: OptimConfig,
+    gns: GnsEstimator,
+    step: u64,
+    tokens_seen: u64,
+    previous: Option<GradientsParams>,
+}
+
+impl<M: CausalLm> Trainer<M> {
+    /// A trainer for `model` (built on an autodiff device).
+    pub fn new(model: M, cfg: OptimConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let adamw = |wd: f64| {
+            AdamWConfig::new()
+                .with_beta_1(cfg.beta1 as f32)
+                .with_beta_2(cfg.beta2 as f32)
+                .with_epsilon(cfg.eps as f32)
+                .with_weight_decay(wd as f32)
+        };
+        let mut optim = adamw(cfg.weight_decay).init();
+        if !cfg.decay_norms_and_embeddings && cfg.weight_decay > 0.0 {
+            for p in model.no_decay_predicates() {
+                optim = optim.with_group(ParamGroup::from_predicate(p), adamw(0.0).build(), None);
+            }
+        }
+        let gns = GnsEstimator::new(cfg.gns_theta)?;
+        Ok(Self { model: Some(model), optim, cfg, gns, step: 0, tokens_seen: 0, previous: None })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &M {
+        self.model.as_ref().expect("model present between steps")
+    }
+
+    /// Steps done.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The noise-scale estimator.
+    pub fn gns(&self) -> &GnsEstimator {
+        &self.gns
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &OptimConfig {
+        &self.cfg
+    }
+
+    /// One optimizer step over `micro` (all `[B_m, seq]`).
+    pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepMetrics, TrainError> {
+        let start = Instant::now();
+        let model = self.model.take().expect("model present between steps");
+        let acc = match accumulate(&model, micro) {
+            Ok(a) => a,
+            Err(e) => {
+                self.model = Some(model);
+                return Err(e);
+            }
+        };
+        if !acc.loss.is_finite() {
+            self.model = Some(model);
+            return Err(TrainError::NonFinite(acc.loss, self.step));
+        }
+        let [b_m, seq] = micro[0].inputs.dims();
+        let n = micro.len();
+        let global_batch = b_m * n;
+        let diff = if n == 1 { self.previous.as_ref().map(|p| grads::diff_sq_norm(&model, &acc.grads, p)) } else { None };
+        let stats = StepStats {
+            micro_batch: b_m,
+            num_micro: n,
+            mean_micro_sq_norm: acc.mean_micro_sq_norm,
+            grad_sq_norm: acc.grad_sq_norm,
+            diff_sq_norm: diff,
+        };
+        if let Err(e) = self.gns.observe(&stats) {
+            self.model = Some(model);
+            return Err(e.into());
+        }
+        self.previous = (n == 1).then(|| grads::scaled(&model, &acc.grads, 1.0));
+        let grad_norm = acc.grad_sq_norm.sqrt();
+        let grads = match self.cfg.clip_norm {
+            Some(c) if grad_norm > c => grads::scaled(&model, &acc.grads, c / grad_norm),
+            _ => acc.grads,
+        };
+        let est = self.gns.estimate();
+        let phi = est.and_then(|e| e.b_simple());
+        let lr = self.cfg.lr_at(self.step, global_batch, phi);
+        self.model = Some(self.optim.step(lr, model, grads));
+        self.step += 1;
+        self.tokens_seen += (global_batch * seq) as u64;
+        Ok(StepMetrics {
+            step: self.step,
+            loss: acc.loss,
+            lr,
+            global_batch,
+            micro_batch: b_m,
+            num_micro: n,
+            tokens_seen: self.tokens_seen,
+            step_time: start.elapsed().as_secs_f64(),
+            grad_norm,
+            grad_sq: est.map(|e| e.grad_sq),
+            trace: est.map(|e| e.trace),
+            b_simple: phi,
+            gns_biased: est.is_some_and(|e| e.biased),
+        })
+    }
+}
