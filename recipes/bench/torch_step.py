@@ -1,0 +1,104 @@
+"""The copus benchmark step in PyTorch eager, for a same-run comparison.
+
+Same shape and work as `recipes bench`: Llama-style decoder (RMSNorm, rotate-half RoPE,
+grouped-query attention, SwiGLU), d_model 256, 4 layers, 8 heads, 4 kv heads, ffn 688,
+vocab 4096, untied head, sequence 256, micro-batch 8, fp32, AdamW. Prints JSON step times.
+"""
+import argparse, json, math, time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+D, L, H, KV, FF, V, S, B = 256, 4, 8, 4, 688, 4096, 256, 8
+E = D // H
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(s, e, theta=10000.0):
+    inv = theta ** (-torch.arange(0, e, 2).float() / e)
+    ang = torch.arange(s).float()[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def rope(x, cos, sin):
+    x1, x2 = x[..., : E // 2], x[..., E // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(D), RMSNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False), nn.Linear(D, KV * E, bias=False),
+                                          nn.Linear(D, KV * E, bias=False), nn.Linear(D, D, bias=False))
+        self.gate, self.up, self.down = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False), nn.Linear(FF, D, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q = rope(self.q(h).view(b, s, H, E).transpose(1, 2), cos, sin)
+        k = rope(self.k(h).view(b, s, KV, E).transpose(1, 2), cos, sin)
+        v = self.v(h).view(b, s, KV, E).transpose(1, 2)
+        k = k.repeat_interleave(H // KV, dim=1)
+        v = v.repeat_interleave(H // KV, dim=1)
+        att = (q @ k.transpose(2, 3)) / math.sqrt(E)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        x = x + self.o((att @ v).transpose(1, 2).reshape(b, s, D))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Layer() for _ in range(L))
+        self.norm = RMSNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids, cos, sin, mask):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.head(self.norm(x))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    cos, sin = rope_tables(S, E)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+    times = []
+    for i in range(a.warmup + a.steps):
+        ids = torch.randint(0, V, (B, S))
+        tgt = torch.randint(0, V, (B, S))
+        t = time.perf_counter()
+        logits = model(ids, cos, sin, mask)
+        loss = F.cross_entropy(logits.view(-1, V), tgt.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"step_secs": times, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()

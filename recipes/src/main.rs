@@ -1,0 +1,108 @@
+//! `recipes`: run a recipe file, or benchmark a training step.
+//!
+//! ```text
+//! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
+//! cargo run --release -p recipes -- bench
+//! ```
+
+mod bench;
+mod data;
+mod plot;
+mod recipe;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "recipes", about = "copus recipes: train on real text and report", args_conflicts_with_subcommands = true)]
+struct Cli {
+    /// A recipe file (RON), e.g. recipes/shakespeare-tiny.ron.
+    recipe: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+    /// Stop after this many steps (overrides the recipe; for smoke runs).
+    #[arg(long)]
+    max_steps: Option<u64>,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a recipe file.
+    Run {
+        /// The recipe (RON).
+        recipe: PathBuf,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+        /// Stop after this many steps (overrides the recipe).
+        #[arg(long)]
+        max_steps: Option<u64>,
+    },
+    /// Training-step throughput of the reference shape, against PyTorch when it is installed.
+    Bench {
+        /// Timed steps.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Untimed warm-up steps.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Skip the PyTorch comparison.
+        #[arg(long)]
+        no_torch: bool,
+    },
+}
+
+fn run_recipe(path: &std::path::Path, quiet: bool, max_steps: Option<u64>) -> ExitCode {
+    let recipe = match recipe::Recipe::load(path) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run::run(&recipe, &run::RunOptions { quiet, max_steps }) {
+        Ok((folder, s)) => {
+            println!(
+                "{}: {} steps, {} tokens in {:.1} s ({:.0} tokens/s); loss {:.3} -> {:.3}; held-out {:.3} -> {:.3}; B_simple {}",
+                s.name,
+                s.steps,
+                s.tokens,
+                s.train_secs,
+                s.tokens_per_sec,
+                s.first_loss,
+                s.last_loss,
+                s.initial_eval_loss,
+                s.final_eval_loss,
+                s.final_b_simple.map_or("-".into(), |b| format!("{b:.1}"))
+            );
+            println!("run folder: {}", folder.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match (cli.command, cli.recipe) {
+        (Some(Cmd::Run { recipe, quiet, max_steps }), _) => run_recipe(&recipe, quiet, max_steps),
+        (Some(Cmd::Bench { steps, warmup, no_torch }), _) => {
+            bench::run(steps.max(1), warmup, !no_torch);
+            ExitCode::SUCCESS
+        }
+        (None, Some(recipe)) => run_recipe(&recipe, cli.quiet, cli.max_steps),
+        (None, None) => {
+            eprintln!("error: give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! PNG line plots with plotters. Text needs a TrueType font, found at run time.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+
+/// Font files tried in order after `$COPUS_FONT`.
+const FONT_PATHS: [&str; 6] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Registers a font once; `Err` says how to get one.
+pub fn ensure_font() -> Result<(), String> {
+    static FONT: OnceLock<Result<(), String>> = OnceLock::new();
+    FONT.get_or_init(|| {
+        let candidates = std::env::var("COPUS_FONT").into_iter().chain(FONT_PATHS.iter().map(|s| s.to_string()));
+        for path in candidates {
+            if let Ok(bytes) = std::fs::read(&path) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        Err("no TrueType font found for plot text; install one (`apt-get install fonts-dejavu-core`) or set COPUS_FONT to a .ttf file".into())
+    })
+    .clone()
+}
+
+/// One line of a plot.
+pub struct Series<'a> {
+    /// Legend label.
+    pub label: &'a str,
+    /// Points (x, y).
+    pub points: Vec<(f64, f64)>,
+}
+
+fn bounds(series: &[Series<'_>], log_y: bool) -> Option<((f64, f64), (f64, f64))> {
+    let pts = series.iter().flat_map(|s| s.points.iter()).filter(|p| p.0.is_finite() && p.1.is_finite() && (!log_y || p.1 > 0.0));
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY);
+    for &(x, y) in pts {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y0 = y0.min(y);
+        y1 = y1.max(y);
+    }
+    if !x0.is_finite() {
+        return None;
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    if y1 <= y0 {
+        y1 = y0 + y0.abs().max(1.0) * 0.1;
+    }
+    let pad = if log_y { 0.0 } else { 0.05 * (y1 - y0) };
+    Some(((x0, x1), (y0 - pad, y1 + pad)))
+}
+
+/// Draws `series` as lines into a PNG at `path`. `log_y` uses a log scale for y.
+pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], log_y: bool) -> Result<(), String> {
+    ensure_font()?;
+    let Some(((x0, x1), (y0, y1))) = bounds(series, log_y) else {
+        return Err(format!("{}: nothing to plot", path.display()));
+    };
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    macro_rules! draw {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw().map_err(|e| err(&e))?;
+            for (i, s) in series.iter().enumerate() {
+                let c = colors[i % colors.len()];
+                chart
+                    .draw_series(LineSeries::new(s.points.iter().copied().filter(|p| !log_y || p.1 > 0.0), c.stroke_width(2)))
+                    .map_err(|e| err(&e))?
+                    .label(s.label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| err(&e))?;
+        }};
+    }
+    let mut builder = ChartBuilder::on(&root);
+    builder.caption(title, ("sans-serif", 22)).margin(12).x_label_area_size(44).y_label_area_size(70);
+    if log_y {
+        draw!(builder.build_cartesian_2d(x0..x1, (y0..y1).log_scale()).map_err(|e| err(&e))?);
+    } else {
+        draw!(builder.build_cartesian_2d(x0..x1, y0..y1).map_err(|e| err(&e))?);
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

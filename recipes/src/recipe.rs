@@ -1,0 +1,255 @@
+//! The RON recipe schema. Unknown fields are errors; every value is checked, and an error names
+//! the field, the value and what is allowed.
+
+use std::path::Path;
+
+use copus_burn::OptimConfig;
+use copus_core::model::ModelSpec;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// A recipe that cannot be used.
+#[derive(Debug, Error)]
+pub enum RecipeError {
+    /// The file could not be read.
+    #[error("cannot read recipe {path}: {err}")]
+    Read {
+        /// File.
+        path: String,
+        /// Error.
+        err: std::io::Error,
+    },
+    /// RON syntax, an unknown field or a wrong type.
+    #[error("recipe {path}: {message}")]
+    Parse {
+        /// File.
+        path: String,
+        /// What the parser said (it names the field and the expected ones).
+        message: String,
+    },
+    /// A value out of range.
+    #[error("recipe field `{field}` = {value}: {allowed}")]
+    Field {
+        /// Dotted field name.
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
+}
+
+/// Which model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRecipe {
+    /// A copus-core preset: tiny-1m, tiny-5m, tiny-20m, small-100m, llama-3.2-3b, ...
+    pub preset: String,
+    /// Sequence length (default: the preset's).
+    #[serde(default)]
+    pub seq_len: Option<usize>,
+}
+
+/// Where the tokenizer comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum TokenizerRecipe {
+    /// Train a byte-level BPE on the training split (cached).
+    Bpe {
+        /// Vocabulary size.
+        vocab_size: usize,
+    },
+    /// Load a Hugging Face `tokenizer.json`.
+    File(String),
+}
+
+/// The data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataRecipe {
+    /// Whole plays kept out of training for the held-out loss.
+    pub heldout_plays: Vec<String>,
+    /// Tokenizer.
+    pub tokenizer: TokenizerRecipe,
+}
+
+impl Default for DataRecipe {
+    fn default() -> Self {
+        Self {
+            heldout_plays: vec!["macbeth".into(), "the-tempest".into()],
+            tokenizer: TokenizerRecipe::Bpe { vocab_size: 4096 },
+        }
+    }
+}
+
+/// The training loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainRecipe {
+    /// Global batch B_g, sequences per optimizer step.
+    pub global_batch: usize,
+    /// Micro-batch B_m, sequences per forward/backward.
+    pub micro_batch: usize,
+    /// Stop after this many steps.
+    pub max_steps: u64,
+    /// Also stop after this many seconds of training.
+    #[serde(default)]
+    pub time_budget_secs: Option<f64>,
+    /// Seed of initialisation and data order.
+    #[serde(default)]
+    pub seed: u64,
+    /// Evaluate the held-out loss every this many steps (0: only at the end).
+    #[serde(default = "default_eval_every")]
+    pub eval_every: u64,
+    /// Held-out sequences per evaluation.
+    #[serde(default = "default_eval_sequences")]
+    pub eval_sequences: usize,
+}
+
+fn default_eval_every() -> u64 {
+    50
+}
+
+fn default_eval_sequences() -> usize {
+    32
+}
+
+/// A whole recipe.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// Run name; the run folder is `output_dir/name` (with a suffix if it exists).
+    pub name: String,
+    /// Folder for runs (default `runs`).
+    #[serde(default = "default_output_dir")]
+    pub output_dir: String,
+    /// Model.
+    pub model: ModelRecipe,
+    /// Data.
+    #[serde(default)]
+    pub data: DataRecipe,
+    /// Training loop.
+    pub train: TrainRecipe,
+    /// Optimizer, schedule, clipping, noise-scale smoothing.
+    #[serde(default)]
+    pub optim: OptimConfig,
+}
+
+fn default_output_dir() -> String {
+    "runs".into()
+}
+
+fn field(field: &'static str, value: impl ToString, allowed: impl Into<String>) -> RecipeError {
+    RecipeError::Field { field, value: value.to_string(), allowed: allowed.into() }
+}
+
+impl Recipe {
+    /// Reads and validates a recipe file.
+    pub fn load(path: &Path) -> Result<Self, RecipeError> {
+        let text = std::fs::read_to_string(path).map_err(|err| RecipeError::Read { path: path.display().to_string(), err })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates recipe text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, RecipeError> {
+        let r: Recipe = ron::from_str(text).map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// The model shape: the preset with the recipe's sequence length.
+    pub fn model_spec(&self) -> Result<ModelSpec, RecipeError> {
+        let mut spec = ModelSpec::preset(&self.model.preset)
+            .map_err(|_| field("model.preset", format!("{:?}", self.model.preset), format!("one of {}", ModelSpec::PRESETS.join(", "))))?;
+        if let Some(s) = self.model.seq_len {
+            spec.seq_len = s;
+        }
+        Ok(spec)
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<(), RecipeError> {
+        if self.name.is_empty() || self.name.contains(['/', '\\']) || self.name.starts_with('.') {
+            return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));
+        }
+        self.model_spec()?;
+        if self.model.seq_len == Some(0) {
+            return Err(field("model.seq_len", 0, "at least 1"));
+        }
+        if let TokenizerRecipe::Bpe { vocab_size } = self.data.tokenizer {
+            if !(260..=1 << 20).contains(&vocab_size) {
+                return Err(field("data.tokenizer.vocab_size", vocab_size, "260..=1048576 (256 bytes plus merges)"));
+            }
+        }
+        let t = &self.train;
+        if t.micro_batch == 0 {
+            return Err(field("train.micro_batch", 0, "at least 1"));
+        }
+        if t.global_batch == 0 || t.global_batch % t.micro_batch != 0 {
+            return Err(field("train.global_batch", t.global_batch, format!("a positive multiple of train.micro_batch ({})", t.micro_batch)));
+        }
+        if t.max_steps == 0 {
+            return Err(field("train.max_steps", 0, "at least 1"));
+        }
+        if let Some(b) = t.time_budget_secs {
+            if !(b.is_finite() && b > 0.0) {
+                return Err(field("train.time_budget_secs", b, "a positive number of seconds (or None)"));
+            }
+        }
+        if t.eval_sequences == 0 {
+            return Err(field("train.eval_sequences", 0, "at least 1"));
+        }
+        self.optim.validate().map_err(|e| RecipeError::Field { field: "optim", value: String::new(), allowed: e.to_string() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"(
+        name: "t",
+        model: (preset: "tiny-1m", seq_len: Some(64)),
+        train: (global_batch: 8, micro_batch: 2, max_steps: 3),
+    )"#;
+
+    #[test]
+    fn defaults_fill_in() {
+        let r = Recipe::parse(GOOD, "good").unwrap();
+        assert_eq!(r.output_dir, "runs");
+        assert_eq!(r.data, DataRecipe::default());
+        assert_eq!(r.optim, OptimConfig::default());
+        assert_eq!(r.model_spec().unwrap().seq_len, 64);
+    }
+
+    #[test]
+    fn the_shipped_recipes_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut n = 0;
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "ron") {
+                Recipe::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 1);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_what_is_allowed() {
+        let unknown = GOOD.replace("max_steps: 3", "max_steps: 3, max_stepz: 4");
+        let e = Recipe::parse(&unknown, "r").unwrap_err().to_string();
+        assert!(e.contains("max_stepz") && e.contains("max_steps"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("tiny-1m", "tiny-2m"), "r").unwrap_err().to_string();
+        assert!(e.contains("model.preset") && e.contains("tiny-5m"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("global_batch: 8", "global_batch: 7"), "r").unwrap_err().to_string();
+        assert_eq!(e, "recipe field `train.global_batch` = 7: a positive multiple of train.micro_batch (2)");
+        let bad_optim = GOOD.replace("train:", "optim: (lr: -1.0), train:");
+        let e = Recipe::parse(&bad_optim, "r").unwrap_err().to_string();
+        assert!(e.contains("`lr`") && e.contains("> 0"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("(preset", "(prest"), "r").unwrap_err().to_string();
+        assert!(e.contains("prest"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("name: \"t\"", "name: \"../x\""), "r").unwrap_err().to_string();
+        assert!(e.contains("`name`"), "{e}");
+    }
+}

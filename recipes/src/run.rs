@@ -1,0 +1,337 @@
+//! A training run from a recipe: data, tokenizer, model, trainer, progress, held-out
+//! evaluation, and the run folder (metrics.jsonl, eval.jsonl, summary, plots, weights).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use copus_burn::{MicroBatch, StepMetrics, Trainer};
+use copus_models::{Llama, LlamaConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::data::{self, PackedDataset};
+use crate::plot::{self, Series};
+use crate::recipe::{Recipe, TokenizerRecipe};
+
+/// What a run reports at the end (summary.json).
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Recipe name.
+    pub name: String,
+    /// The clock the times are on.
+    pub clock: &'static str,
+    /// Model preset and parameter count.
+    pub model: String,
+    /// Parameters.
+    pub num_params: u64,
+    /// Steps done.
+    pub steps: u64,
+    /// Target tokens trained on.
+    pub tokens: u64,
+    /// Wall seconds of training (evaluations excluded).
+    pub train_secs: f64,
+    /// Training tokens per second.
+    pub tokens_per_sec: f64,
+    /// Mean training loss of the first and last 10 steps.
+    pub first_loss: f64,
+    /// See `first_loss`.
+    pub last_loss: f64,
+    /// Held-out loss before training.
+    pub initial_eval_loss: f64,
+    /// Held-out loss at the end.
+    pub final_eval_loss: f64,
+    /// Smoothed B_simple at the end (sequences).
+    pub final_b_simple: Option<f64>,
+    /// Why training stopped.
+    pub stopped: String,
+}
+
+/// A run that failed; what was written so far stays in the run folder.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Recipe problems.
+    #[error(transparent)]
+    Recipe(#[from] crate::recipe::RecipeError),
+    /// Data problems.
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    /// Training problems.
+    #[error("training: {0}")]
+    Train(#[from] copus_burn::TrainError),
+    /// Writing the run folder.
+    #[error("{path}: {err}")]
+    Io {
+        /// File.
+        path: String,
+        /// Error.
+        err: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
+    move |err| RunError::Io { path: path.display().to_string(), err }
+}
+
+/// A fresh run folder: `dir/name`, or `dir/name-2`, `-3`, ... if taken (nothing is overwritten).
+fn run_folder(dir: &Path, name: &str) -> Result<PathBuf, RunError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    for i in 1.. {
+        let p = if i == 1 { dir.join(name) } else { dir.join(format!("{name}-{i}")) };
+        match std::fs::create_dir(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io(&p)(e)),
+        }
+    }
+    unreachable!()
+}
+
+fn batch(seqs: &[&[u32]], device: &Device) -> MicroBatch {
+    let s = seqs[0].len() - 1;
+    let inputs: Vec<i64> = seqs.iter().flat_map(|q| q[..s].iter().map(|&t| i64::from(t))).collect();
+    let targets: Vec<i64> = seqs.iter().flat_map(|q| q[1..].iter().map(|&t| i64::from(t))).collect();
+    MicroBatch {
+        inputs: Tensor::<2, Int>::from_data(TensorData::new(inputs, [seqs.len(), s]), device),
+        targets: Tensor::<2, Int>::from_data(TensorData::new(targets, [seqs.len(), s]), device),
+    }
+}
+
+/// Mean held-out loss per token over the first `count` held-out sequences (in stream order).
+pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usize) -> f64 {
+    let eval = model.valid();
+    let device = eval.embed_tokens.weight.device();
+    let count = count.min(heldout.num_seqs());
+    let (mut sum, mut tokens) = (0.0, 0usize);
+    let idx: Vec<usize> = (0..count).collect();
+    for chunk in idx.chunks(micro.max(1)) {
+        let seqs: Vec<&[u32]> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
+        let b = batch(&seqs, &device);
+        sum += f64::from(eval.loss_sum(b.inputs, b.targets).into_scalar::<f32>());
+        tokens += chunk.len() * heldout.seq_len();
+    }
+    sum / tokens as f64
+}
+
+/// Options from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// No progress bar (logs and CI).
+    pub quiet: bool,
+    /// Override of the recipe's step count (smoke tests).
+    pub max_steps: Option<u64>,
+}
+
+/// Runs a recipe to the end; returns the run folder and its summary.
+pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
+    let say = |s: &str| {
+        if !opts.quiet {
+            eprintln!("{s}");
+        }
+    };
+    let mut spec = recipe.model_spec()?;
+    let cache = data::cache_dir();
+    let plays = data::load_plays(&cache, opts.quiet)?;
+    let corpus = data::split(plays, &recipe.data.heldout_plays)?;
+    let train_texts: Vec<&str> = corpus.train.iter().map(|p| p.text.as_str()).collect();
+    let heldout_texts: Vec<&str> = corpus.heldout.iter().map(|p| p.text.as_str()).collect();
+    let tokenizer = match &recipe.data.tokenizer {
+        TokenizerRecipe::Bpe { vocab_size } => {
+            say(&format!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} plays (cached)", corpus.train.len()));
+            data::bpe_tokenizer(&train_texts, *vocab_size, &cache, &corpus.checksum)?
+        }
+        TokenizerRecipe::File(path) => tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| data::DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?,
+    };
+    // The embedding covers the tokenizer, rounded up to a multiple of 64 for sharding.
+    spec.vocab_size = tokenizer.get_vocab_size(true).div_ceil(64) * 64;
+    let t = &recipe.train;
+    let train = PackedDataset::new(data::encode(&tokenizer, &train_texts)?, spec.seq_len, t.seed, "training")?;
+    let heldout = PackedDataset::new(data::encode(&tokenizer, &heldout_texts)?, spec.seq_len, t.seed, "held-out")?;
+    say(&format!(
+        "data: {} training sequences, {} held-out ({}) of {} tokens",
+        train.num_seqs(),
+        heldout.num_seqs(),
+        recipe.data.heldout_plays.join(", "),
+        spec.seq_len
+    ));
+
+    let device = Device::flex().autodiff();
+    device.seed(t.seed);
+    let model = LlamaConfig::from_spec(&spec).init(&device);
+    let num_params = model.num_params() as u64;
+    say(&format!("model: {} ({:.2}M parameters), B_g {} as {} x {}", spec.name, num_params as f64 / 1e6, t.global_batch, t.global_batch / t.micro_batch, t.micro_batch));
+
+    let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
+    let write = |name: &str, text: &str| -> Result<(), RunError> {
+        let p = folder.join(name);
+        std::fs::write(&p, text).map_err(io(&p))
+    };
+    write("recipe.ron", &ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default()).unwrap_or_default())?;
+    let metrics_path = folder.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(File::create(&metrics_path).map_err(io(&metrics_path))?);
+    let eval_path = folder.join("eval.jsonl");
+    let mut evals = BufWriter::new(File::create(&eval_path).map_err(io(&eval_path))?);
+
+    let initial_eval = evaluate(&model, &heldout, t.eval_sequences, t.micro_batch);
+    let mut trainer = Trainer::new(model, recipe.optim.clone())?;
+    let mut log_eval = |step: u64, tokens: u64, secs: f64, loss: f64| -> Result<(), RunError> {
+        writeln!(evals, "{}", serde_json::json!({"step": step, "tokens": tokens, "train_secs": secs, "eval_loss": loss})).map_err(io(&eval_path))?;
+        evals.flush().map_err(io(&eval_path))
+    };
+    log_eval(0, 0, 0.0, initial_eval)?;
+
+    let max_steps = opts.max_steps.unwrap_or(t.max_steps);
+    let bar = if opts.quiet { ProgressBar::hidden() } else { ProgressBar::new(max_steps) };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut history: Vec<(f64, StepMetrics)> = Vec::new();
+    let mut train_secs = 0.0;
+    let mut sample = 0u64;
+    let mut stopped = format!("reached {max_steps} steps");
+    let mut last_eval = (0u64, initial_eval);
+    for _ in 0..max_steps {
+        let started = Instant::now();
+        let micro: Vec<MicroBatch> = (0..t.global_batch / t.micro_batch)
+            .map(|k| {
+                let seqs: Vec<&[u32]> = (0..t.micro_batch).map(|j| train.sample(sample + (k * t.micro_batch + j) as u64)).collect();
+                batch(&seqs, &device)
+            })
+            .collect();
+        sample += t.global_batch as u64;
+        let m = trainer.step(&micro)?;
+        train_secs += started.elapsed().as_secs_f64();
+        writeln!(metrics, "{}", serde_json::to_string(&serde_json::json!({"train_secs": train_secs, "metrics": &m})).unwrap_or_default())
+            .map_err(io(&metrics_path))?;
+        metrics.flush().map_err(io(&metrics_path))?;
+        bar.set_position(m.step);
+        bar.set_message(format!(
+            "loss {:.3} | {:.0} tok/s | B_simple {}",
+            m.loss,
+            m.tokens_seen as f64 / train_secs,
+            m.b_simple.map_or("-".into(), |b| format!("{b:.1}"))
+        ));
+        let step = m.step;
+        history.push((train_secs, m));
+        if t.eval_every > 0 && step % t.eval_every == 0 {
+            let l = evaluate(trainer.model(), &heldout, t.eval_sequences, t.micro_batch);
+            log_eval(step, trainer.steps_done() * (t.global_batch * spec.seq_len) as u64, train_secs, l)?;
+            last_eval = (step, l);
+        }
+        if let Some(budget) = t.time_budget_secs {
+            if train_secs >= budget {
+                stopped = format!("time budget of {budget} s after {step} steps");
+                break;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let steps = trainer.steps_done();
+    let tokens = history.last().map_or(0, |h| h.1.tokens_seen);
+    let final_eval = if last_eval.0 == steps {
+        last_eval.1
+    } else {
+        let l = evaluate(trainer.model(), &heldout, t.eval_sequences, t.micro_batch);
+        log_eval(steps, tokens, train_secs, l)?;
+        l
+    };
+    let mean_loss = |h: &[(f64, StepMetrics)]| h.iter().map(|x| x.1.loss).sum::<f64>() / h.len().max(1) as f64;
+    let k = history.len().min(10);
+    let summary = Summary {
+        name: recipe.name.clone(),
+        clock: "wall clock (this machine)",
+        model: spec.name.clone(),
+        num_params,
+        steps,
+        tokens,
+        train_secs,
+        tokens_per_sec: tokens as f64 / train_secs.max(1e-9),
+        first_loss: mean_loss(&history[..k]),
+        last_loss: mean_loss(&history[history.len() - k..]),
+        initial_eval_loss: initial_eval,
+        final_eval_loss: final_eval,
+        final_b_simple: trainer.gns().b_simple(),
+        stopped,
+    };
+    write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
+    write("summary.md", &summary_markdown(&summary, recipe))?;
+    let weights = folder.join("model.safetensors");
+    if let Err(e) = copus_models::save_safetensors(trainer.model(), &weights) {
+        eprintln!("warning: weights not saved: {e}");
+    }
+    if let Err(e) = plots(&folder, &history, &eval_path) {
+        eprintln!("warning: plots not written: {e}");
+    }
+    Ok((folder, summary))
+}
+
+fn summary_markdown(s: &Summary, r: &Recipe) -> String {
+    format!(
+        "# {name}\n\nClock: {clock}.\n\n| | |\n|---|---|\n| model | {model}, {params:.2}M parameters |\n\
+         | batch | B_g {bg} sequences of {seq} tokens, B_m {bm} |\n| steps | {steps} ({stopped}) |\n\
+         | tokens | {tokens} |\n| training time | {secs:.1} s |\n| throughput | {tps:.0} tokens/s |\n\
+         | training loss | {fl:.3} (first 10 steps) -> {ll:.3} (last 10) |\n\
+         | held-out loss | {il:.3} -> {el:.3} |\n| B_simple at the end | {bs} sequences |\n",
+        name = s.name,
+        clock = s.clock,
+        model = s.model,
+        params = s.num_params as f64 / 1e6,
+        bg = r.train.global_batch,
+        seq = r.model_spec().map(|m| m.seq_len).unwrap_or(0),
+        bm = r.train.micro_batch,
+        steps = s.steps,
+        stopped = s.stopped,
+        tokens = s.tokens,
+        secs = s.train_secs,
+        tps = s.tokens_per_sec,
+        fl = s.first_loss,
+        ll = s.last_loss,
+        il = s.initial_eval_loss,
+        el = s.final_eval_loss,
+        bs = s.final_b_simple.map_or("not measured".into(), |b| format!("{b:.1}")),
+    )
+}
+
+fn plots(folder: &Path, history: &[(f64, StepMetrics)], eval_path: &Path) -> Result<(), String> {
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(eval_path)
+        .map_err(|e| e.to_string())?
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let eval_pts = |x: &str| -> Vec<(f64, f64)> {
+        evals.iter().filter_map(|v| Some((v[x].as_f64()?, v["eval_loss"].as_f64()?))).collect()
+    };
+    let train_by = |f: &dyn Fn(&(f64, StepMetrics)) -> f64| history.iter().map(|h| (f(h), h.1.loss)).collect::<Vec<_>>();
+    plot::line_plot(
+        &folder.join("loss_time.png"),
+        "Loss against training time (wall clock)",
+        "seconds",
+        "loss (nats/token)",
+        &[Series { label: "training", points: train_by(&|h| h.0) }, Series { label: "held-out", points: eval_pts("train_secs") }],
+        false,
+    )?;
+    plot::line_plot(
+        &folder.join("loss_tokens.png"),
+        "Loss against tokens",
+        "tokens",
+        "loss (nats/token)",
+        &[Series { label: "training", points: train_by(&|h| h.1.tokens_seen as f64) }, Series { label: "held-out", points: eval_pts("tokens") }],
+        false,
+    )?;
+    let b: Vec<(f64, f64)> = history.iter().filter_map(|h| Some((h.1.step as f64, h.1.b_simple?))).collect();
+    let bg: Vec<(f64, f64)> = history.iter().map(|h| (h.1.step as f64, h.1.global_batch as f64)).collect();
+    plot::line_plot(
+        &folder.join("b_simple.png"),
+        "Gradient noise scale B_simple (smoothed)",
+        "step",
+        "sequences",
+        &[Series { label: "B_simple", points: b }, Series { label: "B_g", points: bg }],
+        true,
+    )
+}
