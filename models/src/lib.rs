@@ -242,3 +242,4 @@ mod tests {
         assert!(load_safetensors(&mut other, &path).is_err());
     }
 }
+

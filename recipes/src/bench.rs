@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
+use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_burn::{MicroBatch, OptimConfig, Trainer};
 use copus_core::model::ModelSpec;
@@ -19,8 +20,19 @@ pub fn spec() -> ModelSpec {
 /// Micro-batch of the reference step.
 pub const MICRO_BATCH: usize = 8;
 
-/// Seconds of each timed step of copus on Flex.
-pub fn time_copus(steps: usize, warmup: usize) -> Vec<f64> {
+/// Seconds per timed step of copus on Flex: forward only (no autodiff), forward + backward
+/// with the probe's gradient norms, and the whole optimizer step.
+pub struct CopusTimes {
+    /// Forward and loss on a plain (non-autodiff) copy.
+    pub forward: Vec<f64>,
+    /// Forward, backward and the per-micro-batch squared norms.
+    pub forward_backward: Vec<f64>,
+    /// Everything a training step does, AdamW included.
+    pub step: Vec<f64>,
+}
+
+/// Times the reference step.
+pub fn time_copus(steps: usize, warmup: usize) -> CopusTimes {
     let s = spec();
     let device = Device::flex().autodiff();
     device.seed(0);
@@ -28,25 +40,50 @@ pub fn time_copus(steps: usize, warmup: usize) -> Vec<f64> {
     let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
     let mut trainer = Trainer::new(model, cfg).expect("valid settings");
     let n = MICRO_BATCH * s.seq_len;
-    let mut times = Vec::new();
+    let mut out = CopusTimes { forward: Vec::new(), forward_backward: Vec::new(), step: Vec::new() };
     for i in 0..warmup + steps {
         let ids: Vec<i64> = (0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect();
         let tgt: Vec<i64> = (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect();
-        let mb = MicroBatch {
-            inputs: Tensor::<2, Int>::from_data(TensorData::new(ids, [MICRO_BATCH, s.seq_len]), &device),
-            targets: Tensor::<2, Int>::from_data(TensorData::new(tgt, [MICRO_BATCH, s.seq_len]), &device),
+        let on = |d: &Device| MicroBatch {
+            inputs: Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [MICRO_BATCH, s.seq_len]), d),
+            targets: Tensor::<2, Int>::from_data(TensorData::new(tgt.clone(), [MICRO_BATCH, s.seq_len]), d),
         };
+        let plain = trainer.model().valid();
+        let mb = on(&plain.embed_tokens.weight.device());
         let t = Instant::now();
-        trainer.step(&[mb]).expect("bench step");
+        let _ = plain.loss_sum(mb.inputs, mb.targets).into_scalar::<f32>();
+        let fwd = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let acc = copus_burn::accumulate(trainer.model(), &[on(&device)]).expect("bench step");
+        let fwd_bwd = t.elapsed().as_secs_f64();
+        drop(acc);
+        let t = Instant::now();
+        trainer.step(&[on(&device)]).expect("bench step");
         if i >= warmup {
-            times.push(t.elapsed().as_secs_f64());
+            out.forward.push(fwd);
+            out.forward_backward.push(fwd_bwd);
+            out.step.push(t.elapsed().as_secs_f64());
         }
     }
-    times
+    out
 }
 
-/// PyTorch's step times from `bench/torch_step.py`, or why there are none.
-pub fn time_torch(steps: usize, warmup: usize) -> Result<Vec<f64>, String> {
+/// GFLOP/s of the LM-head GEMM of the reference step, `[2048, 256] x [256, 4096]` in fp32,
+/// on the plain Flex device (the kernel every linear layer runs on).
+pub fn gemm_gflops(reps: usize) -> f64 {
+    let device = Device::flex();
+    let a: Tensor<2> = Tensor::random([2048, 256], burn::tensor::Distribution::Default, &device);
+    let b: Tensor<2> = Tensor::random([256, 4096], burn::tensor::Distribution::Default, &device);
+    let _ = a.clone().matmul(b.clone()).sum().into_scalar::<f32>();
+    let t = Instant::now();
+    for _ in 0..reps {
+        let _ = a.clone().matmul(b.clone()).sum().into_scalar::<f32>();
+    }
+    2.0 * 2048.0 * 256.0 * 4096.0 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// PyTorch's step times and GEMM GFLOP/s from `bench/torch_step.py`, or why there are none.
+pub fn time_torch(steps: usize, warmup: usize) -> Result<(Vec<f64>, f64), String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
     let out = Command::new("python3")
         .arg(&script)
@@ -58,7 +95,8 @@ pub fn time_torch(steps: usize, warmup: usize) -> Result<Vec<f64>, String> {
         return Err(err.lines().last().unwrap_or("failed").to_string());
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
-    Ok(v["step_secs"].as_array().ok_or("no step_secs")?.iter().filter_map(|x| x.as_f64()).collect())
+    let steps = v["step_secs"].as_array().ok_or("no step_secs")?.iter().filter_map(|x| x.as_f64()).collect();
+    Ok((steps, v["gemm_gflops"].as_f64().unwrap_or(f64::NAN)))
 }
 
 /// Prints the table.
@@ -77,21 +115,31 @@ pub fn run(steps: usize, warmup: usize, torch: bool) {
         MICRO_BATCH,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    println!("{:<28} {:>10} {:>10} {:>12}", "implementation", "mean s", "min s", "tokens/s");
+    println!("{:<28} {:>10} {:>10} {:>12}", "what", "mean s", "min s", "tokens/s");
     let row = |name: &str, t: &[f64]| {
         let mean = t.iter().sum::<f64>() / t.len().max(1) as f64;
         let min = t.iter().cloned().fold(f64::INFINITY, f64::min);
         println!("{name:<28} {mean:>10.3} {min:>10.3} {:>12.0}", tokens / mean);
         mean
     };
-    let ours = row("copus (Burn 0.22 Flex)", &time_copus(steps, warmup));
+    let t = time_copus(steps, warmup);
+    row("copus: forward only", &t.forward);
+    row("copus: forward + backward", &t.forward_backward);
+    let ours = row("copus: training step", &t.step);
+    let gemm = gemm_gflops(5);
     if torch {
         match time_torch(steps, warmup) {
-            Ok(t) => {
-                let theirs = row("PyTorch eager", &t);
-                println!("ratio (PyTorch time / copus time): {:.2}", theirs / ours);
+            Ok((t, torch_gemm)) => {
+                let theirs = row("PyTorch eager: training step", &t);
+                println!("ratio (PyTorch step time / copus step time): {:.2}", theirs / ours);
+                println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s, PyTorch {torch_gemm:.1} GFLOP/s");
             }
-            Err(e) => println!("PyTorch eager: not measured ({e})"),
+            Err(e) => {
+                println!("PyTorch eager: not measured ({e})");
+                println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s");
+            }
         }
+    } else {
+        println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s");
     }
 }
