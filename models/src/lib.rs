@@ -186,7 +186,17 @@ mod tests {
                 })
                 .collect()
         };
-        let cfg = OptimConfig { lr: 1e-3, warmup_steps: 0, ..OptimConfig::default() };
+        // The gradient must not depend on the split (to fp32 summation order).
+        let whole = copus_burn::accumulate(&model, &split(8)).unwrap();
+        for b_m in [4, 2, 1] {
+            let part = copus_burn::accumulate(&model, &split(b_m)).unwrap();
+            let diff = copus_burn::grads::diff_sq_norm(&model, &part.grads, &whole.grads).sqrt();
+            assert!(diff < 1e-5 * whole.grad_sq_norm.sqrt(), "B_m {b_m}: |g - g_whole| = {diff}");
+        }
+        // AdamW's first update is lr * g / (|g| + eps): for entries whose gradient is near eps a
+        // different fp32 summation order moves the update by up to a few percent of lr, so the
+        // parameter check uses lr = 1e-4, where that stays below the 1e-5 tolerance.
+        let cfg = OptimConfig { lr: 1e-4, warmup_steps: 0, ..OptimConfig::default() };
         let run = |b_m: usize| {
             let mut t = Trainer::new(model.clone(), cfg.clone()).unwrap();
             let m = t.step(&split(b_m)).unwrap();
@@ -194,7 +204,7 @@ mod tests {
         };
         let (m8, p8) = run(8);
         let before = flat_params(&model);
-        assert!(before.iter().zip(&p8).any(|(a, b)| (a - b).abs() > 1e-4), "the step moved the weights");
+        assert!(before.iter().zip(&p8).any(|(a, b)| (a - b).abs() > 5e-5), "the step moved the weights");
         for b_m in [4, 2, 1] {
             let (m, p) = run(b_m);
             assert_eq!((m.micro_batch, m.num_micro, m.global_batch), (b_m, 8 / b_m, 8));
