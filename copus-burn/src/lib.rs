@@ -165,6 +165,27 @@ mod tests {
     }
 
     #[test]
+    fn norms_and_embeddings_skip_weight_decay_unless_asked() {
+        // Tokens 0..4 only: embedding rows 8.. get a zero gradient, so AdamW moves them only
+        // through weight decay: not at all when excluded, by exactly (1 - lr * wd) when included.
+        let seqs: Vec<Vec<i64>> = vec![vec![0, 1, 2, 3, 0, 1, 2]; 4];
+        let (lr, wd) = (0.01, 0.5);
+        let row = |m: &Bigram| m.emb.weight.val().narrow(0, 8, 8).into_data().try_to_vec::<f32>().unwrap();
+        for decay_all in [false, true] {
+            let m0 = model();
+            let before = row(&m0);
+            let cfg = OptimConfig { lr, weight_decay: wd, warmup_steps: 0, decay_norms_and_embeddings: decay_all, ..OptimConfig::default() };
+            let mut t = Trainer::new(m0, cfg).unwrap();
+            let lr_used = t.step(&micro_batches(&seqs, 2)).unwrap().lr;
+            let after = row(t.model());
+            for (a, b) in after.iter().zip(&before) {
+                let want = if decay_all { b * (1.0 - (lr_used * wd) as f32) } else { *b };
+                assert!((a - want).abs() <= 1e-7 * b.abs().max(1.0), "decay_all {decay_all}: {a} vs {want}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_inputs_are_errors() {
         let e = Trainer::new(model(), OptimConfig { beta2: 1.0, ..OptimConfig::default() }).err().unwrap();
         assert_eq!(e.to_string(), "optimizer setting `beta2` must be in [0, 1), got 1");
