@@ -29,7 +29,7 @@ impl Candidate {
     /// Builds a candidate if `B_g = dp * B_m * a` for a whole `a >= 1`.
     pub fn new(dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Result<Self, Rejection> {
         let per_step = dims.dp.checked_mul(micro_batch).unwrap_or(0);
-        if per_step == 0 || global_batch == 0 || global_batch % per_step != 0 {
+        if per_step == 0 || global_batch == 0 || !global_batch.is_multiple_of(per_step) {
             return Err(Rejection::BatchNotDivisible { global_batch, dp: dims.dp, micro_batch });
         }
         Ok(Self { dims, global_batch, micro_batch, num_micro: global_batch / per_step })

@@ -165,16 +165,16 @@ impl ParallelDims {
     /// vocabulary; pp does not exceed the layers.
     pub fn check_model(&self, model: &ModelSpec) -> Result<(), LayoutError> {
         let tp = self.tp;
-        if model.num_heads % tp != 0 {
+        if !model.num_heads.is_multiple_of(tp) {
             return Err(LayoutError::TpHeads { tp, num_heads: model.num_heads });
         }
-        if model.num_kv_heads % tp != 0 {
+        if !model.num_kv_heads.is_multiple_of(tp) {
             return Err(LayoutError::TpKvHeads { tp, num_kv_heads: model.num_kv_heads });
         }
-        if model.ffn_hidden % tp != 0 {
+        if !model.ffn_hidden.is_multiple_of(tp) {
             return Err(LayoutError::TpSize { tp, what: "MLP hidden size".into(), size: model.ffn_hidden });
         }
-        if model.vocab_size % tp != 0 {
+        if !model.vocab_size.is_multiple_of(tp) {
             return Err(LayoutError::TpSize { tp, what: "vocabulary".into(), size: model.vocab_size });
         }
         if self.pp > model.num_layers {
@@ -205,7 +205,7 @@ impl fmt::Display for ParallelDims {
 
 /// The divisors of `n` in increasing order (empty for 0).
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// A rank's coordinates in the mesh.

@@ -153,16 +153,16 @@ impl ModelSpec {
                 return Err(ModelError::Zero { field });
             }
         }
-        if self.hidden % self.num_heads != 0 {
+        if !self.hidden.is_multiple_of(self.num_heads) {
             return Err(ModelError::HeadDim { hidden: self.hidden, num_heads: self.num_heads });
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(ModelError::Groups {
                 num_heads: self.num_heads,
                 num_kv_heads: self.num_kv_heads,
             });
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ModelError::OddHeadDim { head_dim: self.head_dim() });
         }
         Ok(())

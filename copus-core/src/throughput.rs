@@ -186,7 +186,7 @@ impl ThroughputProfile {
     /// nothing was measured for (S, B_m) or extrapolation gives no positive time.
     pub fn lookup(&self, dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Option<f64> {
         let per_step = dims.dp.checked_mul(micro_batch).unwrap_or(0);
-        if per_step == 0 || global_batch == 0 || global_batch % per_step != 0 {
+        if per_step == 0 || global_batch == 0 || !global_batch.is_multiple_of(per_step) {
             return None;
         }
         let pts = self.index.get(&(dims, micro_batch))?;
@@ -457,11 +457,10 @@ mod tests {
         for dims in ParallelDims::all(model.cluster.world_size()) {
             for &mb in micro {
                 let Ok(c) = Candidate::new(dims, global_batch, mb) else { continue };
-                if let Some(t) = model.samples_per_sec(&c) {
-                    if best.is_none_or(|(_, bt)| t > bt) {
+                if let Some(t) = model.samples_per_sec(&c)
+                    && best.is_none_or(|(_, bt)| t > bt) {
                         best = Some((c, t));
                     }
-                }
             }
         }
         best

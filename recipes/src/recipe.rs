@@ -175,26 +175,24 @@ impl Recipe {
         if self.model.seq_len == Some(0) {
             return Err(field("model.seq_len", 0, "at least 1"));
         }
-        if let TokenizerRecipe::Bpe { vocab_size } = self.data.tokenizer {
-            if !(260..=1 << 20).contains(&vocab_size) {
+        if let TokenizerRecipe::Bpe { vocab_size } = self.data.tokenizer
+            && !(260..=1 << 20).contains(&vocab_size) {
                 return Err(field("data.tokenizer.vocab_size", vocab_size, "260..=1048576 (256 bytes plus merges)"));
             }
-        }
         let t = &self.train;
         if t.micro_batch == 0 {
             return Err(field("train.micro_batch", 0, "at least 1"));
         }
-        if t.global_batch == 0 || t.global_batch % t.micro_batch != 0 {
+        if t.global_batch == 0 || !t.global_batch.is_multiple_of(t.micro_batch) {
             return Err(field("train.global_batch", t.global_batch, format!("a positive multiple of train.micro_batch ({})", t.micro_batch)));
         }
         if t.max_steps == 0 {
             return Err(field("train.max_steps", 0, "at least 1"));
         }
-        if let Some(b) = t.time_budget_secs {
-            if !(b.is_finite() && b > 0.0) {
+        if let Some(b) = t.time_budget_secs
+            && !(b.is_finite() && b > 0.0) {
                 return Err(field("train.time_budget_secs", b, "a positive number of seconds (or None)"));
             }
-        }
         if t.eval_sequences == 0 {
             return Err(field("train.eval_sequences", 0, "at least 1"));
         }

@@ -226,12 +226,11 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
             log_eval(step, trainer.steps_done() * (t.global_batch * spec.seq_len) as u64, train_secs, l)?;
             last_eval = (step, l);
         }
-        if let Some(budget) = t.time_budget_secs {
-            if train_secs >= budget {
+        if let Some(budget) = t.time_budget_secs
+            && train_secs >= budget {
                 stopped = format!("time budget of {budget} s after {step} steps");
                 break;
             }
-        }
     }
     bar.finish_and_clear();
     let steps = trainer.steps_done();
