@@ -138,6 +138,41 @@ mod tests {
     }
 
     #[test]
+    fn attention_matches_a_head_by_head_reference() {
+        // Reference: for each query head i, kv head i / (h / k), masked softmax(q k^T / sqrt(e)) v,
+        // heads concatenated, then o_proj. tiny-1m: 8 heads over 4 kv heads, e = 16.
+        use burn::tensor::activation::softmax;
+        let model = LlamaConfig::from_spec(&ModelSpec::tiny_1m()).init(&device());
+        let attn = &model.layers[1].attn;
+        let (b, s, h, k, e) = (2, 7, 8, 4, 16);
+        let x: Tensor<3> = Tensor::random([b, s, 128], Distribution::Normal(0.0, 1.0), &device());
+        let rope = model.rope(s);
+        let got = to_vec(attn.forward(x.clone(), &rope));
+        let q = rope.apply(attn.q_proj.forward(x.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
+        let kk = rope.apply(attn.k_proj.forward(x.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
+        let v = attn.v_proj.forward(x).reshape([b, s, k, e]).swap_dims(1, 2);
+        let mut mask = vec![0f32; s * s];
+        for r in 0..s {
+            for c in r + 1..s {
+                mask[r * s + c] = -1e30;
+            }
+        }
+        let mask: Tensor<3> = Tensor::<2>::from_data(TensorData::new(mask, [s, s]), &device()).unsqueeze();
+        let heads: Vec<Tensor<3>> = (0..h)
+            .map(|i| {
+                let qi: Tensor<3> = q.clone().narrow(1, i, 1).reshape([b, s, e]);
+                let kj: Tensor<3> = kk.clone().narrow(1, i / (h / k), 1).reshape([b, s, e]);
+                let vj: Tensor<3> = v.clone().narrow(1, i / (h / k), 1).reshape([b, s, e]);
+                let p = softmax(qi.matmul(kj.swap_dims(1, 2)).mul_scalar(0.25) + mask.clone(), 2);
+                p.matmul(vj)
+            })
+            .collect();
+        let want = to_vec(attn.o_proj.forward(Tensor::cat(heads, 2)));
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "max difference {worst}");
+    }
+
+    #[test]
     fn built_models_hold_exactly_the_copus_core_parameters() {
         for spec in [ModelSpec::tiny_1m(), ModelSpec::tiny_5m(), ModelSpec::tiny_20m()] {
             let cfg = LlamaConfig::from_spec(&spec);

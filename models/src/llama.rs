@@ -10,7 +10,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::activation::{silu, softmax};
 use copus_burn::{CausalLm, cross_entropy_sum};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_core::model::{ModelSpec, ParamSpec};
 
 /// Configuration of a [`Llama`] model; build one from a copus-core [`ModelSpec`].
@@ -182,6 +182,11 @@ impl Rope {
         Self { cos_se: t(cos), sin_se: t(sin) }
     }
 
+    /// The device of the tables.
+    pub fn device(&self) -> Device {
+        self.cos_se.device()
+    }
+
     /// Rotates `x_bhse` by position.
     pub fn apply(&self, x_bhse: Tensor<4>) -> Tensor<4> {
         let [_, _, _, e] = x_bhse.dims();
@@ -223,18 +228,29 @@ impl Attention {
         let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
         let k_bkse = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
         let v_bkse = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
-        // Query head i reads kv head i / (h / k).
-        let repeat = |t: Tensor<4>| {
-            if h == k { t } else { t.unsqueeze_dim::<5>(2).expand([b, k, h / k, s, e]).reshape([b, h, s, e]) }
-        };
-        let (k_bhse, v_bhse) = (repeat(k_bkse), repeat(v_bkse));
-        let scores_bhss = q_bhse.matmul(k_bhse.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
-        let future: Tensor<2, Bool> = Tensor::tril_mask([s, s], 0, &scores_bhss.device());
-        let future: Tensor<4, Bool> = future.unsqueeze::<4>().expand([b, h, s, s]);
-        let probs_bhss = softmax(scores_bhss.mask_fill(future, f32::NEG_INFINITY), 3);
-        let out_bsd = probs_bhss.matmul(v_bhse).swap_dims(1, 2).reshape([b, s, h * e]);
+        // Query head i reads kv head i / g (g = h / k). Fold the g query heads of each kv head
+        // into the row dim, [b, k, g*s, e], so one batched matmul serves them without copying
+        // K and V g times.
+        let g = h / k;
+        let q_bkre = q_bhse.reshape([b, k, g * s, e]);
+        let scores_bkrs = q_bkre.matmul(k_bkse.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
+        let scores_bkrs = scores_bkrs + causal_bias(g, s, &rope.device());
+        let probs_bkrs = softmax(scores_bkrs, 3);
+        let out_bsd = probs_bkrs.matmul(v_bkse).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
         self.o_proj.forward(out_bsd)
     }
+}
+
+/// Additive causal mask `[1, 1, g*s, s]`: row `r` is query position `r % s`; 0 where the key
+/// position is not after it, -inf where it is.
+fn causal_bias(g: usize, s: usize, device: &Device) -> Tensor<4> {
+    let mut v = vec![0f32; g * s * s];
+    for r in 0..g * s {
+        for c in (r % s + 1)..s {
+            v[r * s + c] = f32::NEG_INFINITY;
+        }
+    }
+    Tensor::<2>::from_data(TensorData::new(v, [g * s, s]), device).unsqueeze()
 }
 
 /// SwiGLU MLP, `down(silu(gate(x)) * up(x))`.
