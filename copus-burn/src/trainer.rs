@@ -279,22 +279,16 @@ impl<M: CausalLm> Trainer<M> {
     /// One optimizer step over `micro` (all `[B_m, seq]`).
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepMetrics, TrainError> {
         let start = Instant::now();
-        let model = self.model.take().expect("model present between steps");
-        let acc = match accumulate(&model, micro) {
-            Ok(a) => a,
-            Err(e) => {
-                self.model = Some(model);
-                return Err(e);
-            }
-        };
+        // Everything that can fail only borrows the model; it is moved out just for the update.
+        let model = self.model.as_ref().expect("model present between steps");
+        let acc = accumulate(model, micro)?;
         if !acc.loss.is_finite() {
-            self.model = Some(model);
             return Err(TrainError::NonFinite(acc.loss, self.step));
         }
         let [b_m, seq] = micro[0].inputs.dims();
         let n = micro.len();
         let global_batch = b_m * n;
-        let diff = if n == 1 { self.previous.as_ref().map(|p| grads::diff_sq_norm(&model, &acc.grads, p)) } else { None };
+        let diff = if n == 1 { self.previous.as_ref().map(|p| grads::diff_sq_norm(model, &acc.grads, p)) } else { None };
         let stats = StepStats {
             micro_batch: b_m,
             num_micro: n,
@@ -302,19 +296,18 @@ impl<M: CausalLm> Trainer<M> {
             grad_sq_norm: acc.grad_sq_norm,
             diff_sq_norm: diff,
         };
-        if let Err(e) = self.gns.observe(&stats) {
-            self.model = Some(model);
-            return Err(e.into());
-        }
-        self.previous = (n == 1).then(|| grads::scaled(&model, &acc.grads, 1.0));
+        self.gns.observe(&stats)?;
+        let previous = (n == 1).then(|| grads::scaled(model, &acc.grads, 1.0));
         let grad_norm = acc.grad_sq_norm.sqrt();
         let grads = match self.cfg.clip_norm {
-            Some(c) if grad_norm > c => grads::scaled(&model, &acc.grads, c / grad_norm),
+            Some(c) if grad_norm > c => grads::scaled(model, &acc.grads, c / grad_norm),
             _ => acc.grads,
         };
+        self.previous = previous;
         let est = self.gns.estimate();
         let phi = est.and_then(|e| e.b_simple());
         let lr = self.cfg.lr_at(self.step, global_batch, phi);
+        let model = self.model.take().expect("model present between steps");
         self.model = Some(self.optim.step(lr, model, grads));
         self.step += 1;
         self.tokens_seen += (global_batch * seq) as u64;
