@@ -85,16 +85,8 @@ mod tests {
     }
 
     fn micro_batches(seqs: &[Vec<i64>], b_m: usize) -> Vec<MicroBatch> {
-        let s = seqs[0].len() - 1;
         seqs.chunks(b_m)
-            .map(|c| {
-                let inputs: Vec<i64> = c.iter().flat_map(|q| q[..s].to_vec()).collect();
-                let targets: Vec<i64> = c.iter().flat_map(|q| q[1..].to_vec()).collect();
-                MicroBatch {
-                    inputs: Tensor::from_data(TensorData::new(inputs, [c.len(), s]), &device()),
-                    targets: Tensor::from_data(TensorData::new(targets, [c.len(), s]), &device()),
-                }
-            })
+            .map(|c| MicroBatch::from_windows(&c.iter().map(|q| q.as_slice()).collect::<Vec<_>>(), &device()))
             .collect()
     }
 

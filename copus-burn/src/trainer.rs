@@ -149,6 +149,22 @@ pub struct MicroBatch {
     pub targets: Tensor<2, Int>,
 }
 
+impl MicroBatch {
+    /// A micro-batch from token windows of `seq + 1` tokens each: inputs are the first `seq`,
+    /// targets the last `seq` (the next token at every position). Windows must be equally long.
+    pub fn from_windows<T: Copy + Into<i64>>(windows: &[&[T]], device: &burn::tensor::Device) -> Self {
+        let seq = windows.first().map_or(0, |w| w.len().saturating_sub(1));
+        assert!(windows.iter().all(|w| w.len() == seq + 1), "token windows of unequal length");
+        let inputs: Vec<i64> = windows.iter().flat_map(|w| w[..seq].iter().map(|&t| t.into())).collect();
+        let targets: Vec<i64> = windows.iter().flat_map(|w| w[1..].iter().map(|&t| t.into())).collect();
+        let shape = [windows.len(), seq];
+        Self {
+            inputs: Tensor::from_data(burn::tensor::TensorData::new(inputs, shape), device),
+            targets: Tensor::from_data(burn::tensor::TensorData::new(targets, shape), device),
+        }
+    }
+}
+
 /// What one step measured; one JSONL line of `metrics.jsonl`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::Device;
 use copus_burn::{MicroBatch, StepMetrics, Trainer};
 use copus_models::{Llama, LlamaConfig};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -92,16 +92,6 @@ fn run_folder(dir: &Path, name: &str) -> Result<PathBuf, RunError> {
     unreachable!()
 }
 
-fn batch(seqs: &[&[u32]], device: &Device) -> MicroBatch {
-    let s = seqs[0].len() - 1;
-    let inputs: Vec<i64> = seqs.iter().flat_map(|q| q[..s].iter().map(|&t| i64::from(t))).collect();
-    let targets: Vec<i64> = seqs.iter().flat_map(|q| q[1..].iter().map(|&t| i64::from(t))).collect();
-    MicroBatch {
-        inputs: Tensor::<2, Int>::from_data(TensorData::new(inputs, [seqs.len(), s]), device),
-        targets: Tensor::<2, Int>::from_data(TensorData::new(targets, [seqs.len(), s]), device),
-    }
-}
-
 /// Mean held-out loss per token over the first `count` held-out sequences (in stream order).
 pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usize) -> f64 {
     let eval = model.valid();
@@ -111,7 +101,7 @@ pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usi
     let idx: Vec<usize> = (0..count).collect();
     for chunk in idx.chunks(micro.max(1)) {
         let seqs: Vec<&[u32]> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
-        let b = batch(&seqs, &device);
+        let b = MicroBatch::from_windows(&seqs, &device);
         sum += f64::from(eval.loss_sum(b.inputs, b.targets).into_scalar::<f32>());
         tokens += chunk.len() * heldout.seq_len();
     }
@@ -203,7 +193,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         let micro: Vec<MicroBatch> = (0..t.global_batch / t.micro_batch)
             .map(|k| {
                 let seqs: Vec<&[u32]> = (0..t.micro_batch).map(|j| train.sample(sample + (k * t.micro_batch + j) as u64)).collect();
-                batch(&seqs, &device)
+                MicroBatch::from_windows(&seqs, &device)
             })
             .collect();
         sample += t.global_batch as u64;
