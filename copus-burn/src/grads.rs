@@ -4,52 +4,49 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-/// Sum over parameters of `|grad|^2`, accumulated on the device and read back once.
+/// Sum over parameters of `|grad|^2`, in f64 (see [`host_sq`]).
 pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
     struct V<'a> {
         grads: &'a GradientsParams,
-        acc: Option<Tensor<1>>,
+        acc: f64,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.get::<D>(p.id) {
-                let s = g.square().sum();
-                self.acc = Some(match self.acc.take() {
-                    None => s,
-                    Some(a) => a + s,
-                });
+                self.acc += host_sq(g);
             }
         }
     }
-    let mut v = V { grads, acc: None };
+    let mut v = V { grads, acc: 0.0 };
     module.visit(&mut v);
-    v.acc.map_or(0.0, |t| f64::from(t.into_scalar::<f32>()))
+    v.acc
 }
 
-/// `|a - b|^2` over the parameters present in both.
+/// Sum of squares of a tensor's values, accumulated in f64 on the host: the noise-scale
+/// estimate subtracts two nearly equal norms, so f32 accumulation error would be amplified.
+pub fn host_sq<const D: usize>(t: Tensor<D>) -> f64 {
+    t.into_data().iter::<f32>().map(|x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// `|a - b|^2` over parameters present in both, in f64.
 pub fn diff_sq_norm<M: Module>(module: &M, a: &GradientsParams, b: &GradientsParams) -> f64 {
     struct V<'a> {
         a: &'a GradientsParams,
         b: &'a GradientsParams,
-        acc: Option<Tensor<1>>,
+        acc: f64,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             if let (Some(x), Some(y)) = (self.a.get::<D>(p.id), self.b.get::<D>(p.id)) {
-                let s = (x - y).square().sum();
-                self.acc = Some(match self.acc.take() {
-                    None => s,
-                    Some(a) => a + s,
-                });
+                self.acc += host_sq(x - y);
             }
         }
     }
-    let mut v = V { a, b, acc: None };
+    let mut v = V { a, b, acc: 0.0 };
     module.visit(&mut v);
-    v.acc.map_or(0.0, |t| f64::from(t.into_scalar::<f32>()))
+    v.acc
 }
 
-/// `grads * factor`, a new container.
 pub fn scaled<M: Module>(module: &M, grads: &GradientsParams, factor: f64) -> GradientsParams {
     struct V<'a> {
         grads: &'a GradientsParams,

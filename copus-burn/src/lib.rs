@@ -8,13 +8,18 @@
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`].
 
+pub mod collective;
+pub mod engine;
 pub mod grads;
+pub mod parallel;
 pub mod trainer;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 
-pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate};
+pub use engine::{Engine, EngineConfig, EngineError, EngineStep};
+pub use parallel::{ParallelLm, ShardPlan, StageModel};
+pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, adamw_optimizer};
 
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, as
 /// `sum(logsumexp(logits)) - sum(logits[target])`. The max used for stability is detached: the

@@ -240,6 +240,25 @@ pub fn accumulate<M: CausalLm>(model: &M, micro: &[MicroBatch]) -> Result<Accumu
     Ok(Accumulated { grads, loss, mean_micro_sq_norm: sum_micro_sq / n as f64, grad_sq_norm })
 }
 
+/// AdamW with the settings of `cfg`; parameters whose path contains one of `no_decay` take no
+/// weight decay unless `cfg.decay_norms_and_embeddings`.
+pub fn adamw_optimizer(cfg: &OptimConfig, no_decay: &[String]) -> ModuleOptimizer {
+    let adamw = |wd: f64| {
+        AdamWConfig::new()
+            .with_beta_1(cfg.beta1 as f32)
+            .with_beta_2(cfg.beta2 as f32)
+            .with_epsilon(cfg.eps as f32)
+            .with_weight_decay(wd as f32)
+    };
+    let mut optim = adamw(cfg.weight_decay).init();
+    if !cfg.decay_norms_and_embeddings && cfg.weight_decay > 0.0 {
+        for p in no_decay {
+            optim = optim.with_group(ParamGroup::from_predicate(p.clone()), adamw(0.0).build(), None);
+        }
+    }
+    optim
+}
+
 /// Trains a model on one rank.
 pub struct Trainer<M: CausalLm> {
     model: Option<M>,
@@ -249,27 +268,16 @@ pub struct Trainer<M: CausalLm> {
     step: u64,
     tokens_seen: u64,
     previous: Option<GradientsParams>,
+    last_stats: Option<StepStats>,
 }
 
 impl<M: CausalLm> Trainer<M> {
     /// A trainer for `model` (built on an autodiff device).
     pub fn new(model: M, cfg: OptimConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
-        let adamw = |wd: f64| {
-            AdamWConfig::new()
-                .with_beta_1(cfg.beta1 as f32)
-                .with_beta_2(cfg.beta2 as f32)
-                .with_epsilon(cfg.eps as f32)
-                .with_weight_decay(wd as f32)
-        };
-        let mut optim = adamw(cfg.weight_decay).init();
-        if !cfg.decay_norms_and_embeddings && cfg.weight_decay > 0.0 {
-            for p in model.no_decay_predicates() {
-                optim = optim.with_group(ParamGroup::from_predicate(p), adamw(0.0).build(), None);
-            }
-        }
+        let optim = adamw_optimizer(&cfg, &model.no_decay_predicates());
         let gns = GnsEstimator::new(cfg.gns_theta)?;
-        Ok(Self { model: Some(model), optim, cfg, gns, step: 0, tokens_seen: 0, previous: None })
+        Ok(Self { model: Some(model), optim, cfg, gns, step: 0, tokens_seen: 0, previous: None, last_stats: None })
     }
 
     /// The model.
@@ -280,6 +288,11 @@ impl<M: CausalLm> Trainer<M> {
     /// Steps done.
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// What the probe measured in the last step (before smoothing).
+    pub fn last_stats(&self) -> Option<&StepStats> {
+        self.last_stats.as_ref()
     }
 
     /// The noise-scale estimator.
@@ -313,6 +326,7 @@ impl<M: CausalLm> Trainer<M> {
             diff_sq_norm: diff,
         };
         self.gns.observe(&stats)?;
+        self.last_stats = Some(stats);
         let previous = (n == 1).then(|| grads::scaled(model, &acc.grads, 1.0));
         let grad_norm = acc.grad_sq_norm.sqrt();
         let grads = match self.cfg.clip_norm {

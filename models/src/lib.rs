@@ -5,6 +5,7 @@
 //! `lm_head.weight`, ...), so the sharding spec, checkpoints and resharding name the same tensors.
 
 pub mod llama;
+pub mod stage;
 
 use std::path::Path;
 
@@ -13,6 +14,7 @@ use thiserror::Error;
 
 pub use copus_core::model::ModelSpec;
 pub use llama::{Llama, LlamaConfig};
+pub use stage::LlamaStage;
 
 /// Saving or loading weights failed.
 #[derive(Debug, Error)]
@@ -35,6 +37,15 @@ pub enum WeightsError {
         /// Tensors the model has no place for.
         unused: Vec<String>,
     },
+}
+
+/// The model's parameters as host data under their global names: the input of
+/// [`copus_burn::Engine::new`].
+pub fn full_params(model: &Llama) -> copus_burn::parallel::FullParams {
+    copus_burn::parallel::named_params(model)
+        .into_iter()
+        .map(|(name, _, shape, values)| (name, burn::tensor::TensorData::new(values, shape)))
+        .collect()
 }
 
 /// Writes the model's weights to a safetensors file under their Llama-style names.

@@ -140,7 +140,7 @@ impl LlamaConfig {
 pub struct RmsNorm {
     /// Scale, `[d]`, initialised to ones.
     pub weight: Param<Tensor<1>>,
-    eps: f64,
+    pub(crate) eps: f64,
 }
 
 impl RmsNorm {
@@ -211,9 +211,9 @@ pub struct Attention {
     pub v_proj: Linear,
     /// `[h*e, d]`.
     pub o_proj: Linear,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
 }
 
 impl Attention {

@@ -1,0 +1,568 @@
+//! Collective communication between ranks, and the in-process backend where each rank is a
+//! thread.
+//!
+//! Every reduction adds (or takes the max of) the ranks' values in rank order 0, 1, ..., n-1 for
+//! every element, whichever rank computes it, so results are deterministic and bit-identical on
+//! all ranks. A rank that fails calls [`Collective::abort`]; every rank waiting in a collective
+//! (or a receive) of the same world then returns [`CommError::Aborted`] naming that rank and its
+//! message, so nothing hangs.
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// How a reduction combines values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// A value type collectives move: `f32` (tensors) and `f64` (statistics).
+pub trait Element: Copy + Default + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static {}
+impl Element for f32 {}
+impl Element for f64 {}
+
+fn combine<T: Element>(op: ReduceOp, a: T, b: T) -> T {
+    match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Max => {
+            if b > a {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
+/// Why a collective did not complete.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum CommError {
+    /// Some rank of the world failed; its message.
+    #[error("rank {rank} failed: {message}")]
+    Aborted {
+        /// World rank that failed first.
+        rank: usize,
+        /// What it reported.
+        message: String,
+    },
+    /// Ranks passed buffers that cannot be combined.
+    #[error("collective `{op}`: {detail}")]
+    Mismatch {
+        /// Which collective.
+        op: &'static str,
+        /// What did not match.
+        detail: String,
+    },
+    /// A bad rank or group argument.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Communication among the ranks of one group.
+pub trait Collective: Send + Sized {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+    /// Combines `buf` element-wise across the group; every rank gets the result.
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError>;
+    /// Concatenates every rank's `buf` (equal lengths) in rank order.
+    fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError>;
+    /// Combines `buf` (length divisible by the group size) and returns this rank's chunk.
+    fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError>;
+    /// Replaces `buf` on every rank with `root`'s.
+    fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError>;
+    /// Queues `buf` for rank `to` under `tag`; never waits for the receive.
+    fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError>;
+    /// Waits for the next buffer rank `from` sent under `tag`.
+    fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError>;
+    /// Waits until every rank of the group arrives.
+    fn barrier(&self) -> Result<(), CommError>;
+    /// Collective over this group: every rank passes the same partition of the group's ranks
+    /// and gets the sub-group that holds it.
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError>;
+    /// Marks the whole world failed with this rank's message; wakes every waiting rank.
+    fn abort(&self, message: &str);
+}
+
+/// Chunk `i` of `n` near-equal chunks of `len` elements.
+pub fn chunk_range(len: usize, n: usize, i: usize) -> Range<usize> {
+    let base = len / n;
+    let extra = len % n;
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+type Payload = Arc<dyn Any + Send + Sync>;
+
+/// One reusable rendezvous: every rank deposits a payload; once all have, each reads them all.
+struct Exchange {
+    state: Mutex<ExchangeState>,
+    cv: Condvar,
+}
+
+struct ExchangeState {
+    deposits: Vec<Option<Payload>>,
+    arrived: usize,
+    published: Option<Arc<Vec<Payload>>>,
+    readers_left: usize,
+    generation: u64,
+}
+
+impl Exchange {
+    fn new(n: usize) -> Self {
+        Self {
+            state: Mutex::new(ExchangeState {
+                deposits: vec![None; n],
+                arrived: 0,
+                published: None,
+                readers_left: 0,
+                generation: 0,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+const POLL: Duration = Duration::from_millis(20);
+
+struct World {
+    size: usize,
+    aborted: AtomicBool,
+    failure: Mutex<Option<(usize, String)>>,
+    mailboxes: Mutex<HashMap<(usize, usize, u32), Arc<Mailbox>>>,
+    groups: Mutex<HashMap<(u64, u64, Vec<usize>), Arc<Exchange>>>,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    queue: Mutex<VecDeque<Vec<f32>>>,
+    cv: Condvar,
+}
+
+impl World {
+    fn check(&self) -> Result<(), CommError> {
+        if !self.aborted.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (rank, message) = lock(&self.failure).clone().unwrap_or((usize::MAX, "unknown failure".into()));
+        Err(CommError::Aborted { rank, message })
+    }
+
+    fn mailbox(&self, from: usize, to: usize, tag: u32) -> Arc<Mailbox> {
+        lock(&self.mailboxes).entry((from, to, tag)).or_default().clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A rank that panicked while holding a lock leaves plain data behind; keep using it (the
+    // abort flag already tells everyone the world failed).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A rank of an in-process world (one thread per rank), or of a sub-group of it.
+pub struct ThreadComm {
+    world: Arc<World>,
+    /// World ranks of this group's members, in group-rank order.
+    members: Vec<usize>,
+    rank: usize,
+    exchange: Arc<Exchange>,
+    group_id: u64,
+    splits: AtomicU64,
+}
+
+impl std::fmt::Debug for ThreadComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ThreadComm(rank {} of {:?})", self.rank, self.members)
+    }
+}
+
+impl ThreadComm {
+    /// A world of `size` ranks: hand element `i` to the thread that runs rank `i`.
+    pub fn world(size: usize) -> Vec<ThreadComm> {
+        let world = Arc::new(World {
+            size,
+            aborted: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            mailboxes: Mutex::new(HashMap::new()),
+            groups: Mutex::new(HashMap::new()),
+        });
+        let exchange = Arc::new(Exchange::new(size));
+        (0..size)
+            .map(|rank| ThreadComm {
+                world: world.clone(),
+                members: (0..size).collect(),
+                rank,
+                exchange: exchange.clone(),
+                group_id: 0,
+                splits: AtomicU64::new(0),
+            })
+            .collect()
+    }
+
+    /// This rank's index in the whole world.
+    pub fn world_rank(&self) -> usize {
+        self.members[self.rank]
+    }
+
+    /// World ranks of this group, in group order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// Whether some rank of the world has aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.world.aborted.load(Ordering::Acquire)
+    }
+
+    /// Deposits `mine` and returns every rank's deposit in rank order.
+    fn exchange(&self, mine: Payload) -> Result<Arc<Vec<Payload>>, CommError> {
+        let ex = &self.exchange;
+        let n = self.members.len();
+        let mut st = lock(&ex.state);
+        // Wait until the previous round has been read by everyone.
+        while st.published.is_some() {
+            self.world.check()?;
+            st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        self.world.check()?;
+        st.deposits[self.rank] = Some(mine);
+        st.arrived += 1;
+        let generation = st.generation;
+        if st.arrived == n {
+            let all: Vec<Payload> = st.deposits.iter_mut().map(|d| d.take().expect("every rank deposited")).collect();
+            st.published = Some(Arc::new(all));
+            st.arrived = 0;
+            st.readers_left = n;
+            st.generation += 1;
+            ex.cv.notify_all();
+        } else {
+            while st.generation == generation {
+                if let Err(e) = self.world.check() {
+                    // Leave the round so a later world is not confused; this one is dead anyway.
+                    return Err(e);
+                }
+                st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
+            }
+        }
+        let out = st.published.clone().expect("published for this generation");
+        st.readers_left -= 1;
+        if st.readers_left == 0 {
+            st.published = None;
+            ex.cv.notify_all();
+        }
+        Ok(out)
+    }
+
+    fn exchange_vec<T: Element>(&self, op: &'static str, v: Vec<T>) -> Result<Vec<Arc<Vec<T>>>, CommError> {
+        let all = self.exchange(Arc::new(Arc::new(v)))?;
+        all.iter()
+            .map(|p| {
+                p.downcast_ref::<Arc<Vec<T>>>().cloned().ok_or_else(|| CommError::Mismatch {
+                    op,
+                    detail: "ranks passed different element types".into(),
+                })
+            })
+            .collect()
+    }
+
+    fn check_lengths<T>(op: &'static str, all: &[Arc<Vec<T>>], len: usize) -> Result<(), CommError> {
+        if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v.len() != len) {
+            return Err(CommError::Mismatch { op, detail: format!("rank {r} passed {} elements, this rank {len}", v.len()) });
+        }
+        Ok(())
+    }
+
+    fn reduce_range<T: Element>(all: &[Arc<Vec<T>>], range: Range<usize>, op: ReduceOp) -> Vec<T> {
+        let mut out = all[0][range.clone()].to_vec();
+        for other in &all[1..] {
+            for (o, &x) in out.iter_mut().zip(&other[range.clone()]) {
+                *o = combine(op, *o, x);
+            }
+        }
+        out
+    }
+}
+
+/// Buffers up to this many elements are reduced whole by every rank (one rendezvous); larger
+/// ones are reduced chunk-wise, each rank its chunk, then gathered (two rendezvous, ~1/n of the
+/// arithmetic per rank).
+const SMALL: usize = 1 << 14;
+
+impl Collective for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let n = self.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let all = self.exchange_vec("all_reduce", buf.to_vec())?;
+        Self::check_lengths("all_reduce", &all, buf.len())?;
+        if buf.len() <= SMALL {
+            buf.copy_from_slice(&Self::reduce_range(&all, 0..buf.len(), op));
+            return Ok(());
+        }
+        let mine = Self::reduce_range(&all, chunk_range(buf.len(), n, self.rank), op);
+        drop(all);
+        let chunks = self.exchange_vec("all_reduce", mine)?;
+        let len = buf.len();
+        for (i, c) in chunks.iter().enumerate() {
+            buf[chunk_range(len, n, i)].copy_from_slice(c);
+        }
+        Ok(())
+    }
+
+    fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        let all = self.exchange_vec("all_gather", buf.to_vec())?;
+        Self::check_lengths("all_gather", &all, buf.len())?;
+        Ok(all.iter().flat_map(|v| v.iter().copied()).collect())
+    }
+
+    fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+        let n = self.size();
+        if !buf.len().is_multiple_of(n) {
+            return Err(CommError::Mismatch {
+                op: "reduce_scatter",
+                detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
+            });
+        }
+        let all = self.exchange_vec("reduce_scatter", buf.to_vec())?;
+        Self::check_lengths("reduce_scatter", &all, buf.len())?;
+        Ok(Self::reduce_range(&all, chunk_range(buf.len(), n, self.rank), op))
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
+        if root >= self.size() {
+            return Err(CommError::Invalid(format!("broadcast root {root} is not a rank of a group of {}", self.size())));
+        }
+        let mine = if self.rank == root { buf.clone() } else { Vec::new() };
+        let all = self.exchange_vec("broadcast", mine)?;
+        if self.rank != root {
+            *buf = all[root].as_ref().clone();
+        }
+        Ok(())
+    }
+
+    fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
+        let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
+        self.world.check()?;
+        let mb = self.world.mailbox(self.world_rank(), dst, tag);
+        lock(&mb.queue).push_back(buf);
+        mb.cv.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
+        let src = *self
+            .members
+            .get(from)
+            .ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
+        let mb = self.world.mailbox(src, self.world_rank(), tag);
+        let mut q = lock(&mb.queue);
+        loop {
+            if let Some(v) = q.pop_front() {
+                return Ok(v);
+            }
+            self.world.check()?;
+            q = mb.cv.wait_timeout(q, POLL).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        if self.size() > 1 {
+            self.exchange_vec::<f32>("barrier", Vec::new())?;
+        }
+        Ok(())
+    }
+
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
+        let n = self.size();
+        let mut seen = vec![0usize; n];
+        for g in groups {
+            for &r in g {
+                *seen.get_mut(r).ok_or_else(|| CommError::Invalid(format!("split: rank {r} is not in a group of {n}")))? += 1;
+            }
+        }
+        if let Some(r) = seen.iter().position(|&c| c != 1) {
+            return Err(CommError::Invalid(format!("split: rank {r} appears {} times; groups must partition 0..{n}", seen[r])));
+        }
+        let seq = self.splits.fetch_add(1, Ordering::Relaxed);
+        let mine = groups.iter().find(|g| g.contains(&self.rank)).expect("partition holds every rank");
+        let members: Vec<usize> = mine.iter().map(|&r| self.members[r]).collect();
+        let key = (self.group_id, seq, members.clone());
+        let exchange = lock(&self.world.groups).entry(key).or_insert_with(|| Arc::new(Exchange::new(members.len()))).clone();
+        let rank = mine.iter().position(|&r| r == self.rank).expect("in own group");
+        // Group ids only need to be unique per (parent, seq, members); derive one deterministically.
+        let group_id = {
+            let mut h = self.group_id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seq.wrapping_add(1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            for &m in &members {
+                h = (h ^ m as u64).wrapping_mul(0x94d0_49bb_1331_11eb);
+            }
+            h
+        };
+        Ok(ThreadComm { world: self.world.clone(), members, rank, exchange, group_id, splits: AtomicU64::new(0) })
+    }
+
+    fn abort(&self, message: &str) {
+        let mut f = lock(&self.world.failure);
+        if f.is_none() {
+            *f = Some((self.world_rank(), message.to_string()));
+        }
+        self.world.aborted.store(true, Ordering::Release);
+        drop(f);
+        for mb in lock(&self.world.mailboxes).values() {
+            mb.cv.notify_all();
+        }
+        for ex in lock(&self.world.groups).values() {
+            ex.cv.notify_all();
+        }
+        self.exchange.cv.notify_all();
+    }
+}
+
+impl ThreadComm {
+    /// World size (all ranks, not just this group).
+    pub fn world_size(&self) -> usize {
+        self.world.size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread;
+
+    fn run<R: Send + 'static>(n: usize, f: impl Fn(ThreadComm) -> R + Send + Sync + 'static) -> Vec<R> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = ThreadComm::world(n)
+            .into_iter()
+            .map(|c| {
+                let f = f.clone();
+                thread::spawn(move || f(c))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    #[test]
+    fn chunks_cover_the_buffer() {
+        for len in [0, 1, 7, 8, 100] {
+            for n in 1..6 {
+                let total: usize = (0..n).map(|i| chunk_range(len, n, i).len()).sum();
+                assert_eq!(total, len);
+                for i in 1..n {
+                    assert_eq!(chunk_range(len, n, i - 1).end, chunk_range(len, n, i).start);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_reduce_sums_in_rank_order_small_and_large() {
+        for len in [5, SMALL + 3, 3 * SMALL + 1] {
+            let out = run(4, move |c| {
+                let r = c.rank() as f32;
+                let mut v: Vec<f32> = (0..len).map(|i| r * 1e-3 + (i % 13) as f32 * (r + 1.0)).collect();
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                let mut m: Vec<f64> = (0..len).map(|i| ((i * (c.rank() + 1)) % 17) as f64).collect();
+                c.all_reduce(&mut m, ReduceOp::Max).unwrap();
+                (v, m)
+            });
+            for i in 0..len {
+                // The reference: a serial sum in rank order, in f32.
+                let mut s = 0f32;
+                for r in 0..4 {
+                    let x = r as f32 * 1e-3 + (i % 13) as f32 * (r as f32 + 1.0);
+                    s = if r == 0 { x } else { s + x };
+                }
+                let mx = (0..4).map(|r| ((i * (r + 1)) % 17) as f64).fold(f64::MIN, f64::max);
+                for (v, m) in &out {
+                    assert_eq!(v[i].to_bits(), s.to_bits(), "len {len} element {i}");
+                    assert_eq!(m[i], mx);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gather_scatter_broadcast_send_recv_and_split() {
+        let out = run(6, |c| {
+            let r = c.rank();
+            let g = c.all_gather(&[r as f32, 10.0 * r as f32]).unwrap();
+            let rs = c.reduce_scatter(&(0..12).map(|i| (i + r) as f64).collect::<Vec<_>>(), ReduceOp::Sum).unwrap();
+            let mut b = if r == 2 { vec![7.0f32, 8.0] } else { vec![] };
+            c.broadcast(&mut b, 2).unwrap();
+            // Ring: send to the next rank under two tags, in opposite orders.
+            c.send((r + 1) % 6, 1, vec![r as f32]).unwrap();
+            c.send((r + 1) % 6, 2, vec![100.0 + r as f32]).unwrap();
+            let two = c.recv((r + 5) % 6, 2).unwrap();
+            let one = c.recv((r + 5) % 6, 1).unwrap();
+            // Odd and even ranks form two groups; sum world ranks within them.
+            let sub = c.split(&[vec![0, 2, 4], vec![5, 3, 1]]).unwrap();
+            let mut s = vec![r as f32];
+            sub.all_reduce(&mut s, ReduceOp::Sum).unwrap();
+            sub.barrier().unwrap();
+            (g, rs, b, one[0], two[0], s[0], sub.rank(), sub.size())
+        });
+        for (r, (g, rs, b, one, two, s, sub_rank, sub_size)) in out.into_iter().enumerate() {
+            assert_eq!(g, (0..6).flat_map(|q| [q as f32, 10.0 * q as f32]).collect::<Vec<_>>());
+            let expect: Vec<f64> = (2 * r..2 * r + 2).map(|i| (0..6).map(|q| (i + q) as f64).sum()).collect();
+            assert_eq!(rs, expect);
+            assert_eq!(b, vec![7.0, 8.0]);
+            assert_eq!(one, ((r + 5) % 6) as f32);
+            assert_eq!(two, 100.0 + ((r + 5) % 6) as f32);
+            assert_eq!(s, if r % 2 == 0 { 6.0 } else { 9.0 });
+            assert_eq!(sub_size, 3);
+            let order: &[usize] = if r % 2 == 0 { &[0, 2, 4] } else { &[5, 3, 1] };
+            assert_eq!(order[sub_rank], r);
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let out = run(2, |c| {
+            let e1 = c.split(&[vec![0, 0, 1]]).err();
+            let e2 = c.send(5, 0, vec![]).err();
+            let e3 = c.reduce_scatter(&[1.0f32, 2.0, 3.0], ReduceOp::Sum).err();
+            (e1, e2, e3)
+        });
+        for (e1, e2, e3) in out {
+            assert!(e1.unwrap().to_string().contains("appears 2 times"));
+            assert!(e2.unwrap().to_string().contains("send to rank 5"));
+            assert!(e3.unwrap().to_string().contains("3 elements"));
+        }
+    }
+
+    #[test]
+    fn an_aborting_rank_releases_everyone_with_its_message() {
+        let out = run(4, |c| {
+            if c.rank() == 2 {
+                c.abort("out of memory in layer 3");
+                return None;
+            }
+            // Ranks 0 and 1 wait in a collective that can never complete; rank 3 in a receive.
+            if c.rank() == 3 { c.recv(2, 0).err() } else { c.all_reduce(&mut [1.0f32], ReduceOp::Sum).err() }
+        });
+        for (r, e) in out.into_iter().enumerate() {
+            if r != 2 {
+                assert_eq!(e, Some(CommError::Aborted { rank: 2, message: "out of memory in layer 3".into() }));
+            }
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The Llama family under copus's 3D parallelism: [`LlamaStage`] is what one rank holds (a
+//! contiguous range of decoder layers, the embedding on the first stage, the final norm and
+//! head on the last), with Megatron's tensor-parallel split: q/k/v and gate/up column-parallel
+//! (whole heads per rank), o and down row-parallel, vocabulary-parallel embedding and head, norms
+//! replicated.
+
+use burn::module::Module;
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{Device, Int, Tensor};
+use copus_burn::parallel::{ShardError, ShardPlan, ShardSource, globalise_layer_path, vocab_parallel_embedding};
+use copus_burn::{ParallelLm, StageModel};
+use copus_core::model::ModelSpec;
+
+use crate::llama::{Attention, DecoderLayer, LlamaConfig, Mlp, RmsNorm, Rope};
+
+/// One rank's part of a Llama model.
+#[derive(Module, Debug)]
+pub struct LlamaStage {
+    /// This rank's vocabulary rows of the embedding (first stage; also the last stage's head
+    /// when tied).
+    pub embed_tokens: Option<Embedding>,
+    /// This stage's decoder layers, with this rank's heads and MLP columns.
+    pub layers: Vec<DecoderLayer>,
+    /// Final norm (last stage).
+    pub norm: Option<RmsNorm>,
+    /// This rank's vocabulary columns of the head (last stage, untied).
+    pub lm_head: Option<Linear>,
+    first_layer: usize,
+    vocab_start: usize,
+    head_dim: usize,
+    rope_theta: f64,
+}
+
+impl StageModel for LlamaStage {
+    type Ctx = Option<Rope>;
+
+    fn context(&self, seq_len: usize) -> Option<Rope> {
+        let device = self.layers.first().map(|l| l.attn_norm.weight.val().device())?;
+        Some(Rope::new(seq_len, self.head_dim, self.rope_theta, &device))
+    }
+
+    fn embed(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3> {
+        let emb = self.embed_tokens.as_ref().expect("the first stage holds the embedding");
+        vocab_parallel_embedding(emb.weight.val(), tokens_bs, self.vocab_start)
+    }
+
+    fn num_blocks(&self) -> usize {
+        2 * self.layers.len()
+    }
+
+    fn block(&self, i: usize, x_bsd: Tensor<3>, ctx: &Option<Rope>) -> Tensor<3> {
+        let layer = &self.layers[i / 2];
+        if i % 2 == 0 {
+            layer.attn.forward(layer.attn_norm.forward(x_bsd), ctx.as_ref().expect("rope tables for a stage with layers"))
+        } else {
+            layer.mlp.forward(layer.mlp_norm.forward(x_bsd))
+        }
+    }
+
+    fn logits(&self, x_bsd: Tensor<3>) -> Tensor<3> {
+        let h_bsd = self.norm.as_ref().expect("the last stage holds the final norm").forward(x_bsd);
+        match (&self.lm_head, &self.embed_tokens) {
+            (Some(head), _) => head.forward(h_bsd),
+            (None, Some(emb)) => {
+                let [b, s, d] = h_bsd.dims();
+                let w_vd = emb.weight.val();
+                let [v, _] = w_vd.dims();
+                h_bsd.reshape([b * s, d]).matmul(w_vd.transpose()).reshape([b, s, v])
+            }
+            (None, None) => panic!("the last stage holds a head or the tied embedding"),
+        }
+    }
+
+    fn global_name(&self, local_path: &str) -> String {
+        globalise_layer_path(local_path, self.first_layer)
+    }
+
+    fn no_decay_predicates(&self) -> Vec<String> {
+        vec!["norm".into(), "embed_tokens".into()]
+    }
+}
+
+impl ParallelLm for LlamaConfig {
+    type Stage = LlamaStage;
+
+    fn spec(&self) -> ModelSpec {
+        LlamaConfig::spec(self, "llama")
+    }
+
+    fn build_stage(&self, plan: &ShardPlan, src: &mut ShardSource, device: &Device) -> Result<LlamaStage, ShardError> {
+        let tp = plan.dims.tp;
+        let e = self.hidden / self.num_heads;
+        let linear = |src: &mut ShardSource, name: &str, bias: bool| -> Result<Linear, ShardError> {
+            Ok(Linear {
+                weight: src.param::<2>(&format!("{name}.weight"), device)?,
+                bias: if bias { Some(src.param::<1>(&format!("{name}.bias"), device)?) } else { None },
+            })
+        };
+        let norm = |src: &mut ShardSource, name: &str| -> Result<RmsNorm, ShardError> {
+            Ok(RmsNorm { weight: src.param::<1>(name, device)?, eps: self.norm_eps })
+        };
+        let mut layers = Vec::with_capacity(plan.layers.len());
+        for i in plan.layers.clone() {
+            let n = |s: &str| format!("layers.{i}.{s}");
+            layers.push(DecoderLayer {
+                attn_norm: norm(src, &n("attn_norm.weight"))?,
+                attn: Attention {
+                    q_proj: linear(src, &n("attn.q_proj"), self.qkv_bias)?,
+                    k_proj: linear(src, &n("attn.k_proj"), self.qkv_bias)?,
+                    v_proj: linear(src, &n("attn.v_proj"), self.qkv_bias)?,
+                    o_proj: linear(src, &n("attn.o_proj"), false)?,
+                    num_heads: self.num_heads / tp,
+                    num_kv_heads: self.num_kv_heads / tp,
+                    head_dim: e,
+                },
+                mlp_norm: norm(src, &n("mlp_norm.weight"))?,
+                mlp: Mlp {
+                    gate_proj: linear(src, &n("mlp.gate_proj"), false)?,
+                    up_proj: linear(src, &n("mlp.up_proj"), false)?,
+                    down_proj: linear(src, &n("mlp.down_proj"), false)?,
+                },
+            });
+        }
+        let wants_embedding = plan.is_first() || (plan.is_last() && self.tied_embeddings);
+        let embed_tokens = if wants_embedding {
+            Some(Embedding { weight: src.param::<2>("embed_tokens.weight", device)? })
+        } else {
+            None
+        };
+        let (norm_w, lm_head) = if plan.is_last() {
+            let head = if self.tied_embeddings { None } else { Some(linear(src, "lm_head", false)?) };
+            (Some(norm(src, "norm.weight")?), head)
+        } else {
+            (None, None)
+        };
+        Ok(LlamaStage {
+            embed_tokens,
+            layers,
+            norm: norm_w,
+            lm_head,
+            first_layer: plan.layers.start,
+            vocab_start: plan.tp_rank * (self.vocab_size / tp),
+            head_dim: e,
+            rope_theta: self.rope_theta,
+        })
+    }
+}

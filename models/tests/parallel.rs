@@ -1,0 +1,283 @@
+//! The 3D-parallel engine against serial training, on 8 in-process ranks with the tiny-1m
+//! preset (4 layers, 8 heads, 4 kv heads, tied embedding).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+use copus_burn::parallel::{ShardError, ShardPlan, ShardSource};
+use copus_burn::{Engine, EngineConfig, EngineError, MicroBatch, OptimConfig, ParallelLm, StageModel, Trainer};
+use copus_core::layout::{Coord, ParallelDims, RankGrid};
+use copus_core::model::{ModelSpec, TpSplit};
+use copus_core::schedule::ScheduleKind;
+use copus_models::{LlamaConfig, LlamaStage, full_params};
+
+const SEQ: usize = 32;
+const B_G: usize = 16;
+const B_M: usize = 2;
+const STEPS: usize = 5;
+
+fn config() -> LlamaConfig {
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = SEQ;
+    LlamaConfig::from_spec(&spec)
+}
+
+fn optim() -> OptimConfig {
+    OptimConfig { lr: 1e-3, warmup_steps: 2, total_steps: 10, b0: B_G, ..OptimConfig::default() }
+}
+
+/// One training setup: model, batch sizes, steps.
+struct Setup {
+    config: LlamaConfig,
+    global_batch: usize,
+    micro_batch: usize,
+    steps: usize,
+    /// Compare |G|^2 on the scale of the measured |g|^2 (for runs where it is near zero).
+    cancellation_floor: bool,
+}
+
+impl Setup {
+    fn standard() -> Self {
+        Self { config: config(), global_batch: B_G, micro_batch: B_M, steps: STEPS, cancellation_floor: false }
+    }
+}
+
+/// Step `step`'s batch: B_G sequences of SEQ + 1 tokens with some structure to learn.
+fn batch(step: usize, vocab: usize) -> Vec<i64> {
+    batch_of(step, vocab, B_G)
+}
+
+fn batch_of(step: usize, vocab: usize, sequences: usize) -> Vec<i64> {
+    let mut x = 0x9e37_79b9_u64 ^ (step as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut out = Vec::with_capacity(sequences * (SEQ + 1));
+    for _ in 0..sequences {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut t = (x >> 33) as usize % vocab;
+        for _ in 0..=SEQ {
+            out.push(t as i64);
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            t = if (x >> 60) < 12 { (7 * t + 3) % vocab } else { (x >> 20) as usize % vocab };
+        }
+    }
+    out
+}
+
+struct Serial {
+    stats: Vec<copus_core::gns::StepStats>,
+    losses: Vec<f64>,
+    grad_sq: Vec<f64>,
+    trace: Vec<f64>,
+    params: HashMap<String, Vec<f32>>,
+}
+
+fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
+    let device = Device::flex().autodiff();
+    let vocab = setup.config.vocab_size;
+    let mut trainer = Trainer::new(initial.clone(), optim()).unwrap();
+    let (mut losses, mut grad_sq, mut trace, mut stats) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for step in 0..setup.steps {
+        let tokens = batch_of(step, vocab, setup.global_batch);
+        let windows: Vec<&[i64]> = tokens.chunks(SEQ + 1).collect();
+        let micro: Vec<MicroBatch> = windows.chunks(setup.micro_batch).map(|w| MicroBatch::from_windows(w, &device)).collect();
+        let m = trainer.step(&micro).unwrap();
+        losses.push(m.loss);
+        stats.push(trainer.last_stats().unwrap().clone());
+        // With one micro-batch the first step has no estimate yet (differencing needs two).
+        grad_sq.push(m.grad_sq.unwrap_or(f64::NAN));
+        trace.push(m.trace.unwrap_or(f64::NAN));
+    }
+    let params = full_params(trainer.model()).into_iter().map(|(k, v)| (k, v.try_to_vec::<f32>().unwrap())).collect();
+    Serial { stats, losses, grad_sq, trace, params }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+fn initial_model() -> copus_models::Llama {
+    initial_of(&config())
+}
+
+fn initial_of(config: &LlamaConfig) -> copus_models::Llama {
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    config.init(&device)
+}
+
+#[test]
+fn every_layout_of_8_ranks_matches_serial_training() {
+    let layouts = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 4, 2), (1, 2, 4)];
+    check_against_serial(&Setup::standard(), &layouts);
+}
+
+#[test]
+fn an_untied_head_matches_serial_training() {
+    let setup = Setup { config: config().with_tied_embeddings(false), steps: 3, cancellation_floor: true, ..Setup::standard() };
+    check_against_serial(&setup, &[(2, 2, 2), (1, 4, 2), (2, 1, 4)]);
+}
+
+#[test]
+fn one_micro_batch_per_step_uses_the_differencing_fallback_like_serial() {
+    let setup = Setup { global_batch: 2, micro_batch: 2, steps: 4, ..Setup::standard() };
+    check_against_serial(&setup, &[(1, 2, 4), (1, 4, 2)]);
+}
+
+fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
+    let initial = initial_of(&setup.config);
+    let reference = serial(&initial, setup);
+    let full = full_params(&initial);
+    for &(dp, tp, pp) in layouts {
+        for schedule in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
+            if schedule == ScheduleKind::GPipe && pp == 1 {
+                continue;
+            }
+            let dims = ParallelDims::new(dp, tp, pp, 8).unwrap();
+            let name = format!("{dims} {schedule:?}");
+            let mut ec = EngineConfig::new(dims, setup.global_batch, setup.micro_batch, SEQ, optim());
+            ec.schedule = schedule;
+            let mut engine = Engine::new(Arc::new(setup.config.clone()), &full, ec).unwrap();
+            for step in 0..setup.steps {
+                let out = engine.step(batch_of(step, setup.config.vocab_size, setup.global_batch)).unwrap();
+                let m = &out.metrics;
+                assert!(rel(m.loss, reference.losses[step]) < 1e-5, "{name} step {step}: loss {} vs serial {}", m.loss, reference.losses[step]);
+                // What the probe measured: the mean micro-batch |g_k|^2 and the step's |g|^2.
+                let (want, got) = (&reference.stats[step], &out.stats);
+                assert!(rel(got.mean_micro_sq_norm, want.mean_micro_sq_norm) < 1e-5, "{name} step {step}: L {got:?} vs {want:?}");
+                assert!(rel(got.grad_sq_norm, want.grad_sq_norm) < 1e-5, "{name} step {step}: T {got:?} vs {want:?}");
+                let (g, t) = (m.grad_sq.unwrap_or(f64::NAN), m.trace.unwrap_or(f64::NAN));
+                if reference.grad_sq[step].is_nan() {
+                    assert!(g.is_nan() && t.is_nan(), "{name} step {step}: an estimate where serial has none");
+                    continue;
+                }
+                // |G|^2 = (n T - L) / (n - 1) cancels: where it is small next to T, compare on T's scale.
+                let floor = if setup.cancellation_floor { want.grad_sq_norm } else { 0.0 };
+                assert!((g - reference.grad_sq[step]).abs() <= 1e-4 * reference.grad_sq[step].abs().max(floor), "{name} step {step}: |G|^2 {g} vs serial {}", reference.grad_sq[step]);
+                assert!(rel(t, reference.trace[step]) < 1e-4, "{name} step {step}: tr(Sigma) {t} vs serial {}", reference.trace[step]);
+                assert_eq!(out.stats.num_micro, setup.global_batch / setup.micro_batch);
+            }
+            // Parameters after 5 steps.
+            let params = engine.gather().unwrap();
+            assert_eq!(params.len(), reference.params.len());
+            for (k, want) in &reference.params {
+                let got = &params[k];
+                let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst <= 1e-4, "{name}: parameter {k} differs from serial by {worst}");
+            }
+            // Copies of a parameter on different ranks are bit-identical.
+            let per_rank = engine.rank_params().unwrap();
+            let grid = RankGrid::new(dims);
+            let specs = setup.config.spec("t").param_specs();
+            let mut seen: HashMap<(String, usize), &Vec<f32>> = HashMap::new();
+            for (r, list) in per_rank.iter().enumerate() {
+                let c = grid.coord(r).unwrap();
+                for (n, _, v) in list {
+                    let split = specs.iter().find(|s| &s.name == n).map(|s| !matches!(s.tp, TpSplit::Replicated)).unwrap();
+                    let key = (n.clone(), if split { c.tp } else { 0 });
+                    match seen.get(&key) {
+                        Some(first) => assert!(
+                            first.iter().zip(v.iter()).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{name}: copies of {n} differ on rank {r}"
+                        ),
+                        None => {
+                            seen.insert(key, v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn layouts_that_do_not_fit_are_errors_naming_the_numbers() {
+    let full = full_params(&initial_model());
+    let try_dims = |dp, tp, pp| {
+        let dims = ParallelDims { dp, tp, pp };
+        Engine::new(Arc::new(config()), &full, EngineConfig::new(dims, B_G, B_M, SEQ, optim())).err().unwrap().to_string()
+    };
+    let e = try_dims(1, 8, 1);
+    assert!(e.contains("tp = 8") && e.contains("(4)"), "{e}");
+    let e = try_dims(1, 1, 8);
+    assert!(e.contains('8') && e.contains('4'), "{e}");
+    assert!(ParallelDims::new(2, 2, 1, 8).unwrap_err().to_string().contains('8'));
+    let dims = ParallelDims::new(4, 2, 1, 8).unwrap();
+    let e = Engine::new(Arc::new(config()), &full, EngineConfig::new(dims, 12, 2, SEQ, optim())).err().unwrap().to_string();
+    assert!(e.contains("12") && e.contains("4 x 2"), "{e}");
+    let mut engine = Engine::new(Arc::new(config()), &full, EngineConfig::new(dims, B_G, B_M, SEQ, optim())).unwrap();
+    let e = engine.step(vec![0; 5]).unwrap_err().to_string();
+    assert!(e.contains("16 sequences of 33 tokens"), "{e}");
+    let mut bad = batch(0, 2048);
+    bad[7] = 5000;
+    assert!(engine.step(bad).unwrap_err().to_string().contains("5000"));
+    // Bad input is refused before any rank runs: the engine still trains.
+    engine.step(batch(0, 2048)).unwrap();
+}
+
+/// Llama whose stage on one rank panics in its third block.
+struct Faulty {
+    inner: LlamaConfig,
+    tp_rank: usize,
+    stage: usize,
+}
+
+#[derive(Module, Debug)]
+struct FaultyStage {
+    inner: LlamaStage,
+    fail: bool,
+}
+
+impl StageModel for FaultyStage {
+    type Ctx = <LlamaStage as StageModel>::Ctx;
+    fn context(&self, s: usize) -> Self::Ctx {
+        self.inner.context(s)
+    }
+    fn embed(&self, t: Tensor<2, Int>) -> Tensor<3> {
+        self.inner.embed(t)
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn block(&self, i: usize, x: Tensor<3>, ctx: &Self::Ctx) -> Tensor<3> {
+        assert!(!(self.fail && i == 2), "injected fault in block {i}");
+        self.inner.block(i, x, ctx)
+    }
+    fn logits(&self, x: Tensor<3>) -> Tensor<3> {
+        self.inner.logits(x)
+    }
+    fn global_name(&self, p: &str) -> String {
+        self.inner.global_name(p.strip_prefix("inner.").unwrap_or(p))
+    }
+}
+
+impl ParallelLm for Faulty {
+    type Stage = FaultyStage;
+    fn spec(&self) -> ModelSpec {
+        ParallelLm::spec(&self.inner)
+    }
+    fn build_stage(&self, plan: &ShardPlan, src: &mut ShardSource, device: &Device) -> Result<FaultyStage, ShardError> {
+        let inner = self.inner.build_stage(plan, src, device)?;
+        Ok(FaultyStage { inner, fail: plan.tp_rank == self.tp_rank && plan.stage == self.stage })
+    }
+}
+
+#[test]
+fn a_panicking_rank_fails_the_step_with_its_message() {
+    let full = full_params(&initial_model());
+    let dims = ParallelDims::new(2, 2, 2, 8).unwrap();
+    let model = Arc::new(Faulty { inner: config(), tp_rank: 1, stage: 1 });
+    let mut engine = Engine::new(model, &full, EngineConfig::new(dims, B_G, B_M, SEQ, optim())).unwrap();
+    let e = engine.step(batch(0, 2048)).unwrap_err();
+    let grid = RankGrid::new(dims);
+    let failing = [grid.rank(Coord { dp: 0, tp: 1, pp: 1 }), grid.rank(Coord { dp: 1, tp: 1, pp: 1 })];
+    match &e {
+        EngineError::Rank { rank, message } => {
+            assert!(failing.contains(rank), "{e}");
+            assert!(message.contains("injected fault in block 2"), "{e}");
+        }
+        other => panic!("expected a rank failure, got {other}"),
+    }
+    // The engine says it is stopped rather than hanging or training on.
+    assert!(matches!(engine.step(batch(1, 2048)), Err(EngineError::Dead(_))));
+}
