@@ -3,11 +3,15 @@
 //! ```text
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
 //! cargo run --release -p recipes -- bench
+//! cargo run --release -p recipes -- bench --engine
+//! cargo run --release -p recipes -- profile recipes/parallel-tiny.ron
 //! ```
 
 mod bench;
 mod data;
+mod engine_bench;
 mod plot;
+mod profile;
 mod recipe;
 mod run;
 
@@ -55,7 +59,43 @@ enum Cmd {
         /// Skip the PyTorch comparison.
         #[arg(long)]
         no_torch: bool,
+        /// Instead: the parallel engine (all-reduce bandwidth, step time of every layout).
+        #[arg(long)]
+        engine: bool,
     },
+    /// Measure samples/s of every feasible candidate of a recipe's `parallel` section and write
+    /// a throughput profile.
+    Profile {
+        /// The recipe (RON) with a `parallel` section.
+        recipe: PathBuf,
+        /// Output file (default `<output_dir>/<name>-profile.ron`; a CSV is written next to it).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+}
+
+fn run_profile(path: &std::path::Path, out: Option<PathBuf>, quiet: bool) -> ExitCode {
+    let recipe = match recipe::Recipe::load(path) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match profile::profile(&recipe, &profile::ProfileOptions { out, quiet }) {
+        Ok((p, file)) => {
+            print!("{}", profile::table(&p));
+            println!("profile: {} (and .csv)", file.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn run_recipe(path: &std::path::Path, quiet: bool, max_steps: Option<u64>) -> ExitCode {
@@ -95,10 +135,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match (cli.command, cli.recipe) {
         (Some(Cmd::Run { recipe, quiet, max_steps }), _) => run_recipe(&recipe, quiet, max_steps),
-        (Some(Cmd::Bench { steps, warmup, no_torch }), _) => {
+        (Some(Cmd::Bench { steps, engine: true, .. }), _) => {
+            engine_bench::run(steps.max(1));
+            ExitCode::SUCCESS
+        }
+        (Some(Cmd::Bench { steps, warmup, no_torch, engine: false }), _) => {
             bench::run(steps.max(1), warmup, !no_torch);
             ExitCode::SUCCESS
         }
+        (Some(Cmd::Profile { recipe, out, quiet }), _) => run_profile(&recipe, out, quiet),
         (None, Some(recipe)) => run_recipe(&recipe, cli.quiet, cli.max_steps),
         (None, None) => {
             eprintln!("error: give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help");

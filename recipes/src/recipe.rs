@@ -4,7 +4,11 @@
 use std::path::Path;
 
 use copus_burn::OptimConfig;
+use copus_core::candidates::CandidateSpace;
+use copus_core::layout::ParallelDims;
+use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
+use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -114,6 +118,78 @@ fn default_eval_sequences() -> usize {
 }
 
 /// A whole recipe.
+/// A layout written in a recipe.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayoutRecipe {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+}
+
+/// Training on several in-process ranks, and the candidate space copus searches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelRecipe {
+    /// Ranks (threads on this machine).
+    pub world_size: usize,
+    /// The layout to start in.
+    #[serde(default)]
+    pub layout: Option<LayoutRecipe>,
+    /// Pipeline schedule: `OneFOneB` or `GPipe`.
+    #[serde(default = "default_schedule")]
+    pub schedule: ScheduleKind,
+    /// Global batch sizes (sequences) copus may use.
+    pub global_batches: Vec<usize>,
+    /// Micro-batch sizes (sequences) copus may use.
+    pub micro_batches: Vec<usize>,
+    /// Memory per rank for the feasibility check, GiB.
+    #[serde(default = "default_device_memory_gib")]
+    pub device_memory_gib: f64,
+    /// Timed steps per candidate in `recipes profile`.
+    #[serde(default = "default_profile_steps")]
+    pub profile_steps: usize,
+}
+
+fn default_schedule() -> ScheduleKind {
+    ScheduleKind::OneFOneB
+}
+
+fn default_device_memory_gib() -> f64 {
+    16.0
+}
+
+fn default_profile_steps() -> usize {
+    2
+}
+
+impl ParallelRecipe {
+    /// The candidate space of this recipe.
+    pub fn space(&self) -> Result<CandidateSpace, RecipeError> {
+        CandidateSpace::new(
+            self.world_size,
+            self.global_batches.clone(),
+            self.micro_batches.clone(),
+            self.schedule,
+            MemoryModel::fp32(),
+            self.device_memory_gib * GIB,
+        )
+        .map_err(|e| field("parallel", "(..)", e.to_string()))
+    }
+
+    /// The starting layout, checked against the model.
+    pub fn initial_dims(&self, spec: &ModelSpec) -> Result<Option<ParallelDims>, RecipeError> {
+        let Some(l) = self.layout else { return Ok(None) };
+        let dims = ParallelDims::new(l.dp, l.tp, l.pp, self.world_size)
+            .map_err(|e| field("parallel.layout", format!("(dp: {}, tp: {}, pp: {})", l.dp, l.tp, l.pp), e.to_string()))?;
+        dims.check_model(spec).map_err(|e| field("parallel.layout", dims, e.to_string()))?;
+        Ok(Some(dims))
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Recipe {
@@ -132,6 +208,9 @@ pub struct Recipe {
     /// Optimizer, schedule, clipping, noise-scale smoothing.
     #[serde(default)]
     pub optim: OptimConfig,
+    /// Several ranks and the candidate space (for `recipes profile`, layouts and policies).
+    #[serde(default)]
+    pub parallel: Option<ParallelRecipe>,
 }
 
 fn default_output_dir() -> String {
@@ -151,7 +230,9 @@ impl Recipe {
 
     /// Parses and validates recipe text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, RecipeError> {
-        let r: Recipe = ron::from_str(text).map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
+        let r: Recipe = ron::Options::default()
+            .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
+            .from_str(text).map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
         r.validate()?;
         Ok(r)
     }
@@ -195,6 +276,16 @@ impl Recipe {
             }
         if t.eval_sequences == 0 {
             return Err(field("train.eval_sequences", 0, "at least 1"));
+        }
+        if let Some(p) = &self.parallel {
+            if !(1..=64).contains(&p.world_size) {
+                return Err(field("parallel.world_size", p.world_size, "1..=64 in-process ranks"));
+            }
+            if p.profile_steps == 0 {
+                return Err(field("parallel.profile_steps", 0, "at least 1"));
+            }
+            p.space()?;
+            p.initial_dims(&self.model_spec()?)?;
         }
         self.optim.validate().map_err(|e| RecipeError::Field { field: "optim", value: String::new(), allowed: e.to_string() })
     }
@@ -249,5 +340,16 @@ mod tests {
         assert!(e.contains("prest"), "{e}");
         let e = Recipe::parse(&GOOD.replace("name: \"t\"", "name: \"../x\""), "r").unwrap_err().to_string();
         assert!(e.contains("`name`"), "{e}");
+        let par = |p: &str| GOOD.replace("train:", &format!("parallel: ({p}), train:"));
+        let ok = "world_size: 8, layout: Some((dp: 2, tp: 2, pp: 2)), global_batches: [8, 16], micro_batches: [1, 2]";
+        Recipe::parse(&par(ok), "r").unwrap();
+        let e = Recipe::parse(&par(&ok.replace("tp: 2, pp: 2", "tp: 2, pp: 1")), "r").unwrap_err().to_string();
+        assert!(e.contains("parallel.layout") && e.contains('8'), "{e}");
+        let e = Recipe::parse(&par(&ok.replace("dp: 2, tp: 2, pp: 2", "dp: 1, tp: 8, pp: 1")), "r").unwrap_err().to_string();
+        assert!(e.contains("parallel.layout") && e.contains("tp = 8"), "{e}");
+        let e = Recipe::parse(&par(&ok.replace("micro_batches: [1, 2]", "micro_batches: []")), "r").unwrap_err().to_string();
+        assert!(e.contains("micro_batches"), "{e}");
+        let e = Recipe::parse(&par(&ok.replace("world_size: 8", "world_size: 0")), "r").unwrap_err().to_string();
+        assert!(e.contains("parallel.world_size"), "{e}");
     }
 }

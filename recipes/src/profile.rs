@@ -1,0 +1,164 @@
+//! `recipes profile RECIPE`: measures samples/s of every feasible (layout, B_g, B_m) candidate
+//! of a recipe's `parallel` section on this machine, with the 3D-parallel engine on in-process
+//! ranks, and writes a copus-core `ThroughputProfile` (RON, plus CSV next to it).
+//!
+//! Step time does not depend on token values, so the profile uses synthetic tokens and needs no
+//! corpus.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::Device;
+use copus_burn::{Engine, EngineConfig, OptimConfig};
+use copus_core::candidates::Candidate;
+use copus_core::throughput::{ProfileEntry, ThroughputProfile};
+use copus_models::{LlamaConfig, full_params};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::recipe::Recipe;
+
+/// Options of a profiling run.
+pub struct ProfileOptions {
+    /// Where to write the profile (default `<output_dir>/<name>-profile.ron`).
+    pub out: Option<PathBuf>,
+    /// No progress bar.
+    pub quiet: bool,
+}
+
+/// Synthetic batch of `b` sequences of `seq + 1` tokens below `vocab`.
+pub fn synthetic_batch(b: usize, seq: usize, vocab: usize, salt: usize) -> Vec<i64> {
+    (0..b * (seq + 1)).map(|j| ((j * 2_654_435_761 + salt * 97) % vocab) as i64).collect()
+}
+
+/// Seconds per step of one candidate: one untimed step, then `steps` timed ones.
+pub fn time_candidate(cfg: &LlamaConfig, full: &copus_burn::parallel::FullParams, c: &Candidate, seq: usize, steps: usize) -> Result<f64, String> {
+    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim);
+    let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec).map_err(|e| e.to_string())?;
+    let vocab = cfg.vocab_size;
+    engine.step(synthetic_batch(c.global_batch, seq, vocab, 0)).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    for i in 0..steps {
+        engine.step(synthetic_batch(c.global_batch, seq, vocab, i + 1)).map_err(|e| e.to_string())?;
+    }
+    Ok(t.elapsed().as_secs_f64() / steps as f64)
+}
+
+/// Profiles the recipe's candidate space; returns the profile and where it was written.
+pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> Result<(ThroughputProfile, PathBuf), String> {
+    let par = recipe.parallel.as_ref().ok_or_else(|| {
+        format!(
+            "recipe `{}` has no `parallel` section; add one, e.g. parallel: (world_size: 8, global_batches: [8, 16], micro_batches: [1, 2])",
+            recipe.name
+        )
+    })?;
+    let spec = recipe.model_spec().map_err(|e| e.to_string())?;
+    let space = par.space().map_err(|e| e.to_string())?;
+    let enumeration = space.enumerate(&spec);
+    if enumeration.feasible.is_empty() {
+        let reasons: Vec<String> =
+            enumeration.rejected.iter().take(5).map(|r| format!("{} B_g={} B_m={}: {}", r.dims, r.global_batch, r.micro_batch, r.reason)).collect();
+        return Err(format!("no feasible candidate in the recipe's space; for example {}", reasons.join("; ")));
+    }
+    let cfg = LlamaConfig::from_spec(&spec);
+    let device = Device::flex().autodiff();
+    device.seed(recipe.train.seed);
+    let full = full_params(&cfg.init(&device));
+    let bar = if opts.quiet { ProgressBar::hidden() } else { ProgressBar::new(enumeration.feasible.len() as u64) };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} profile [{bar:30}] {pos}/{len} {msg} (eta {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut entries = Vec::with_capacity(enumeration.feasible.len());
+    for c in &enumeration.feasible {
+        bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
+        let secs = time_candidate(&cfg, &full, c, spec.seq_len, par.profile_steps)?;
+        entries.push(ProfileEntry {
+            dp: c.dims.dp,
+            tp: c.dims.tp,
+            pp: c.dims.pp,
+            global_batch: c.global_batch,
+            micro_batch: c.micro_batch,
+            samples_per_sec: c.global_batch as f64 / secs,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let hardware = format!("this machine: {cores} CPU cores, {} in-process ranks (Flex)", par.world_size);
+    let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries).map_err(|e| e.to_string())?;
+    let out = opts.out.clone().unwrap_or_else(|| Path::new(&recipe.output_dir).join(format!("{}-profile.ron", recipe.name)));
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    write_atomic(&out, &profile.to_ron())?;
+    write_atomic(&out.with_extension("csv"), &profile.to_csv())?;
+    Ok((profile, out))
+}
+
+fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// The profile as a Markdown table, best layout per B_g marked.
+pub fn table(profile: &ThroughputProfile) -> String {
+    let mut rows: Vec<&ProfileEntry> = profile.entries().iter().collect();
+    rows.sort_by(|a, b| (a.global_batch, a.micro_batch, a.dp, a.tp, a.pp).cmp(&(b.global_batch, b.micro_batch, b.dp, b.tp, b.pp)));
+    let mut out = String::from("| B_g | B_m | layout | samples/s | best for B_g |\n|---:|---:|---|---:|:---:|\n");
+    for e in rows {
+        let best = profile.best_layout(e.global_batch).is_some_and(|(d, m, _)| d.dp == e.dp && d.tp == e.tp && d.pp == e.pp && m == e.micro_batch);
+        out.push_str(&format!(
+            "| {} | {} | dp{},tp{},pp{} | {:.2} | {} |\n",
+            e.global_batch,
+            e.micro_batch,
+            e.dp,
+            e.tp,
+            e.pp,
+            e.samples_per_sec,
+            if best { "*" } else { "" }
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profiles_a_small_space_and_writes_a_profile_that_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!(
+            r#"(
+                name: "p",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(16)),
+                train: (global_batch: 4, micro_batch: 1, max_steps: 1),
+                parallel: (world_size: 2, global_batches: [2, 4], micro_batches: [1, 2], profile_steps: 1),
+            )"#,
+            dir.path().display()
+        );
+        let recipe = Recipe::parse(&text, "p").unwrap();
+        let (profile, path) = profile(&recipe, &ProfileOptions { out: None, quiet: true }).unwrap();
+        // Layouts of 2 ranks: dp2, tp2, pp2. B_g=2 with dp2 needs B_m=1; everything else fits.
+        let expected = recipe.parallel.as_ref().unwrap().space().unwrap().enumerate(&recipe.model_spec().unwrap()).feasible.len();
+        assert_eq!(profile.entries().len(), expected);
+        assert!(expected >= 9, "{expected}");
+        assert!(profile.entries().iter().all(|e| e.samples_per_sec > 0.0 && e.samples_per_sec.is_finite()));
+        let back = ThroughputProfile::from_ron(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(back.entries().len(), expected);
+        assert!(path.with_extension("csv").exists());
+        assert!(table(&back).contains("| 4 | 2 |"));
+    }
+
+    #[test]
+    fn a_recipe_without_a_parallel_section_is_an_error_that_says_what_to_add() {
+        let recipe = Recipe::parse(r#"(name: "p", model: (preset: "tiny-1m"), train: (global_batch: 4, micro_batch: 1, max_steps: 1))"#, "p").unwrap();
+        let e = profile(&recipe, &ProfileOptions { out: None, quiet: true }).unwrap_err();
+        assert!(e.contains("parallel") && e.contains("world_size"), "{e}");
+    }
+}
