@@ -293,6 +293,56 @@ impl ThreadComm {
     }
 }
 
+/// What a rank deposits for an in-place all-reduce: its buffer's address and length, and a
+/// counter of ranks that have finished writing (rank 0's is used).
+struct InPlace {
+    addr: usize,
+    len: usize,
+    done: Arc<AtomicU64>,
+}
+
+impl ThreadComm {
+    /// Large all-reduce without copies: ranks exchange buffer addresses, rank `r` reduces chunk
+    /// `r` across every buffer (in rank order) and writes the result into every buffer, then all
+    /// wait until every chunk is written. Each rank reads and writes about one buffer's worth.
+    ///
+    /// Safety argument: buffers stay borrowed (`&mut`) by their owners, who do not return until
+    /// every rank has finished writing (the `done` count reaches n, with no abort exit: once the
+    /// addresses are exchanged, no rank can block before writing). Chunks are disjoint, so no
+    /// two ranks touch the same element.
+    fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let n = self.size();
+        let mine = InPlace { addr: buf.as_mut_ptr() as usize, len: buf.len(), done: Arc::new(AtomicU64::new(0)) };
+        let all = self.exchange(Arc::new(mine))?;
+        let views: Vec<&InPlace> = all.iter().map(|p| p.downcast_ref::<InPlace>().expect("in-place deposit")).collect();
+        if let Some((r, v)) = views.iter().enumerate().find(|(_, v)| v.len != buf.len()) {
+            // Every rank sees the same mismatch and returns before touching any buffer.
+            return Err(CommError::Mismatch {
+                op: "all_reduce",
+                detail: format!("rank {r} passed {} elements, this rank {}", v.len, buf.len()),
+            });
+        }
+        for j in chunk_range(buf.len(), n, self.rank) {
+            // SAFETY: see the function comment; `j` lies in this rank's chunk of every buffer.
+            unsafe {
+                let mut acc = *(views[0].addr as *const T).add(j);
+                for v in &views[1..] {
+                    acc = combine(op, acc, *(v.addr as *const T).add(j));
+                }
+                for v in &views {
+                    *(v.addr as *mut T).add(j) = acc;
+                }
+            }
+        }
+        let done = &views[0].done;
+        done.fetch_add(1, Ordering::AcqRel);
+        while done.load(Ordering::Acquire) < n as u64 {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+}
+
 /// Buffers up to this many elements are reduced whole by every rank (one rendezvous); larger
 /// ones are reduced chunk-wise, each rank its chunk, then gathered (two rendezvous, ~1/n of the
 /// arithmetic per rank).
@@ -312,20 +362,13 @@ impl Collective for ThreadComm {
         if n == 1 {
             return Ok(());
         }
-        let all = self.exchange_vec("all_reduce", buf.to_vec())?;
-        Self::check_lengths("all_reduce", &all, buf.len())?;
         if buf.len() <= SMALL {
+            let all = self.exchange_vec("all_reduce", buf.to_vec())?;
+            Self::check_lengths("all_reduce", &all, buf.len())?;
             buf.copy_from_slice(&Self::reduce_range(&all, 0..buf.len(), op));
             return Ok(());
         }
-        let mine = Self::reduce_range(&all, chunk_range(buf.len(), n, self.rank), op);
-        drop(all);
-        let chunks = self.exchange_vec("all_reduce", mine)?;
-        let len = buf.len();
-        for (i, c) in chunks.iter().enumerate() {
-            buf[chunk_range(len, n, i)].copy_from_slice(c);
-        }
-        Ok(())
+        self.all_reduce_in_place(buf, op)
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
