@@ -479,7 +479,29 @@ impl Collective for ThreadComm {
     }
 }
 
+/// Lets a rank's thread abort its world after the communicator itself was moved away.
+pub struct AbortHandle {
+    world: Arc<World>,
+    rank: usize,
+}
+
+impl AbortHandle {
+    /// Marks the world failed with this rank's message.
+    pub fn abort(&self, message: &str) {
+        let mut f = lock(&self.world.failure);
+        if f.is_none() {
+            *f = Some((self.rank, message.to_string()));
+        }
+        self.world.aborted.store(true, Ordering::Release);
+    }
+}
+
 impl ThreadComm {
+    /// A handle that can abort this world later.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { world: self.world.clone(), rank: self.world_rank() }
+    }
+
     /// World size (all ranks, not just this group).
     pub fn world_size(&self) -> usize {
         self.world.size

@@ -32,15 +32,16 @@ use copus_core::gns::{GnsEstimator, StepStats};
 use copus_core::layout::{Axis, ParallelDims, RankGrid};
 use copus_core::model::{ParamSpec, Placement, TpSplit};
 use copus_core::schedule::{Action, ScheduleKind, build as build_schedule};
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::collective::{Collective, CommError, ReduceOp, ThreadComm};
 use crate::grads;
-use crate::parallel::{FullParams, ParallelLm, ShardError, ShardPlan, StageModel, shards_for, unshard};
+use crate::parallel::{FullParams, ParallelLm, ShardError, ShardPlan, ShardSource, StageModel, unshard};
 use crate::trainer::{OptimConfig, StepMetrics, TrainError, adamw_optimizer};
 
 /// How the engine runs.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EngineConfig {
     /// The layout.
     pub dims: ParallelDims,
@@ -69,7 +70,7 @@ impl EngineConfig {
         self.global_batch / (self.dims.dp * self.micro_batch)
     }
 
-    fn validate(&self) -> Result<(), EngineError> {
+    pub(crate) fn validate(&self) -> Result<(), EngineError> {
         let (b, m, dp) = (self.global_batch, self.micro_batch, self.dims.dp);
         if m == 0 || b == 0 || self.seq_len == 0 {
             return Err(EngineError::Batch(format!(
@@ -118,6 +119,29 @@ pub enum EngineError {
         /// Its message.
         message: String,
     },
+    /// A rank's loaded state does not match the staged state.
+    #[error("verification failed: {0}")]
+    Verify(String),
+    /// A reconfiguration failed at `phase` and the engine went back to its old configuration.
+    #[error("reconfiguration to {target} failed at {phase:?} ({message}); rolled back to {restored}, nothing lost")]
+    RolledBack {
+        /// Where it failed.
+        phase: ReconfigPhase,
+        /// The error.
+        message: String,
+        /// The configuration asked for.
+        target: String,
+        /// The configuration running again.
+        restored: String,
+    },
+    /// Reading or writing a checkpoint.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// File.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
     /// The engine failed earlier and must be rebuilt.
     #[error("the engine stopped after an earlier failure: {0}")]
     Dead(String),
@@ -138,12 +162,16 @@ pub type RankParams = Vec<(String, Vec<usize>, Vec<f32>)>;
 enum Command {
     Step(Arc<Vec<i64>>),
     Params,
+    Export,
+    SetBatch { global_batch: usize, micro_batch: usize },
     Stop,
 }
 
 enum Reply {
-    Step(EngineStep),
+    Step(Box<EngineStep>),
     Params(RankParams),
+    Export(Box<RankExport>),
+    Done,
 }
 
 /// A rank's failure: `origin` is false when it only saw another rank's abort.
@@ -157,72 +185,174 @@ struct WorkerHandle {
     thread: Option<JoinHandle<()>>,
 }
 
+type Replies = Receiver<(usize, Result<Reply, RankFailure>)>;
+
+/// The running ranks of one layout.
+pub(crate) struct Cluster {
+    workers: Vec<WorkerHandle>,
+    replies: Replies,
+}
+
+impl Cluster {
+    fn stop(&mut self) {
+        for w in &self.workers {
+            let _ = w.commands.send(Command::Stop);
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Where a reconfiguration can fail (for tests of the rollback).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReconfigPhase {
+    /// After the state is staged in host memory and the old ranks are stopped.
+    AfterStaging,
+    /// While the new ranks build their process groups.
+    GroupRebuild,
+    /// While the new ranks load their shards and optimizer state.
+    Load,
+    /// When the loaded state is checked against the staged one.
+    Verify,
+}
+
+/// What a rank starts from.
+pub(crate) struct RankInit {
+    pub(crate) plan: ShardPlan,
+    pub(crate) source: ShardSource,
+    pub(crate) resume: RankResume,
+    pub(crate) fault: Option<ReconfigPhase>,
+}
+
+/// Training state a rank resumes with (empty for a fresh start).
+#[derive(Default)]
+pub(crate) struct RankResume {
+    /// (global name, field, local shape, values) of optimizer state tensors.
+    pub(crate) optim: Vec<(String, String, Vec<usize>, Vec<f32>)>,
+    /// (global name, field, value) of optimizer state scalars.
+    pub(crate) scalars: Vec<(String, String, burn_pack::Scalar)>,
+    /// Local shards of the previous step's gradient (n == 1 probe).
+    pub(crate) previous: Option<HashMap<String, Vec<f32>>>,
+    pub(crate) step: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) gns: Option<GnsEstimator>,
+}
+
+/// What a rank of dp replica 0 hands back for staging (other replicas hold copies).
+pub(crate) struct RankExport {
+    pub(crate) params: Vec<(String, Vec<f32>)>,
+    pub(crate) optim: Vec<(String, String, Vec<f32>)>,
+    pub(crate) scalars: Vec<(String, String, burn_pack::Scalar)>,
+    pub(crate) previous: Option<Vec<(String, Vec<f32>)>>,
+    pub(crate) step: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) gns: GnsEstimator,
+}
+
 /// The parallel trainer.
 pub struct Engine<L: ParallelLm> {
-    model: Arc<L>,
-    cfg: EngineConfig,
-    specs: Vec<ParamSpec>,
-    grid: RankGrid,
-    workers: Vec<WorkerHandle>,
-    replies: Receiver<(usize, Result<Reply, RankFailure>)>,
-    dead: Option<String>,
-    gns: GnsEstimator,
-    steps_done: u64,
+    pub(crate) model: Arc<L>,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) specs: Vec<ParamSpec>,
+    cluster: Option<Cluster>,
+    pub(crate) dead: Option<String>,
+    pub(crate) gns: GnsEstimator,
+    pub(crate) steps_done: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) fault: Option<ReconfigPhase>,
 }
 
 impl<L: ParallelLm> Engine<L> {
     /// Starts one worker per rank of `cfg.dims`, each holding its shard of `full`.
     pub fn new(model: Arc<L>, full: &FullParams, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let state = crate::reconfig::TrainingState::fresh(&model.spec(), full, cfg.optim.gns_theta)?;
+        Self::from_state(model, &state, cfg)
+    }
+
+    /// Starts the ranks of `cfg.dims` from a staged or loaded training state (any layout's).
+    pub fn from_state(model: Arc<L>, state: &crate::reconfig::TrainingState, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let specs = model.spec().param_specs();
+        let mut engine = Self {
+            model,
+            cfg,
+            specs,
+            cluster: None,
+            dead: None,
+            gns: state.gns.clone(),
+            steps_done: state.step,
+            tokens_seen: state.tokens_seen,
+            fault: None,
+        };
+        let cluster = engine.launch(state, &engine.cfg.clone(), None)?;
+        engine.cluster = Some(cluster);
+        Ok(engine)
+    }
+
+    /// Checks `cfg` against the model and starts its ranks from `state`; verifies what each rank
+    /// loaded against `state` (element counts and checksums of every parameter and optimizer
+    /// tensor).
+    pub(crate) fn launch(
+        &self,
+        state: &crate::reconfig::TrainingState,
+        cfg: &EngineConfig,
+        fault: Option<ReconfigPhase>,
+    ) -> Result<Cluster, EngineError> {
         cfg.validate()?;
-        let spec = model.spec();
+        let spec = self.model.spec();
         let dims = cfg.dims;
         dims.check_model(&spec).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
-        let specs = spec.param_specs();
         let grid = RankGrid::new(dims);
         let world = dims.world_size();
-        // Cut every rank's shards up front so a bad parameter set fails here, not in a thread.
-        let mut sources = Vec::with_capacity(world);
+        let mut inits = Vec::with_capacity(world);
+        let mut expected = Vec::with_capacity(world);
         for r in 0..world {
             let c = grid.coord(r).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
             let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
-            sources.push((plan.clone(), shards_for(&specs, full, &plan)?));
+            let (source, resume, hashes) = state.rank_init(&self.specs, &plan)?;
+            expected.push(hashes);
+            // Inject a fault on the last rank only: the others must be released, not hang.
+            let fault = fault.filter(|_| r + 1 == world);
+            inits.push(RankInit { plan, source, resume, fault });
         }
         let (reply_tx, replies) = channel();
         let comms = ThreadComm::world(world);
         let (ready_tx, ready_rx) = channel();
         let mut workers = Vec::with_capacity(world);
-        for ((r, comm), (plan, mut source)) in comms.into_iter().enumerate().zip(sources) {
+        for ((r, comm), init) in comms.into_iter().enumerate().zip(inits) {
             let (tx, rx) = channel::<Command>();
-            let model = model.clone();
+            let model = self.model.clone();
             let cfg = cfg.clone();
-            let specs = specs.clone();
+            let specs = self.specs.clone();
             let reply_tx = reply_tx.clone();
             let ready_tx = ready_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("copus-rank-{r}"))
                 .spawn(move || {
-                    let built = catch_unwind(AssertUnwindSafe(|| {
-                        let device = Device::flex().autodiff();
-                        let stage = model.build_stage(&plan, &mut source, &device)?;
-                        let left = source.remaining();
-                        if !left.is_empty() {
-                            return Err(EngineError::Shard(ShardError::Layout(format!(
-                                "the model's stage builder did not take {left:?}"
-                            ))));
-                        }
-                        RankState::<L>::new(r, comm, plan, stage, specs, cfg, device)
-                    }));
+                    let aborter = comm.abort_handle();
+                    let built = catch_unwind(AssertUnwindSafe(|| RankState::<L>::start(r, comm, init, &*model, specs, cfg)));
                     let state = match built {
-                        Ok(Ok(s)) => {
-                            let _ = ready_tx.send((r, Ok(())));
+                        Ok(Ok((s, hashes))) => {
+                            let _ = ready_tx.send((r, Ok(hashes)));
                             s
                         }
                         Ok(Err(e)) => {
+                            aborter.abort(&e.to_string());
                             let _ = ready_tx.send((r, Err(e)));
                             return;
                         }
                         Err(p) => {
-                            let _ = ready_tx.send((r, Err(EngineError::Rank { rank: r, message: panic_message(&p) })));
+                            let message = panic_message(&p);
+                            aborter.abort(&message);
+                            let _ = ready_tx.send((r, Err(EngineError::Rank { rank: r, message })));
                             return;
                         }
                     };
@@ -232,12 +362,20 @@ impl<L: ParallelLm> Engine<L> {
             workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
         }
         drop(ready_tx);
-        let mut first_error = None;
+        let cluster = Cluster { workers, replies };
+        let mut first_error: Option<EngineError> = None;
+        let mut first_secondary = false;
+        let mut reported: Vec<Option<Vec<(String, u64)>>> = vec![None; world];
         for _ in 0..world {
             match ready_rx.recv() {
-                Ok((_, Ok(()))) => {}
+                Ok((r, Ok(h))) => reported[r] = Some(h),
                 Ok((_, Err(e))) => {
-                    first_error.get_or_insert(e);
+                    // Prefer a rank's own failure over another rank's report of the abort.
+                    let secondary = matches!(&e, EngineError::Rank { message, .. } if message.starts_with("rank ") && message.contains(" failed: "));
+                    if first_error.is_none() || (first_secondary && !secondary) {
+                        first_error = Some(e);
+                        first_secondary = secondary;
+                    }
                 }
                 Err(_) => {
                     first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
@@ -245,12 +383,24 @@ impl<L: ParallelLm> Engine<L> {
                 }
             }
         }
-        let gns = GnsEstimator::new(cfg.optim.gns_theta).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
-        let engine = Self { model, cfg, specs, grid, workers, replies, dead: None, gns, steps_done: 0 };
-        match first_error {
-            Some(e) => Err(e), // dropping `engine` stops the ranks that did start
-            None => Ok(engine),
+        if let Some(e) = first_error {
+            return Err(e); // dropping `cluster` stops the ranks that did start
         }
+        for (r, (want, got)) in expected.iter_mut().zip(&reported).enumerate() {
+            let mut got = got.clone().unwrap_or_default();
+            if fault == Some(ReconfigPhase::Verify) && r + 1 == world {
+                if let Some(first) = got.first_mut() {
+                    first.1 ^= 1;
+                }
+            }
+            got.sort();
+            want.sort();
+            if &got != want {
+                let diff = want.iter().find(|w| !got.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
+                return Err(EngineError::Verify(format!("rank {r}: {diff} does not match the staged state")));
+            }
+        }
+        Ok(cluster)
     }
 
     /// The configuration.
@@ -273,22 +423,29 @@ impl<L: ParallelLm> Engine<L> {
         &self.gns
     }
 
+    /// Makes the next layout change fail at `phase` (tests of the rollback).
+    #[doc(hidden)]
+    pub fn inject_fault(&mut self, phase: Option<ReconfigPhase>) {
+        self.fault = phase;
+    }
+
     fn broadcast(&mut self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
         if let Some(d) = &self.dead {
             return Err(EngineError::Dead(d.clone()));
         }
-        for (r, w) in self.workers.iter().enumerate() {
+        let Some(cluster) = self.cluster.as_ref() else { return Err(EngineError::Dead("no ranks are running".into())) };
+        for (r, w) in cluster.workers.iter().enumerate() {
             if w.commands.send(make()).is_err() {
                 let msg = format!("rank {r} is gone");
                 self.dead = Some(msg.clone());
                 return Err(EngineError::Dead(msg));
             }
         }
-        let n = self.workers.len();
+        let n = cluster.workers.len();
         let mut out: Vec<Option<Reply>> = (0..n).map(|_| None).collect();
         let mut failure: Option<(usize, RankFailure)> = None;
         for _ in 0..n {
-            match self.replies.recv() {
+            match cluster.replies.recv() {
                 Ok((r, Ok(reply))) => out[r] = Some(reply),
                 Ok((r, Err(f))) => {
                     let better = match &failure {
@@ -338,7 +495,8 @@ impl<L: ParallelLm> Engine<L> {
         }
         self.gns.observe(&step.stats).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
         self.steps_done += 1;
-        Ok(step)
+        self.tokens_seen = step.metrics.tokens_seen;
+        Ok(*step)
     }
 
     /// Every rank's parameters, in rank order.
@@ -348,15 +506,56 @@ impl<L: ParallelLm> Engine<L> {
             .into_iter()
             .map(|r| match r {
                 Reply::Params(p) => p,
-                Reply::Step(_) => unreachable!("params reply"),
+                _ => unreachable!("params reply"),
             })
             .collect())
+    }
+
+    /// Every rank's staging export, in rank order.
+    pub(crate) fn export(&mut self) -> Result<Vec<RankExport>, EngineError> {
+        let replies = self.broadcast(|| Command::Export)?;
+        Ok(replies
+            .into_iter()
+            .map(|r| match r {
+                Reply::Export(e) => *e,
+                _ => unreachable!("export reply"),
+            })
+            .collect())
+    }
+
+    /// Changes B_g and B_m without touching the layout: only the data split, the accumulation
+    /// count and the learning rate (through the LR rule) change; weights and every optimizer
+    /// moment stay where they are.
+    pub(crate) fn set_batch(&mut self, global_batch: usize, micro_batch: usize) -> Result<(), EngineError> {
+        let cfg = EngineConfig { global_batch, micro_batch, ..self.cfg.clone() };
+        cfg.validate()?;
+        self.broadcast(|| Command::SetBatch { global_batch, micro_batch })?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
+    /// The rank grid of the running layout.
+    pub(crate) fn grid(&self) -> RankGrid {
+        RankGrid::new(self.cfg.dims)
+    }
+
+    /// Stops the running ranks.
+    pub(crate) fn stop_cluster(&mut self) {
+        if let Some(mut c) = self.cluster.take() {
+            c.stop();
+        }
+    }
+
+    pub(crate) fn set_cluster(&mut self, c: Cluster) {
+        self.cluster = Some(c);
+        self.dead = None;
     }
 
     /// The full parameters, reassembled from dp replica 0's shards.
     pub fn gather(&mut self) -> Result<HashMap<String, Vec<f32>>, EngineError> {
         let per_rank = self.rank_params()?;
         let dims = self.cfg.dims;
+        let grid = self.grid();
         let mut out = HashMap::new();
         let num_layers = self.model.spec().num_layers;
         for spec in &self.specs {
@@ -367,7 +566,7 @@ impl<L: ParallelLm> Engine<L> {
             };
             let mut shards = Vec::with_capacity(dims.tp);
             for t in 0..dims.tp {
-                let r = self.grid.rank(copus_core::layout::Coord { dp: 0, tp: t, pp: stage });
+                let r = grid.rank(copus_core::layout::Coord { dp: 0, tp: t, pp: stage });
                 let (_, _, v) = per_rank[r]
                     .iter()
                     .find(|(n, _, _)| n == &spec.name)
@@ -377,19 +576,6 @@ impl<L: ParallelLm> Engine<L> {
             out.insert(spec.name.clone(), unshard(spec, &shards, dims.tp)?);
         }
         Ok(out)
-    }
-}
-
-impl<L: ParallelLm> Drop for Engine<L> {
-    fn drop(&mut self) {
-        for w in &self.workers {
-            let _ = w.commands.send(Command::Stop);
-        }
-        for w in &mut self.workers {
-            if let Some(t) = w.thread.take() {
-                let _ = t.join();
-            }
-        }
     }
 }
 
@@ -408,8 +594,14 @@ fn worker_loop<L: ParallelLm>(mut state: RankState<L>, rx: Receiver<Command>, tx
     while let Ok(cmd) = rx.recv() {
         let result = match cmd {
             Command::Stop => return,
-            Command::Step(batch) => catch_unwind(AssertUnwindSafe(|| state.step(&batch).map(Reply::Step))),
+            Command::Step(batch) => catch_unwind(AssertUnwindSafe(|| state.step(&batch).map(|s| Reply::Step(Box::new(s))))),
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
+            Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
+            Command::SetBatch { global_batch, micro_batch } => {
+                state.cfg.global_batch = global_batch;
+                state.cfg.micro_batch = micro_batch;
+                Ok(Ok(Reply::Done))
+            }
         };
         let out = match result {
             Ok(Ok(reply)) => Ok(reply),
@@ -488,6 +680,8 @@ struct RankState<L: ParallelLm> {
     stage: Option<L::Stage>,
     params: Vec<ParamInfo>,
     names: HashMap<ParamId, String>,
+    /// Each parameter's path inside the stage module.
+    paths: HashMap<ParamId, String>,
     optim: ModuleOptimizer,
     cfg: EngineConfig,
     gns: GnsEstimator,
@@ -517,9 +711,50 @@ fn host(t: Tensor<3>) -> Vec<f32> {
 }
 
 impl<L: ParallelLm> RankState<L> {
+    /// Builds this rank: process groups, the stage from its shards, the optimizer and the rest
+    /// of the training state; returns checksums of what it loaded.
+    fn start(
+        rank: usize,
+        world: ThreadComm,
+        init: RankInit,
+        model: &L,
+        specs: Vec<ParamSpec>,
+        cfg: EngineConfig,
+    ) -> Result<(Self, Vec<(String, u64)>), EngineError> {
+        let RankInit { plan, mut source, resume, fault } = init;
+        let dims = cfg.dims;
+        let grid = RankGrid::new(dims);
+        let comm_err = |e: CommError| EngineError::Rank { rank, message: e.to_string() };
+        if fault == Some(ReconfigPhase::GroupRebuild) {
+            return Err(EngineError::Rank { rank, message: "injected failure while building process groups".into() });
+        }
+        let split = |axis: Axis| world.split(&grid.groups(axis));
+        let tp = split(Axis::Tp).map_err(comm_err)?;
+        let dp = split(Axis::Dp).map_err(comm_err)?;
+        let pp = split(Axis::Pp).map_err(comm_err)?;
+        let mp_groups: Vec<Vec<usize>> =
+            (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
+        let mp = world.split(&mp_groups).map_err(comm_err)?;
+        if fault == Some(ReconfigPhase::Load) {
+            return Err(EngineError::Rank { rank, message: "injected failure while loading shards".into() });
+        }
+        let device = Device::flex().autodiff();
+        let stage = model.build_stage(&plan, &mut source, &device)?;
+        let left = source.remaining();
+        if !left.is_empty() {
+            return Err(EngineError::Shard(ShardError::Layout(format!("the model's stage builder did not take {left:?}"))));
+        }
+        let mut state = Self::new(rank, world, (tp, dp, pp, mp), plan, stage, specs, cfg, device)?;
+        state.resume(resume)?;
+        let hashes = state.checksums()?;
+        Ok((state, hashes))
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn new(
         rank: usize,
         world: ThreadComm,
+        (tp, dp, pp, mp): (ThreadComm, ThreadComm, ThreadComm, ThreadComm),
         plan: ShardPlan,
         stage: L::Stage,
         specs: Vec<ParamSpec>,
@@ -528,18 +763,11 @@ impl<L: ParallelLm> RankState<L> {
     ) -> Result<Self, EngineError> {
         let dims = cfg.dims;
         let grid = RankGrid::new(dims);
-        let split = |axis: Axis| world.split(&grid.groups(axis));
-        let comm_err = |e: CommError| EngineError::Rank { rank, message: e.to_string() };
-        let tp = split(Axis::Tp).map_err(comm_err)?;
-        let dp = split(Axis::Dp).map_err(comm_err)?;
-        let pp = split(Axis::Pp).map_err(comm_err)?;
-        let mp_groups: Vec<Vec<usize>> =
-            (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
-        let mp = world.split(&mp_groups).map_err(comm_err)?;
         let dp_rank = grid.coord(rank).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?.dp;
         let by_name: HashMap<&str, &ParamSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
         let mut params = Vec::new();
         let mut names = HashMap::new();
+        let mut paths = HashMap::new();
         struct Ids {
             path: Vec<String>,
             out: Vec<(String, ParamId, Vec<usize>)>,
@@ -578,6 +806,7 @@ impl<L: ParallelLm> RankState<L> {
                 vocab_local = rows;
                 vocab_start = plan.tp_rank * rows;
             }
+            paths.insert(id, local.clone());
             names.insert(id, name);
         }
         let optim = adamw_optimizer(&cfg.optim, &stage.no_decay_predicates());
@@ -594,6 +823,7 @@ impl<L: ParallelLm> RankState<L> {
             stage: Some(stage),
             params,
             names,
+            paths,
             optim,
             cfg,
             gns,
@@ -605,6 +835,135 @@ impl<L: ParallelLm> RankState<L> {
             vocab_start,
             vocab_local,
         })
+    }
+
+    /// Restores optimizer state, counters, the estimator and the previous gradient.
+    fn resume(&mut self, r: RankResume) -> Result<(), EngineError> {
+        self.step = r.step;
+        self.tokens_seen = r.tokens_seen;
+        if let Some(g) = r.gns {
+            self.gns = g;
+        }
+        let ids: HashMap<String, ParamId> = self.names.iter().map(|(id, n)| (n.clone(), *id)).collect();
+        let id_of = |name: &str| {
+            ids.get(name).copied().ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("optimizer state for `{name}` has no parameter here"))))
+        };
+        if !r.optim.is_empty() || !r.scalars.is_empty() {
+            let mut tensors = Vec::with_capacity(r.optim.len());
+            for (name, field, shape, values) in r.optim {
+                let id = id_of(&name)?.val();
+                let (bytes, shape, dtype) = TensorData::new(values, shape).into_parts();
+                tensors.push(burn_pack::Tensor::new(format!("{id}.{field}"), dtype, shape, Some(id), bytes));
+            }
+            let mut w = burn_pack::Writer::new(tensors);
+            for (name, field, v) in r.scalars {
+                w = w.with_scalar(&format!("{}.{field}", id_of(&name)?.val()), v);
+            }
+            for (id, path) in &self.paths {
+                w = w.with_metadata(&id.val().to_string(), path);
+            }
+            let bytes = w.into_bytes().map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e:?}") })?;
+            let fresh = adamw_optimizer(&self.cfg.optim, &self.stage().no_decay_predicates());
+            self.optim = fresh.from_bytes(bytes).map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e}") })?;
+        }
+        if let Some(prev) = r.previous {
+            let mut g = GradientsParams::new();
+            for (name, values) in prev {
+                let id = id_of(&name)?;
+                self.register_named(&mut g, id, values);
+            }
+            self.previous = Some(g);
+        }
+        Ok(())
+    }
+
+    fn register_named(&self, g: &mut GradientsParams, id: ParamId, values: Vec<f32>) {
+        struct V<'a> {
+            g: &'a mut GradientsParams,
+            id: ParamId,
+            values: Option<Vec<f32>>,
+            device: Device,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if p.id == self.id {
+                    if let Some(v) = self.values.take() {
+                        let data = TensorData::new(v, p.val().shape());
+                        self.g.register::<D>(p.id, Tensor::from_data(data, &self.device));
+                    }
+                }
+            }
+        }
+        let device = self.device.clone().inner();
+        self.stage().visit(&mut V { g, id, values: Some(values), device });
+    }
+
+    /// Optimizer state as (global name, field, shape, values) tensors and (name, field, value)
+    /// scalars.
+    #[allow(clippy::type_complexity)]
+    fn optim_entries(&self) -> Result<(Vec<(String, String, Vec<usize>, Vec<f32>)>, Vec<(String, String, burn_pack::Scalar)>), RankError> {
+        let fail = |e: String| RankError::Train(TrainError::Batch(format!("optimizer state: {e}")));
+        let bytes = self.optim.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| fail(format!("{e:?}")))?;
+        let name_of = |key: &str| -> Result<(String, String), RankError> {
+            let (id, field) = key.split_once('.').ok_or_else(|| fail(format!("unexpected key {key}")))?;
+            let id = ParamId::from(id.parse::<u64>().map_err(|_| fail(format!("unexpected key {key}")))?);
+            let name = self.names.get(&id).ok_or_else(|| fail(format!("state for an unknown parameter {key}")))?;
+            Ok((name.clone(), field.to_string()))
+        };
+        let mut scalars = Vec::new();
+        for (k, v) in reader.scalars() {
+            let (name, field) = name_of(k)?;
+            scalars.push((name, field, *v));
+        }
+        let mut tensors = Vec::new();
+        for t in reader.into_tensors().map_err(|e| fail(format!("{e:?}")))? {
+            let (key, dtype, shape, _, bytes) = t.into_parts().map_err(|e| fail(format!("{e:?}")))?;
+            let (name, field) = name_of(&key)?;
+            let data = TensorData::from_bytes(bytes, shape, dtype);
+            let shape = data.shape().to_vec();
+            let values: Vec<f32> = data.iter::<f32>().collect();
+            tensors.push((name, field, shape, values));
+        }
+        Ok((tensors, scalars))
+    }
+
+    /// Checksums of the loaded parameters and optimizer tensors, keyed `name` and
+    /// `name#field`.
+    fn checksums(&self) -> Result<Vec<(String, u64)>, EngineError> {
+        let mut out: Vec<(String, u64)> = self.params().into_iter().map(|(n, _, v)| (n, crate::reconfig::checksum(&v))).collect();
+        let (tensors, _) = self.optim_entries().map_err(|e| EngineError::Rank { rank: self.rank, message: e.to_string() })?;
+        out.extend(tensors.into_iter().map(|(n, f, _, v)| (format!("{n}#{f}"), crate::reconfig::checksum(&v))));
+        Ok(out)
+    }
+
+    /// This rank's state for staging (data only from dp replica 0).
+    fn export(&self) -> Result<RankExport, RankError> {
+        let exported = self.dp_rank == 0;
+        let mut out = RankExport {
+            params: Vec::new(),
+            optim: Vec::new(),
+            scalars: Vec::new(),
+            previous: None,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: self.gns.clone(),
+        };
+        if exported {
+            out.params = self.params().into_iter().map(|(n, _, v)| (n, v)).collect();
+            let (tensors, scalars) = self.optim_entries()?;
+            out.optim = tensors.into_iter().map(|(n, f, _, v)| (n, f, v)).collect();
+            out.scalars = scalars;
+            if let Some(prev) = &self.previous {
+                let mut v = Vec::new();
+                for p in &self.params {
+                    let values = self.flatten(prev, |q| q.id == p.id);
+                    v.push((self.names[&p.id].clone(), values));
+                }
+                out.previous = Some(v);
+            }
+        }
+        Ok(out)
     }
 
     fn stage(&self) -> &L::Stage {
@@ -941,7 +1300,6 @@ impl<L: ParallelLm> RankState<L> {
         self.stage = Some(self.optim.step(lr, stage, grads));
         self.step += 1;
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
-        let _ = (&self.names, self.rank);
         Ok(EngineStep {
             metrics: StepMetrics {
                 step: self.step,

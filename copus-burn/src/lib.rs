@@ -12,12 +12,14 @@ pub mod collective;
 pub mod engine;
 pub mod grads;
 pub mod parallel;
+pub mod reconfig;
 pub mod trainer;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 
-pub use engine::{Engine, EngineConfig, EngineError, EngineStep};
+pub use engine::{Engine, EngineConfig, EngineError, EngineStep, ReconfigPhase};
+pub use reconfig::{ReconfigReport, TrainingState};
 pub use parallel::{ParallelLm, ShardPlan, StageModel};
 pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, adamw_optimizer};
 

@@ -124,6 +124,11 @@ pub struct ShardSource {
 }
 
 impl ShardSource {
+    /// Local shards by global name.
+    pub fn new(shards: HashMap<String, TensorData>) -> Self {
+        Self { shards }
+    }
+
     /// Takes the local shard of `name` as a parameter with the name's id.
     pub fn param<const D: usize>(&mut self, name: &str, device: &Device) -> Result<Param<Tensor<D>>, ShardError> {
         let data = self.shards.remove(name).ok_or_else(|| ShardError::Missing(name.into()))?;
@@ -153,8 +158,18 @@ pub fn shard_of(spec: &ParamSpec, full: &TensorData, tp: usize, tp_rank: usize) 
         return Err(ShardError::Shape { name: spec.name.clone(), got: full.shape().to_vec(), expected: spec.shape.clone() });
     }
     let values = full.try_to_vec::<f32>().map_err(|e| ShardError::Layout(format!("{}: {e:?}", spec.name)))?;
+    let (shape, out) = shard_values(spec, &values, tp, tp_rank)?;
+    Ok(TensorData::new(out, shape))
+}
+
+/// The local shape and values of tp index `tp_rank`'s shard of `values` (the full tensor of
+/// `spec`, row-major).
+pub fn shard_values(spec: &ParamSpec, values: &[f32], tp: usize, tp_rank: usize) -> Result<(Vec<usize>, Vec<f32>), ShardError> {
+    if values.len() != spec.numel() {
+        return Err(ShardError::Shape { name: spec.name.clone(), got: vec![values.len()], expected: spec.shape.clone() });
+    }
     if matches!(spec.tp, TpSplit::Replicated) || tp == 1 {
-        return Ok(TensorData::new(values, spec.shape.clone()));
+        return Ok((spec.shape.clone(), values.to_vec()));
     }
     let (dim, intervals) = shard_intervals(spec, tp, tp_rank).map_err(|e| ShardError::Layout(e.to_string()))?;
     let mut out = Vec::with_capacity(values.len() / tp);
@@ -169,7 +184,7 @@ pub fn shard_of(spec: &ParamSpec, full: &TensorData, tp: usize, tp_rank: usize) 
             out.extend_from_slice(&values[base + r.start * inner..base + r.end * inner]);
         }
     }
-    Ok(TensorData::new(out, shape))
+    Ok((shape, out))
 }
 
 /// Reassembles a full tensor from the shards of tp indices `0..tp`, in order.

@@ -1,0 +1,224 @@
+//! Reconfiguration between layouts and batch sizes, rollback, and checkpoints, on 8 in-process
+//! ranks with tiny-1m (tied embedding, 4 layers, 8 heads, 4 kv heads).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use copus_burn::{Engine, EngineConfig, EngineError, OptimConfig, ReconfigPhase, TrainingState};
+use copus_core::layout::ParallelDims;
+use copus_core::model::ModelSpec;
+use copus_models::{LlamaConfig, full_params};
+
+const SEQ: usize = 32;
+
+fn config() -> LlamaConfig {
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = SEQ;
+    LlamaConfig::from_spec(&spec)
+}
+
+fn optim() -> OptimConfig {
+    OptimConfig { lr: 1e-3, warmup_steps: 2, total_steps: 20, b0: 16, ..OptimConfig::default() }
+}
+
+fn dims(dp: usize, tp: usize, pp: usize) -> ParallelDims {
+    ParallelDims::new(dp, tp, pp, dp * tp * pp).unwrap()
+}
+
+/// Step `step`'s batch of `b` sequences (a pure function of both).
+fn batch(step: usize, b: usize) -> Vec<i64> {
+    let vocab = config().vocab_size;
+    let mut x = 0x51_7cc1_b727_220a_u64 ^ (step as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (0..b * (SEQ + 1))
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as i64
+        })
+        .collect()
+}
+
+fn engine(d: ParallelDims, b_g: usize, b_m: usize) -> Engine<LlamaConfig> {
+    let device = Device::flex().autodiff();
+    device.seed(5);
+    let full = full_params(&config().init(&device));
+    Engine::new(Arc::new(config()), &full, EngineConfig::new(d, b_g, b_m, SEQ, optim())).unwrap()
+}
+
+/// Trains steps `from..to` at the engine's current B_g; returns the losses.
+fn train(e: &mut Engine<LlamaConfig>, from: usize, to: usize) -> Vec<f64> {
+    (from..to).map(|s| e.step(batch(s, e.config().global_batch)).unwrap().metrics.loss).collect()
+}
+
+fn assert_same_state(a: &TrainingState, b: &TrainingState, what: &str) {
+    assert_eq!(a.params.len(), b.params.len(), "{what}");
+    for (k, v) in &a.params {
+        assert!(v.iter().zip(&b.params[k]).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: parameter {k} changed");
+    }
+    assert_eq!(a.optim.len(), b.optim.len(), "{what}: optimizer state of {} vs {} parameters", a.optim.len(), b.optim.len());
+    for (k, fields) in &a.optim {
+        for (f, v) in fields {
+            let w = &b.optim[k][f];
+            assert!(v.len() == w.len() && v.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: {k} {f} changed");
+        }
+    }
+    assert_eq!(a.scalars, b.scalars, "{what}: optimizer step counts");
+    assert_eq!((a.step, a.tokens_seen), (b.step, b.tokens_seen), "{what}: counters");
+}
+
+/// Trains k steps in `a`, switches to `b` (maybe with new batch sizes), trains m more, and
+/// compares with the same run that stays in `a` (switching only the batch sizes).
+fn switch_matches_staying(a: ParallelDims, b: ParallelDims, (g1, m1): (usize, usize), (g2, m2): (usize, usize)) {
+    let name = format!("{a} B_g={g1} B_m={m1} -> {b} B_g={g2} B_m={m2}");
+    let (k, m) = (2, 2);
+    let mut stay = engine(a, g1, m1);
+    train(&mut stay, 0, k);
+    stay.reconfigure(a, g2, m2).unwrap();
+    let want = train(&mut stay, k, k + m);
+    let want_params = stay.gather().unwrap();
+
+    let mut moved = engine(a, g1, m1);
+    train(&mut moved, 0, k);
+    let before = moved.stage_state().unwrap();
+    // Every parameter carries AdamW state: two moments and a step count.
+    assert_eq!(before.optim.len(), before.params.len(), "{name}");
+    assert!(before.optim.values().all(|f| f.len() == 2), "{name}: {:?}", before.optim.values().next().map(|f| f.keys().collect::<Vec<_>>()));
+    assert!(before.scalars.values().all(|f| !f.is_empty()), "{name}");
+    let report = moved.reconfigure(b, g2, m2).unwrap();
+    assert_eq!(report.layout_changed, a != b, "{name}");
+    assert_eq!(moved.config().dims, b);
+    // Weights, both AdamW moments and step counts arrive bit-exactly.
+    assert_same_state(&before, &moved.stage_state().unwrap(), &name);
+    let got = train(&mut moved, k, k + m);
+    for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: loss of step {} is {x}, staying gives {y}", k + i);
+    }
+    let got_params = moved.gather().unwrap();
+    for (p, w) in &want_params {
+        let worst = got_params[p].iter().zip(w).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{name}: {p} differs by {worst}");
+    }
+}
+
+#[test]
+fn switching_layouts_changes_nothing_but_the_layout() {
+    // dp8,tp1,pp1 -> dp2,tp2,pp2
+    switch_matches_staying(dims(8, 1, 1), dims(2, 2, 2), (16, 2), (16, 2));
+    // tp4,pp1 -> tp1,pp4 (dp2)
+    switch_matches_staying(dims(2, 4, 1), dims(2, 1, 4), (16, 2), (16, 2));
+    // tp2,pp4 -> tp4,pp1, dp1 -> dp2
+    switch_matches_staying(dims(1, 2, 4), dims(2, 4, 1), (16, 2), (16, 2));
+}
+
+#[test]
+fn switching_layout_and_batch_together_matches_a_batch_only_switch() {
+    // dp1,tp4,pp2 -> dp4,tp2,pp1 with B_g 16 -> 32 and B_m 2 -> 4
+    switch_matches_staying(dims(1, 4, 2), dims(4, 2, 1), (16, 2), (32, 4));
+    // tp2,pp2 -> tp2,pp4 (dp2 -> dp1) with B_m 2 -> 1
+    switch_matches_staying(dims(2, 2, 2), dims(1, 2, 4), (16, 2), (16, 1));
+    // dp4,tp1,pp2 -> dp8,tp1,pp1 with B_g 16 -> 8 and B_m 2 -> 1
+    switch_matches_staying(dims(4, 1, 2), dims(8, 1, 1), (16, 2), (8, 1));
+}
+
+#[test]
+fn a_batch_only_change_keeps_every_moment_and_takes_effect() {
+    let mut e = engine(dims(2, 2, 2), 16, 2);
+    train(&mut e, 0, 2);
+    let before = e.stage_state().unwrap();
+    let r = e.reconfigure(dims(2, 2, 2), 32, 4).unwrap();
+    assert!(!r.layout_changed && r.bytes == 0);
+    assert_same_state(&before, &e.stage_state().unwrap(), "batch-only");
+    let out = e.step(batch(2, 32)).unwrap();
+    assert_eq!((out.metrics.global_batch, out.metrics.micro_batch, out.stats.num_micro), (32, 4, 8));
+    // The sqrt LR rule sees the new batch: lr(32) / lr(16) = sqrt(2) at the same schedule point.
+    let factor = optim().lr_at(2, 32, None) / optim().lr_at(2, 16, None);
+    assert!((factor - 2f64.sqrt()).abs() < 1e-12);
+    assert!((out.metrics.lr - optim().lr_at(2, 32, None)).abs() < 1e-15);
+}
+
+#[test]
+fn invalid_targets_are_refused_and_the_engine_trains_on() {
+    let mut e = engine(dims(2, 2, 2), 16, 2);
+    train(&mut e, 0, 1);
+    let err = e.reconfigure(ParallelDims { dp: 1, tp: 1, pp: 8 }, 16, 2).unwrap_err().to_string();
+    assert!(err.contains("pp") && err.contains('8') && err.contains('4'), "{err}");
+    let err = e.reconfigure(dims(4, 2, 1), 12, 2).unwrap_err().to_string();
+    assert!(err.contains("12"), "{err}");
+    let err = e.reconfigure(dims(2, 2, 1), 16, 2).unwrap_err().to_string();
+    assert!(err.contains("4 ranks") && err.contains('8'), "{err}");
+    assert_eq!(e.config().dims, dims(2, 2, 2));
+    train(&mut e, 1, 2);
+}
+
+#[test]
+fn a_failure_at_any_phase_rolls_back_with_nothing_lost() {
+    let mut reference = engine(dims(2, 2, 2), 16, 2);
+    let want = train(&mut reference, 0, 3);
+    for phase in [ReconfigPhase::AfterStaging, ReconfigPhase::GroupRebuild, ReconfigPhase::Load, ReconfigPhase::Verify] {
+        let mut e = engine(dims(2, 2, 2), 16, 2);
+        train(&mut e, 0, 2);
+        let before = e.stage_state().unwrap();
+        e.inject_fault(Some(phase));
+        let err = e.reconfigure(dims(1, 4, 2), 16, 2).unwrap_err();
+        match &err {
+            EngineError::RolledBack { phase: p, restored, .. } => {
+                assert_eq!(*p, phase);
+                assert!(restored.starts_with("dp2,tp2,pp2"), "{err}");
+            }
+            other => panic!("{phase:?}: expected a rollback, got {other}"),
+        }
+        assert_eq!(e.config().dims, dims(2, 2, 2));
+        assert_same_state(&before, &e.stage_state().unwrap(), &format!("rollback at {phase:?}"));
+        // Trainable, and exactly where it was: the next loss is bit-identical.
+        let next = train(&mut e, 2, 3)[0];
+        assert_eq!(next.to_bits(), want[2].to_bits(), "{phase:?}: {next} vs {}", want[2]);
+        // And the next reconfiguration (without a fault) works.
+        e.reconfigure(dims(1, 4, 2), 16, 2).unwrap();
+        train(&mut e, 3, 4);
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_bit_exactly_and_loads_into_any_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.bpk");
+    let mut e = engine(dims(2, 2, 2), 16, 2);
+    train(&mut e, 0, 3);
+    let extra: BTreeMap<String, String> = [("data_position".to_string(), "48".to_string())].into();
+    e.save_checkpoint(&path, &extra).unwrap();
+    let uninterrupted = train(&mut e, 3, 5);
+    let final_params = e.gather().unwrap();
+    drop(e);
+
+    let (mut resumed, got_extra) = Engine::resume(Arc::new(config()), &path, None).unwrap();
+    assert_eq!(got_extra, extra);
+    assert_eq!(resumed.config().dims, dims(2, 2, 2));
+    assert_eq!(resumed.steps_done(), 3);
+    let again = train(&mut resumed, 3, 5);
+    for (a, b) in again.iter().zip(&uninterrupted) {
+        assert_eq!(a.to_bits(), b.to_bits(), "resumed {a} vs uninterrupted {b}");
+    }
+    let params = resumed.gather().unwrap();
+    for (k, v) in &final_params {
+        assert!(v.iter().zip(&params[k]).all(|(x, y)| x.to_bits() == y.to_bits()), "{k}");
+    }
+    drop(resumed);
+
+    // Into another layout and another world size.
+    for d in [dims(1, 2, 4), dims(2, 1, 2)] {
+        let cfg = EngineConfig::new(d, 16, 2, SEQ, optim());
+        let (mut other, _) = Engine::resume(Arc::new(config()), &path, Some(cfg)).unwrap();
+        let losses = train(&mut other, 3, 5);
+        for (a, b) in losses.iter().zip(&uninterrupted) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{d}: {a} vs {b}");
+        }
+    }
+
+    // Bad files are errors naming the file.
+    let bad = dir.path().join("bad.bpk");
+    std::fs::write(&bad, b"not a checkpoint").unwrap();
+    let err = Engine::<LlamaConfig>::resume(Arc::new(config()), &bad, None).err().unwrap().to_string();
+    assert!(err.contains("bad.bpk"), "{err}");
+    let err = Engine::<LlamaConfig>::resume(Arc::new(config()), &dir.path().join("missing.bpk"), None).err().unwrap().to_string();
+    assert!(err.contains("missing.bpk"), "{err}");
+}
