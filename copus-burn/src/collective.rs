@@ -294,50 +294,76 @@ impl ThreadComm {
 }
 
 /// What a rank deposits for an in-place all-reduce: its buffer's address and length, and a
-/// counter of ranks that have finished writing (rank 0's is used).
+/// count of ranks that have finished writing (rank 0's is used).
 struct InPlace {
     addr: usize,
     len: usize,
-    done: Arc<AtomicU64>,
+    done: Arc<(Mutex<usize>, Condvar)>,
+}
+
+/// Elements reduced per block: small enough to stay in cache while every rank's block is added.
+const BLOCK: usize = 1 << 12;
+
+fn combine_into<T: Element>(acc: &mut [T], x: &[T], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, &b)| *a = *a + b),
+        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, &b)| {
+            if b > *a {
+                *a = b;
+            }
+        }),
+    }
 }
 
 impl ThreadComm {
-    /// Large all-reduce without copies: ranks exchange buffer addresses, rank `r` reduces chunk
-    /// `r` across every buffer (in rank order) and writes the result into every buffer, then all
-    /// wait until every chunk is written. Each rank reads and writes about one buffer's worth.
+    /// Large all-reduce without staging copies: ranks exchange buffer addresses; rank `r`
+    /// reduces chunk `r` of every buffer block by block (adding the ranks in order 0..n) and
+    /// writes the result into every buffer; then all wait until every chunk is written. Each
+    /// rank reads and writes about one buffer's worth.
     ///
-    /// Safety argument: buffers stay borrowed (`&mut`) by their owners, who do not return until
-    /// every rank has finished writing (the `done` count reaches n, with no abort exit: once the
-    /// addresses are exchanged, no rank can block before writing). Chunks are disjoint, so no
-    /// two ranks touch the same element.
+    /// Safety argument: each owner keeps its buffer borrowed (`&mut`) and does not return until
+    /// every rank has finished writing (the `done` count reaches n; that wait has no abort
+    /// exit, and once the addresses are exchanged no rank can block before it has written).
+    /// Chunks are disjoint, so no two ranks touch the same element, and no rank reads or
+    /// writes its own buffer through the `&mut` while others may access it.
     fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let n = self.size();
-        let mine = InPlace { addr: buf.as_mut_ptr() as usize, len: buf.len(), done: Arc::new(AtomicU64::new(0)) };
+        let len = buf.len();
+        let mine = InPlace { addr: buf.as_mut_ptr() as usize, len, done: Arc::new((Mutex::new(0), Condvar::new())) };
         let all = self.exchange(Arc::new(mine))?;
         let views: Vec<&InPlace> = all.iter().map(|p| p.downcast_ref::<InPlace>().expect("in-place deposit")).collect();
-        if let Some((r, v)) = views.iter().enumerate().find(|(_, v)| v.len != buf.len()) {
+        if let Some((r, v)) = views.iter().enumerate().find(|(_, v)| v.len != len) {
             // Every rank sees the same mismatch and returns before touching any buffer.
-            return Err(CommError::Mismatch {
-                op: "all_reduce",
-                detail: format!("rank {r} passed {} elements, this rank {}", v.len, buf.len()),
-            });
+            return Err(CommError::Mismatch { op: "all_reduce", detail: format!("rank {r} passed {} elements, this rank {len}", v.len) });
         }
-        for j in chunk_range(buf.len(), n, self.rank) {
-            // SAFETY: see the function comment; `j` lies in this rank's chunk of every buffer.
+        let chunk = chunk_range(len, n, self.rank);
+        let mut acc: Vec<T> = Vec::with_capacity(BLOCK.min(chunk.len()));
+        let mut start = chunk.start;
+        while start < chunk.end {
+            let end = (start + BLOCK).min(chunk.end);
+            // SAFETY: `start..end` lies in this rank's chunk, which no other rank touches, of
+            // buffers that outlive this call (see above).
             unsafe {
-                let mut acc = *(views[0].addr as *const T).add(j);
+                let slice = |v: &InPlace| std::slice::from_raw_parts((v.addr as *const T).add(start), end - start);
+                acc.clear();
+                acc.extend_from_slice(slice(views[0]));
                 for v in &views[1..] {
-                    acc = combine(op, acc, *(v.addr as *const T).add(j));
+                    combine_into(&mut acc, slice(v), op);
                 }
                 for v in &views {
-                    *(v.addr as *mut T).add(j) = acc;
+                    std::slice::from_raw_parts_mut((v.addr as *mut T).add(start), end - start).copy_from_slice(&acc);
                 }
             }
+            start = end;
         }
-        let done = &views[0].done;
-        done.fetch_add(1, Ordering::AcqRel);
-        while done.load(Ordering::Acquire) < n as u64 {
-            std::thread::yield_now();
+        let (count, cv) = &*views[0].done;
+        let mut c = lock(count);
+        *c += 1;
+        if *c == n {
+            cv.notify_all();
+        }
+        while *c < n {
+            c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
         }
         Ok(())
     }

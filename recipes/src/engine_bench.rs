@@ -106,3 +106,70 @@ pub fn run(steps: usize) {
         println!("| {dims} | {s:.3} | {:.2} |", s / serial);
     }
 }
+
+/// Seconds of one training step of `engine` (after a warm-up step).
+fn step_secs(engine: &mut Engine<LlamaConfig>, spec: &ModelSpec, salt: usize) -> f64 {
+    let b = engine.config().global_batch;
+    engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt)).expect("step");
+    let t = Instant::now();
+    engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt + 1)).expect("step");
+    t.elapsed().as_secs_f64()
+}
+
+/// In-memory reconfiguration against checkpoint-restart (save, stop the ranks, load, start the
+/// ranks) for the same layout pairs, and the step time at the target layout.
+pub fn run_reconfig() {
+    let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let world = 8;
+    let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4))];
+    println!("In-memory reconfiguration against checkpoint-restart, {world} in-process ranks, this machine");
+    println!("| model | params | from -> to | state MB | in-memory s | checkpoint-restart s | ratio | step s at target | in-memory / step |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    for preset in ["tiny-20m", "small-100m"] {
+        let mut spec = ModelSpec::preset(preset).expect("preset");
+        spec.seq_len = 64;
+        let cfg = LlamaConfig::from_spec(&spec);
+        let device = Device::flex().autodiff();
+        device.seed(0);
+        let full = full_params(&cfg.init(&device));
+        let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+        for ((a_dp, a_tp, a_pp), (b_dp, b_tp, b_pp)) in pairs {
+            let a = ParallelDims::new(a_dp, a_tp, a_pp, world).expect("layout");
+            let b = ParallelDims::new(b_dp, b_tp, b_pp, world).expect("layout");
+            if a.check_model(&spec).is_err() || b.check_model(&spec).is_err() {
+                continue;
+            }
+            let (b_g, b_m) = (8, 1);
+            let mk = |d| EngineConfig::new(d, b_g, b_m, spec.seq_len, optim.clone());
+            // In memory: one step so AdamW state exists, then switch.
+            let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
+            let step = step_secs(&mut e, &spec, 1);
+            drop(e);
+            // Checkpoint-restart of the same state.
+            let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            let path = dir.join("state.bpk");
+            let t = Instant::now();
+            e.save_checkpoint(&path, &Default::default()).expect("save");
+            drop(e);
+            let (e, _) = Engine::resume(Arc::new(cfg.clone()), &path, Some(mk(b))).expect("resume");
+            let restart = t.elapsed().as_secs_f64();
+            drop(e);
+            let _ = std::fs::remove_file(&path);
+            println!(
+                "| {preset} | {:.1}M | {a} -> {b} | {:.0} | {:.2} | {:.2} | {:.1}x | {:.2} | {:.2} |",
+                spec.num_params() as f64 / 1e6,
+                report.bytes as f64 / 1e6,
+                report.total_secs,
+                restart,
+                restart / report.total_secs,
+                step,
+                report.total_secs / step
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

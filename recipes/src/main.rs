@@ -4,10 +4,13 @@
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
 //! cargo run --release -p recipes -- bench
 //! cargo run --release -p recipes -- bench --engine
+//! cargo run --release -p recipes -- bench --reconfig
 //! cargo run --release -p recipes -- profile recipes/parallel-tiny.ron
+//! cargo run --release -p recipes -- compare recipes/compare-synthetic-3b.ron
 //! ```
 
 mod bench;
+mod compare;
 mod data;
 mod engine_bench;
 mod plot;
@@ -62,6 +65,17 @@ enum Cmd {
         /// Instead: the parallel engine (all-reduce bandwidth, step time of every layout).
         #[arg(long)]
         engine: bool,
+        /// Instead: in-memory reconfiguration against checkpoint-restart.
+        #[arg(long)]
+        reconfig: bool,
+    },
+    /// Run every policy of a comparison recipe side by side and write the report.
+    Compare {
+        /// The comparison recipe (RON), e.g. recipes/compare-synthetic-3b.ron.
+        recipe: PathBuf,
+        /// No progress output.
+        #[arg(long)]
+        quiet: bool,
     },
     /// Measure samples/s of every feasible candidate of a recipe's `parallel` section and write
     /// a throughput profile.
@@ -135,15 +149,39 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match (cli.command, cli.recipe) {
         (Some(Cmd::Run { recipe, quiet, max_steps }), _) => run_recipe(&recipe, quiet, max_steps),
+        (Some(Cmd::Bench { reconfig: true, .. }), _) => {
+            engine_bench::run_reconfig();
+            ExitCode::SUCCESS
+        }
         (Some(Cmd::Bench { steps, engine: true, .. }), _) => {
             engine_bench::run(steps.max(1));
             ExitCode::SUCCESS
         }
-        (Some(Cmd::Bench { steps, warmup, no_torch, engine: false }), _) => {
+        (Some(Cmd::Bench { steps, warmup, no_torch, .. }), _) => {
             bench::run(steps.max(1), warmup, !no_torch);
             ExitCode::SUCCESS
         }
         (Some(Cmd::Profile { recipe, out, quiet }), _) => run_profile(&recipe, out, quiet),
+        (Some(Cmd::Compare { recipe, quiet }), _) => {
+            let r = match compare::CompareRecipe::load(&recipe) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match compare::run(&r, quiet) {
+                Ok(out) => {
+                    println!("{}", out.summary);
+                    println!("report: {}", out.folder.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         (None, Some(recipe)) => run_recipe(&recipe, cli.quiet, cli.max_steps),
         (None, None) => {
             eprintln!("error: give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help");

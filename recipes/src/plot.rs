@@ -103,3 +103,49 @@ pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series:
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }
+
+/// Like [`line_plot`], with shaded x-ranges `(start, end, label)` (one colour per label) behind
+/// the lines, e.g. the layout a run used over time.
+pub fn region_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], regions: &[(f64, f64, String)]) -> Result<(), String> {
+    ensure_font()?;
+    let Some(((x0, x1), (y0, y1))) = bounds(series, false) else {
+        return Err(format!("{}: nothing to plot", path.display()));
+    };
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(|e| err(&e))?;
+    chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw().map_err(|e| err(&e))?;
+    let shades = [RGBColor(255, 228, 196), RGBColor(204, 229, 255), RGBColor(214, 245, 214), RGBColor(240, 220, 245), RGBColor(255, 250, 205), RGBColor(230, 230, 230)];
+    let mut labels: Vec<&str> = Vec::new();
+    for (a, b, label) in regions {
+        let k = labels.iter().position(|l| *l == label.as_str()).unwrap_or_else(|| {
+            labels.push(label);
+            labels.len() - 1
+        });
+        let c = shades[k % shades.len()];
+        let first = labels.iter().filter(|l| **l == label.as_str()).count() == 1 && regions.iter().position(|r| &r.2 == label) == regions.iter().position(|r| r.0 == *a && r.1 == *b);
+        let drawn = chart.draw_series(std::iter::once(Rectangle::new([(*a, y0), (*b, y1)], c.filled()))).map_err(|e| err(&e))?;
+        if first {
+            drawn.label(label.clone()).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], c.filled()));
+        }
+    }
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, s) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(s.points.iter().copied(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(s.label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

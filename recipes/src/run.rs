@@ -79,7 +79,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
 }
 
 /// A fresh run folder: `dir/name`, or `dir/name-2`, `-3`, ... if taken (nothing is overwritten).
-fn run_folder(dir: &Path, name: &str) -> Result<PathBuf, RunError> {
+pub fn run_folder(dir: &Path, name: &str) -> Result<PathBuf, RunError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     for i in 1.. {
         let p = if i == 1 { dir.join(name) } else { dir.join(format!("{name}-{i}")) };
@@ -117,16 +117,29 @@ pub struct RunOptions {
     pub max_steps: Option<u64>,
 }
 
-/// Runs a recipe to the end; returns the run folder and its summary.
-pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
+/// A recipe's data and model shape: the vocabulary follows the tokenizer, rounded up to a
+/// multiple of 64 so tensor parallelism can split it.
+pub struct Prepared {
+    /// The model shape.
+    pub spec: copus_core::model::ModelSpec,
+    /// Training sequences.
+    pub train: PackedDataset,
+    /// Held-out sequences.
+    pub heldout: PackedDataset,
+    /// sha256 of the corpus.
+    pub checksum: String,
+}
+
+/// Fetches the corpus, trains or loads the tokenizer, and packs both splits.
+pub fn prepare(recipe: &Recipe, quiet: bool) -> Result<Prepared, RunError> {
     let say = |s: &str| {
-        if !opts.quiet {
+        if !quiet {
             eprintln!("{s}");
         }
     };
     let mut spec = recipe.model_spec()?;
     let cache = data::cache_dir();
-    let plays = data::load_plays(&cache, opts.quiet)?;
+    let plays = data::load_plays(&cache, quiet)?;
     let corpus = data::split(plays, &recipe.data.heldout_plays)?;
     let train_texts: Vec<&str> = corpus.train.iter().map(|p| p.text.as_str()).collect();
     let heldout_texts: Vec<&str> = corpus.heldout.iter().map(|p| p.text.as_str()).collect();
@@ -150,7 +163,18 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         recipe.data.heldout_plays.join(", "),
         spec.seq_len
     ));
+    Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone() })
+}
 
+/// Runs a recipe to the end; returns the run folder and its summary.
+pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
+    let say = |s: &str| {
+        if !opts.quiet {
+            eprintln!("{s}");
+        }
+    };
+    let Prepared { spec, train, heldout, checksum } = prepare(recipe, opts.quiet)?;
+    let t = &recipe.train;
     let device = Device::flex().autodiff();
     device.seed(t.seed);
     let model = LlamaConfig::from_spec(&spec).init(&device);
@@ -239,7 +263,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         clock: "wall clock (this machine)",
         model: spec.name.clone(),
         num_params,
-        corpus_sha256: corpus.checksum.clone(),
+        corpus_sha256: checksum.clone(),
         steps,
         tokens,
         train_secs,

@@ -1,0 +1,253 @@
+//! The orchestrator: turns step observations into validated decisions. The same logic runs
+//! embedded (a direct call from the training loop) or as a separate service; this module holds
+//! the logic and the wire protocol (length-prefixed JSON frames with a size limit and a shared
+//! token), so both modes behave identically.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::candidates::Candidate;
+use crate::policy::{Decision, Policy, Scorer, StepObservation};
+
+/// Largest frame accepted, bytes.
+pub const MAX_FRAME: usize = 64 * 1024;
+
+/// What the training side sends.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// First message: the shared token and a run name.
+    Hello {
+        /// Must equal the service's token.
+        token: String,
+        /// For logs.
+        run: String,
+    },
+    /// A finished step, with what was measured.
+    Step {
+        /// What the policy sees.
+        observation: StepObservation,
+        /// Measured samples/s of the step (0 when not measured).
+        samples_per_sec: f64,
+    },
+    /// A reconfiguration was carried out and took `seconds`.
+    Reconfigured {
+        /// Seconds it took.
+        seconds: f64,
+        /// Whether the layout changed.
+        layout_changed: bool,
+    },
+    /// The run ends.
+    Bye,
+}
+
+/// What the orchestrator answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    /// Accepted the token.
+    Welcome {
+        /// The policy's name.
+        policy: String,
+    },
+    /// The decision after a step (apply at the next optimizer-step boundary).
+    Decision {
+        /// Step the decision follows.
+        step: u64,
+        /// What to do.
+        decision: Decision,
+    },
+    /// Acknowledgement of a `Reconfigured` or `Bye`.
+    Ack,
+    /// The request was refused.
+    Error(String),
+}
+
+/// Protocol errors.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum ProtocolError {
+    /// A frame longer than [`MAX_FRAME`].
+    #[error("frame of {0} bytes exceeds the limit of {MAX_FRAME}")]
+    TooLarge(usize),
+    /// Not a valid message.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// The token did not match.
+    #[error("wrong token")]
+    Unauthorized,
+}
+
+/// Encodes a message as a frame: 4-byte big-endian length, then JSON.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    let body = serde_json::to_vec(msg).expect("protocol messages serialise");
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The length a frame header announces, refusing oversized frames before reading them.
+pub fn frame_len(header: [u8; 4]) -> Result<usize, ProtocolError> {
+    let n = u32::from_be_bytes(header) as usize;
+    if n > MAX_FRAME { Err(ProtocolError::TooLarge(n)) } else { Ok(n) }
+}
+
+/// Decodes a frame body. Never panics, whatever the bytes.
+pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtocolError> {
+    if body.len() > MAX_FRAME {
+        return Err(ProtocolError::TooLarge(body.len()));
+    }
+    serde_json::from_slice(body).map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// The decision logic shared by both modes: a policy, and the candidates it may choose from.
+pub struct Orchestrator {
+    policy: Box<dyn Policy>,
+    scorer: Scorer,
+    refused: u64,
+}
+
+impl Orchestrator {
+    /// A policy choosing among `scorer`'s candidates.
+    pub fn new(policy: Box<dyn Policy>, scorer: Scorer) -> Self {
+        Self { policy, scorer, refused: 0 }
+    }
+
+    /// The policy's name.
+    pub fn policy_name(&self) -> String {
+        self.policy.name()
+    }
+
+    /// Decisions refused so far because their target was not a feasible candidate.
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
+    /// The decision after a step. A decision whose target is not one of the feasible
+    /// candidates is never passed on: the answer is then `Keep`.
+    pub fn on_step(&mut self, obs: &StepObservation) -> Decision {
+        let d = self.policy.decide(obs);
+        let target = d.target(obs.current);
+        if target != obs.current && !is_candidate(&self.scorer, &target) {
+            self.refused += 1;
+            return Decision::Keep;
+        }
+        d
+    }
+
+    /// Reports a carried-out reconfiguration (its measured cost feeds the payback test).
+    pub fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
+        self.policy.observe_reconfiguration(seconds, layout_changed);
+    }
+
+    /// Answers one request of an authenticated session.
+    pub fn handle(&mut self, req: Request) -> Response {
+        match req {
+            Request::Hello { .. } => Response::Welcome { policy: self.policy_name() },
+            Request::Step { observation, .. } => Response::Decision { step: observation.step, decision: self.on_step(&observation) },
+            Request::Reconfigured { seconds, layout_changed } => {
+                self.on_reconfigured(seconds, layout_changed);
+                Response::Ack
+            }
+            Request::Bye => Response::Ack,
+        }
+    }
+}
+
+fn is_candidate(scorer: &Scorer, c: &Candidate) -> bool {
+    scorer.throughput(c).is_some()
+}
+
+/// Checks a session's first request against the token (constant-time comparison).
+pub fn authenticate(req: &Request, token: &str) -> Result<(), ProtocolError> {
+    match req {
+        Request::Hello { token: t, .. } => {
+            let (a, b) = (t.as_bytes(), token.as_bytes());
+            let mut diff = a.len() ^ b.len();
+            for i in 0..a.len().max(b.len()) {
+                diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
+            }
+            if diff == 0 { Ok(()) } else { Err(ProtocolError::Unauthorized) }
+        }
+        _ => Err(ProtocolError::Unauthorized),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::ParallelDims;
+    use crate::policy::Static;
+    use crate::throughput::{ProfileEntry, ThroughputProfile};
+    use proptest::prelude::*;
+
+    fn scorer() -> Scorer {
+        let e = |dp, tp, b, s| ProfileEntry { dp, tp, pp: 1, global_batch: b, micro_batch: 1, samples_per_sec: s };
+        let p = ThroughputProfile::new("t".into(), "m".into(), vec![e(2, 1, 2, 10.0), e(2, 1, 4, 15.0), e(1, 2, 2, 12.0)]).unwrap();
+        let cands: Vec<Candidate> =
+            p.entries().iter().map(|x| Candidate::new(ParallelDims { dp: x.dp, tp: x.tp, pp: x.pp }, x.global_batch, x.micro_batch).unwrap()).collect();
+        Scorer::plain(&cands, &p, 2.0).unwrap()
+    }
+
+    /// Always asks for a configuration that is not a candidate.
+    struct Rogue;
+    impl Policy for Rogue {
+        fn name(&self) -> String {
+            "rogue".into()
+        }
+        fn decide(&mut self, obs: &StepObservation) -> Decision {
+            Decision::ChangeBatch(Candidate { global_batch: 1024, num_micro: 512, ..obs.current })
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_and_rejected_decisions_are_not_passed_on() {
+        let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
+        let obs = StepObservation { step: 3, current: cur, noise: None };
+        for req in [
+            Request::Hello { token: "t".into(), run: "r".into() },
+            Request::Step { observation: obs, samples_per_sec: 5.0 },
+            Request::Reconfigured { seconds: 1.5, layout_changed: true },
+            Request::Bye,
+        ] {
+            let frame = encode(&req);
+            let n = frame_len(frame[..4].try_into().unwrap()).unwrap();
+            assert_eq!(decode::<Request>(&frame[4..4 + n]).unwrap(), req);
+        }
+        let mut o = Orchestrator::new(Box::new(Rogue), scorer());
+        assert_eq!(o.on_step(&obs), Decision::Keep);
+        assert_eq!(o.refused(), 1);
+        let mut s = Orchestrator::new(Box::new(Static), scorer());
+        assert_eq!(s.handle(Request::Step { observation: obs, samples_per_sec: 1.0 }), Response::Decision { step: 3, decision: Decision::Keep });
+    }
+
+    #[test]
+    fn tokens_and_sizes_are_checked() {
+        let hello = |t: &str| Request::Hello { token: t.into(), run: "r".into() };
+        assert!(authenticate(&hello("secret"), "secret").is_ok());
+        assert_eq!(authenticate(&hello("secreT"), "secret"), Err(ProtocolError::Unauthorized));
+        assert_eq!(authenticate(&hello("secret2"), "secret"), Err(ProtocolError::Unauthorized));
+        assert_eq!(authenticate(&Request::Bye, "secret"), Err(ProtocolError::Unauthorized));
+        assert_eq!(frame_len((MAX_FRAME as u32 + 1).to_be_bytes()), Err(ProtocolError::TooLarge(MAX_FRAME + 1)));
+        assert!(matches!(decode::<Request>(b"{\"Step\": 5}"), Err(ProtocolError::Malformed(_))));
+    }
+
+    proptest! {
+        #[test]
+        fn the_decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<Request>(&bytes);
+            let _ = decode::<Response>(&bytes);
+            if bytes.len() >= 4 {
+                let _ = frame_len(bytes[..4].try_into().unwrap());
+            }
+        }
+
+        #[test]
+        fn mutated_frames_never_panic(flip in 0usize..200, val in any::<u8>()) {
+            let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
+            let frame = encode(&Request::Step { observation: StepObservation { step: 1, current: cur, noise: None }, samples_per_sec: 2.0 });
+            let mut body = frame[4..].to_vec();
+            let i = flip % body.len();
+            body[i] = val;
+            let _ = decode::<Request>(&body);
+        }
+    }
+}
