@@ -171,6 +171,10 @@ pub struct Real {
     /// EMA factor of the smoothed training loss.
     #[serde(default = "default_loss_ema")]
     pub loss_ema: f64,
+    /// Address of an orchestrator service (`recipes orchestrator`) that decides for the Copus
+    /// run instead of the embedded one; the token comes from COPUS_ORCHESTRATOR_TOKEN.
+    #[serde(default)]
+    pub service: Option<String>,
 }
 
 fn default_loss_ema() -> f64 {
@@ -604,6 +608,14 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
     for (policy, start, baseline) in lineup.policies {
         let name = policy.name();
         let mut orch = Orchestrator::new(policy, scorer.clone());
+        let mut client = match (&r.service, baseline) {
+            (Some(addr), false) => {
+                let addr: std::net::SocketAddr = addr.parse().map_err(|e| format!("recipe field `scenario.service` = {addr:?}: {e}"))?;
+                let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
+                Some(crate::service::Client::connect(addr, &token, &recipe.name)?)
+            }
+            _ => None,
+        };
         let mut cur = start;
         let optim = train_recipe.optim.clone();
         let ec = EngineConfig { schedule: par.schedule, ..EngineConfig::new(cur.dims, cur.global_batch, cur.micro_batch, spec.seq_len, optim) };
@@ -615,6 +627,7 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
         let mut run = PolicyRun { name: name.clone(), baseline, steps: Vec::new(), switches: Vec::new(), time_to_target: None };
         let mut progress = 0.0;
         let mut trajectory = Vec::new();
+        let mut last_change = 0u64;
         for step in 1..=r.max_steps {
             let b = cur.global_batch;
             let mut tokens = Vec::with_capacity(b * (spec.seq_len + 1));
@@ -655,7 +668,18 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
                 break;
             }
             let obs = StepObservation { step, current: cur, noise };
-            let decision = orch.on_step(&obs);
+            let decision = match client.as_mut() {
+                // The service answers asynchronously; a decision is applied at the first step
+                // boundary after it arrives, unless it was made for an older configuration.
+                Some(c) => {
+                    c.observe(obs);
+                    match c.poll() {
+                        Some((s, d)) if s >= last_change => d,
+                        _ => copus_core::policy::Decision::Keep,
+                    }
+                }
+                None => orch.on_step(&obs),
+            };
             let target = decision.target(cur);
             if target != cur {
                 let t0 = Instant::now();
@@ -665,8 +689,12 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
                         let cost = if wall { measured } else if rep.layout_changed { recipe.costs.layout } else { recipe.costs.batch };
                         run.switches.push(SwitchRecord { step, time: clock_s, from: describe(&cur), to: describe(&target), cost, layout: rep.layout_changed });
                         clock_s += cost;
-                        orch.on_reconfigured(cost, rep.layout_changed);
+                        match client.as_mut() {
+                            Some(c) => c.reconfigured(cost, rep.layout_changed),
+                            None => orch.on_reconfigured(cost, rep.layout_changed),
+                        }
                         cur = target;
+                        last_change = step + 1;
                     }
                     Err(e) => {
                         bar.println(format!("{name}: reconfiguration to {} failed, continuing in {}: {e}", describe(&target), describe(&cur)));

@@ -17,6 +17,7 @@ mod plot;
 mod profile;
 mod recipe;
 mod run;
+mod service;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -77,6 +78,20 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+    /// Serve decisions over TCP to training runs (token from COPUS_ORCHESTRATOR_TOKEN).
+    Orchestrator {
+        /// A training recipe with a `parallel` section (the candidate space).
+        recipe: PathBuf,
+        /// Throughput profile of the candidates (from `recipes profile`).
+        #[arg(long)]
+        profile: PathBuf,
+        /// copus, dp-only, merrill or static.
+        #[arg(long, default_value = "copus")]
+        policy: String,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:7450")]
+        listen: std::net::SocketAddr,
+    },
     /// Measure samples/s of every feasible candidate of a recipe's `parallel` section and write
     /// a throughput profile.
     Profile {
@@ -89,6 +104,30 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+}
+
+fn run_service(recipe: &std::path::Path, profile: &std::path::Path, policy: &str, listen: std::net::SocketAddr) -> Result<(), String> {
+    let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .ok_or("set COPUS_ORCHESTRATOR_TOKEN to the shared token the training runs will present")?;
+    let recipe = recipe::Recipe::load(recipe).map_err(|e| e.to_string())?;
+    let par = recipe.parallel.clone().ok_or("the recipe needs a `parallel` section (the candidate space)")?;
+    let text = std::fs::read_to_string(profile).map_err(|e| format!("{}: {e}", profile.display()))?;
+    let profile = copus_core::throughput::ThroughputProfile::from_ron(&text).map_err(|e| e.to_string())?;
+    let spec = recipe.model_spec().map_err(|e| e.to_string())?;
+    let feasible = par.space().map_err(|e| e.to_string())?.enumerate(&spec).feasible;
+    let scorer = copus_core::policy::Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64).map_err(|e| e.to_string())?;
+    let rule = copus_core::policy::SwitchRule::default();
+    service::policy_by_name(policy, &scorer, rule)?;
+    let policy = policy.to_string();
+    let make: std::sync::Arc<dyn Fn() -> copus_core::orchestrator::Orchestrator + Send + Sync> = std::sync::Arc::new(move || {
+        let p = service::policy_by_name(&policy, &scorer, rule).expect("checked above");
+        copus_core::orchestrator::Orchestrator::new(p, scorer.clone())
+    });
+    let (addr, handle) = service::spawn(listen, token, make)?;
+    println!("orchestrator listening on {addr}");
+    handle.join().map_err(|_| "the service thread panicked".to_string())
 }
 
 fn run_profile(path: &std::path::Path, out: Option<PathBuf>, quiet: bool) -> ExitCode {
@@ -162,6 +201,13 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         (Some(Cmd::Profile { recipe, out, quiet }), _) => run_profile(&recipe, out, quiet),
+        (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => match run_service(&recipe, &profile, &policy, listen) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
         (Some(Cmd::Compare { recipe, quiet }), _) => {
             let r = match compare::CompareRecipe::load(&recipe) {
                 Ok(r) => r,
