@@ -196,6 +196,11 @@ pub enum Clock {
     Analytic {
         /// The cluster.
         cluster: ClusterRecipe,
+        /// The model shape whose step times the clock charges (default: the trained model). A
+        /// larger shape gives a proxy clock: real noise statistics of the small model, step and
+        /// switch times of the large one.
+        #[serde(default)]
+        model: Option<String>,
     },
 }
 
@@ -266,8 +271,11 @@ impl CompareRecipe {
                 if !(0.0..1.0).contains(&r.loss_ema) {
                     return Err(format!("recipe field `scenario.loss_ema` = {}: in [0, 1)", r.loss_ema));
                 }
-                if let Clock::Analytic { cluster } = &r.clock {
+                if let Clock::Analytic { cluster, model } = &r.clock {
                     cluster.spec()?;
+                    if let Some(m) = model {
+                        ModelSpec::preset(m).map_err(|e| format!("recipe field `scenario.clock.model`: {e}"))?;
+                    }
                 }
             }
         }
@@ -328,6 +336,15 @@ pub struct SwitchRecord {
     pub cost: f64,
     /// Whether the layout changed.
     pub layout: bool,
+}
+
+/// Seconds with four significant digits.
+fn secs(t: f64) -> String {
+    if t >= 1000.0 {
+        format!("{t:.0}")
+    } else {
+        format!("{t:.*}", (3 - t.abs().max(1e-12).log10().floor() as i64).clamp(0, 9) as usize)
+    }
 }
 
 fn describe(c: &Candidate) -> String {
@@ -585,13 +602,17 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
             };
             (Box::new(profile), format!("wall clock of this machine ({} in-process ranks); the policies use a throughput profile measured here", par.world_size))
         }
-        Clock::Analytic { cluster } => {
+        Clock::Analytic { cluster, model } => {
             let cs = cluster.spec()?;
+            let clock_spec = match model {
+                Some(m) => ModelSpec::preset(m).map_err(|e| e.to_string())?,
+                None => spec.clone(),
+            };
             (
-                Box::new(ClusterModel::new(cs, spec.clone())),
+                Box::new(ClusterModel::new(cs, clock_spec.clone())),
                 format!(
-                    "simulated: analytic model of {} x{} GPUs for {} (real training math), switch costs {} s (batch) / {} s (layout)",
-                    cluster.preset, par.world_size, spec.name, recipe.costs.batch, recipe.costs.layout
+                    "simulated: analytic model of {} x{} GPUs charging each step as {} (the training math is {}, real), switch costs {} s (batch) / {} s (layout)",
+                    cluster.preset, par.world_size, clock_spec.name, spec.name, recipe.costs.batch, recipe.costs.layout
                 ),
             )
         }
@@ -703,8 +724,11 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
             }
         }
         bar.finish_and_clear();
+        if let Some(why) = client.as_ref().and_then(|c| c.unavailable()) {
+            run.name = format!("{name} (orchestrator service lost: {why})");
+        }
         if !quiet {
-            eprintln!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{t:.1} s")));
+            eprintln!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{} s", secs(t))));
         }
         if !baseline {
             copus_trajectory = trajectory;
@@ -745,23 +769,7 @@ fn measure_profile(
     out: Option<&Path>,
     quiet: bool,
 ) -> Result<ThroughputProfile, String> {
-    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(feasible.len() as u64) };
-    bar.set_style(ProgressStyle::with_template("{spinner} profile [{bar:30}] {pos}/{len} {msg}").expect("template").progress_chars("=> "));
-    let mut entries = Vec::new();
-    for c in feasible {
-        bar.set_message(describe(c));
-        let secs = crate::profile::time_candidate(cfg, full, c, seq, steps)?;
-        entries.push(copus_core::throughput::ProfileEntry {
-            dp: c.dims.dp,
-            tp: c.dims.tp,
-            pp: c.dims.pp,
-            global_batch: c.global_batch,
-            micro_batch: c.micro_batch,
-            samples_per_sec: c.global_batch as f64 / secs,
-        });
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, quiet)?;
     let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries).map_err(|e| e.to_string())?;
     if let Some(path) = out {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -805,7 +813,7 @@ fn report(
             md,
             "| {} | {} | {} | {} | {steps} | {ls} | {bs} |",
             r.name,
-            t.map_or("not reached".into(), |t| format!("{t:.1}")),
+            t.map_or("not reached".into(), secs),
             pct(speed),
             pct(regret)
         );
@@ -824,11 +832,11 @@ fn report(
         )?;
     }
     if let Some(o) = oracle {
-        let _ = writeln!(md, "| hindsight oracle | {o:.1} | {} | 0.0% | | | |", fastest.as_ref().map_or("-".into(), |(f, _)| format!("{:+.1}%", 100.0 * (f / o - 1.0))));
+        let _ = writeln!(md, "| hindsight oracle | {} | {} | 0.0% | | | |", secs(o), fastest.as_ref().map_or("-".into(), |(f, _)| format!("{:+.1}%", 100.0 * (f / o - 1.0))));
         row(&mut csv, &["hindsight oracle".into(), "false".into(), format!("{o}"), String::new(), "0".into(), String::new(), String::new(), String::new()])?;
     }
     if let Some((f, n)) = &fastest {
-        let _ = writeln!(md, "\nFastest baseline: {n} ({f:.1} s).");
+        let _ = writeln!(md, "\nFastest baseline: {n} ({} s).", secs(*f));
     }
     md.push_str("\n## Reconfigurations\n\n| policy | after step | at (s) | from | to | cost (s) |\n|---|---:|---:|---|---|---:|\n");
     let mut rcsv = csv::Writer::from_writer(Vec::new());

@@ -45,6 +45,39 @@ pub fn time_candidate(cfg: &LlamaConfig, full: &copus_burn::parallel::FullParams
     Ok(t.elapsed().as_secs_f64() / steps as f64)
 }
 
+/// Samples/s of each candidate, with a progress bar.
+pub fn measure(
+    cfg: &LlamaConfig,
+    full: &copus_burn::parallel::FullParams,
+    candidates: &[Candidate],
+    seq: usize,
+    steps: usize,
+    quiet: bool,
+) -> Result<Vec<ProfileEntry>, String> {
+    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(candidates.len() as u64) };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} profile [{bar:30}] {pos}/{len} {msg} (eta {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut entries = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
+        let secs = time_candidate(cfg, full, c, seq, steps)?;
+        entries.push(ProfileEntry {
+            dp: c.dims.dp,
+            tp: c.dims.tp,
+            pp: c.dims.pp,
+            global_batch: c.global_batch,
+            micro_batch: c.micro_batch,
+            samples_per_sec: c.global_batch as f64 / secs,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(entries)
+}
+
 /// Profiles the recipe's candidate space; returns the profile and where it was written.
 pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> Result<(ThroughputProfile, PathBuf), String> {
     let par = recipe.parallel.as_ref().ok_or_else(|| {
@@ -65,27 +98,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> Result<(ThroughputProf
     let device = Device::flex().autodiff();
     device.seed(recipe.train.seed);
     let full = full_params(&cfg.init(&device));
-    let bar = if opts.quiet { ProgressBar::hidden() } else { ProgressBar::new(enumeration.feasible.len() as u64) };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} profile [{bar:30}] {pos}/{len} {msg} (eta {eta})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    let mut entries = Vec::with_capacity(enumeration.feasible.len());
-    for c in &enumeration.feasible {
-        bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
-        let secs = time_candidate(&cfg, &full, c, spec.seq_len, par.profile_steps)?;
-        entries.push(ProfileEntry {
-            dp: c.dims.dp,
-            tp: c.dims.tp,
-            pp: c.dims.pp,
-            global_batch: c.global_batch,
-            micro_batch: c.micro_batch,
-            samples_per_sec: c.global_batch as f64 / secs,
-        });
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, opts.quiet)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} in-process ranks (Flex)", par.world_size);
     let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries).map_err(|e| e.to_string())?;

@@ -197,7 +197,8 @@ impl Client {
         }
     }
 
-    /// Waits up to `timeout` for the decision about `step` (tests and deterministic runs).
+    /// Waits up to `timeout` for the decision about `step` (tests).
+    #[cfg(test)]
     pub fn wait_for(&mut self, step: u64, timeout: Duration) -> Option<Decision> {
         let deadline = std::time::Instant::now() + timeout;
         while std::time::Instant::now() < deadline {
