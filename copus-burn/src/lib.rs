@@ -4,9 +4,16 @@
 //!   warmup + cosine schedule with the batch-size LR rule, global-norm clipping and the
 //!   gradient-noise-scale probe feeding copus-core's estimator;
 //! - [`grads`]: whole-model gradient arithmetic (squared norms, scaling, sums);
-//! - [`cross_entropy_sum`]: the summed next-token loss models use.
+//! - [`cross_entropy_sum`]: the summed next-token loss models use;
+//! - [`collective`]: the `Collective` trait and its in-process backend (a thread per rank);
+//! - [`parallel`]: what a model implements to be sharded (`ParallelLm`, `StageModel`), shard
+//!   slicing and the vocabulary-parallel embedding;
+//! - [`engine`]: the 3D-parallel engine (tensor, pipeline and data parallelism, the noise-scale
+//!   probe under 3D);
+//! - [`reconfig`]: in-memory reconfiguration with rollback, and checkpoints.
 //!
-//! The crate is model-agnostic: a model implements [`CausalLm`].
+//! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
+//! [`ParallelLm`] for the engine.
 
 pub mod collective;
 pub mod engine;

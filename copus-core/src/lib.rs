@@ -13,7 +13,10 @@
 //! - [`throughput`]: measured profiles and the analytic cluster model;
 //! - [`schedule`]: GPipe and 1F1B pipeline schedules as instruction lists;
 //! - [`policy`]: the policies that decide when to change batch size or layout, and the oracle;
-//! - [`reshard`]: the moves that take every shard from one layout to another.
+//! - [`reshard`]: the moves that take every shard from one layout to another;
+//! - [`sim`]: the simulated clock on synthetic statistics (known noise trajectory, McCandlish
+//!   progress model);
+//! - [`orchestrator`]: observations to validated decisions, and the service's wire protocol.
 
 pub mod candidates;
 pub mod gns;

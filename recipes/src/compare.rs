@@ -623,6 +623,16 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
     let plain = Scorer::new(&feasible, model.as_ref(), b0, Arc::new(PlainGoodput)).map_err(|e| e.to_string())?;
     let lineup = lineup(&scorer, recipe.rule(), recipe.cbs_c)?;
     let wall = matches!(r.clock, Clock::Wall { .. });
+    if wall {
+        // Warm the process up (thread pools, allocator) so the first policy is not charged for it.
+        let c = lineup.copus_start;
+        let ec = EngineConfig { schedule: par.schedule, ..EngineConfig::new(c.dims, c.global_batch, c.micro_batch, spec.seq_len, train_recipe.optim.clone()) };
+        let mut e = Engine::new(Arc::new(cfg.clone()), &full, ec).map_err(|e| e.to_string())?;
+        for i in 0..5u64 {
+            let tokens: Vec<i64> = (0..c.global_batch as u64).flat_map(|j| prepared.train.sample(i * 64 + j).iter().map(|&t| i64::from(t))).collect();
+            e.step(tokens).map_err(|e| e.to_string())?;
+        }
+    }
     let mut runs = Vec::new();
     let mut copus_trajectory: Vec<(f64, f64)> = Vec::new();
     let mut copus_progress = 0.0;
@@ -693,7 +703,7 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
                 // The service answers asynchronously; a decision is applied at the first step
                 // boundary after it arrives, unless it was made for an older configuration.
                 Some(c) => {
-                    c.observe(obs);
+                    c.observe(obs, b as f64 / secs);
                     match c.poll() {
                         Some((s, d)) if s >= last_change => d,
                         _ => copus_core::policy::Decision::Keep,

@@ -117,7 +117,7 @@ pub fn spawn(addr: SocketAddr, token: String, make: std::sync::Arc<dyn Fn() -> O
 
 /// Messages from the training loop to the client thread.
 enum Outgoing {
-    Step(StepObservation),
+    Step(StepObservation, f64),
     Reconfigured(f64, bool),
 }
 
@@ -146,7 +146,7 @@ impl Client {
         std::thread::spawn(move || {
             for msg in rx {
                 let req = match msg {
-                    Outgoing::Step(observation) => Request::Step { observation, samples_per_sec: 0.0 },
+                    Outgoing::Step(observation, samples_per_sec) => Request::Step { observation, samples_per_sec },
                     Outgoing::Reconfigured(seconds, layout_changed) => Request::Reconfigured { seconds, layout_changed },
                 };
                 match exchange(&mut stream, &req) {
@@ -169,9 +169,10 @@ impl Client {
         Ok(Self { outgoing, decisions, lost, unavailable: None })
     }
 
-    /// Hands an observation to the background thread (never waits).
-    pub fn observe(&mut self, obs: StepObservation) {
-        if self.unavailable.is_none() && self.outgoing.send(Outgoing::Step(obs)).is_err() {
+    /// Hands an observation and the step's measured samples/s to the background thread (never
+    /// waits).
+    pub fn observe(&mut self, obs: StepObservation, samples_per_sec: f64) {
+        if self.unavailable.is_none() && self.outgoing.send(Outgoing::Step(obs, samples_per_sec)).is_err() {
             self.mark_lost("the client thread ended".into());
         }
     }
@@ -283,7 +284,7 @@ mod tests {
         let mut client = Client::connect(addr, "secret", "test").unwrap();
         let mut embedded = make()();
         for (step, phi) in [(1, 0.5), (2, 4.0), (3, 64.0)] {
-            client.observe(obs(step, phi));
+            client.observe(obs(step, phi), 10.0);
             let remote = client.wait_for(step, Duration::from_secs(10)).expect("a decision");
             assert_eq!(remote, embedded.on_step(&obs(step, phi)), "step {step}");
         }
@@ -331,11 +332,11 @@ mod tests {
             drop(s);
         });
         let mut client = Client::connect(addr, "t", "r").unwrap();
-        client.observe(obs(1, 64.0));
+        client.observe(obs(1, 64.0), 10.0);
         assert_eq!(client.wait_for(1, Duration::from_secs(5)), None);
         assert!(client.unavailable().is_some());
         // Further observations are dropped quietly and no decision ever comes.
-        client.observe(obs(2, 64.0));
+        client.observe(obs(2, 64.0), 10.0);
         assert_eq!(client.poll(), None);
     }
 }
