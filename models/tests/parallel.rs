@@ -25,7 +25,11 @@ fn config() -> LlamaConfig {
 }
 
 fn optim() -> OptimConfig {
-    OptimConfig { lr: 1e-3, warmup_steps: 2, total_steps: 10, b0: B_G, ..OptimConfig::default() }
+    optim_at(1e-3)
+}
+
+fn optim_at(lr: f64) -> OptimConfig {
+    OptimConfig { lr, warmup_steps: 2, total_steps: 10, b0: B_G, ..OptimConfig::default() }
 }
 
 /// One training setup: model, batch sizes, steps.
@@ -36,11 +40,13 @@ struct Setup {
     steps: usize,
     /// Compare |G|^2 on the scale of the measured |g|^2 (for runs where it is near zero).
     cancellation_floor: bool,
+    /// Peak learning rate.
+    lr: f64,
 }
 
 impl Setup {
     fn standard() -> Self {
-        Self { config: config(), global_batch: B_G, micro_batch: B_M, steps: STEPS, cancellation_floor: false }
+        Self { config: config(), global_batch: B_G, micro_batch: B_M, steps: STEPS, cancellation_floor: false, lr: 1e-3 }
     }
 }
 
@@ -75,7 +81,7 @@ struct Serial {
 fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
     let device = Device::flex().autodiff();
     let vocab = setup.config.vocab_size;
-    let mut trainer = Trainer::new(initial.clone(), optim()).unwrap();
+    let mut trainer = Trainer::new(initial.clone(), optim_at(setup.lr)).unwrap();
     let (mut losses, mut grad_sq, mut trace, mut stats) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..setup.steps {
         let tokens = batch_of(step, vocab, setup.global_batch);
@@ -112,9 +118,19 @@ fn every_layout_of_8_ranks_matches_serial_training() {
     check_against_serial(&Setup::standard(), &layouts);
 }
 
+/// Untied, the embedding's gradient is a sum over positions that cancels to near zero in some
+/// elements; there AdamW's update `lr * m / (sqrt(v) + eps)` turns last-bit differences of the
+/// summation order into differences of up to `lr`. This check therefore runs at lr 1e-4 (the
+/// losses and noise statistics are compared as everywhere else).
 #[test]
 fn an_untied_head_matches_serial_training() {
-    let setup = Setup { config: config().with_tied_embeddings(false), steps: 3, cancellation_floor: true, ..Setup::standard() };
+    let setup = Setup {
+        config: config().with_tied_embeddings(false),
+        steps: 3,
+        cancellation_floor: true,
+        lr: 1e-4,
+        ..Setup::standard()
+    };
     check_against_serial(&setup, &[(2, 2, 2), (1, 4, 2), (2, 1, 4)]);
 }
 
@@ -135,7 +151,7 @@ fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
             }
             let dims = ParallelDims::new(dp, tp, pp, 8).unwrap();
             let name = format!("{dims} {schedule:?}");
-            let mut ec = EngineConfig::new(dims, setup.global_batch, setup.micro_batch, SEQ, optim());
+            let mut ec = EngineConfig::new(dims, setup.global_batch, setup.micro_batch, SEQ, optim_at(setup.lr));
             ec.schedule = schedule;
             let mut engine = Engine::new(Arc::new(setup.config.clone()), &full, ec).unwrap();
             for step in 0..setup.steps {
