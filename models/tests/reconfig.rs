@@ -2,7 +2,7 @@
 //! ranks with tiny-1m (tied embedding, 4 layers, 8 heads, 4 kv heads).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, EngineError, OptimConfig, ReconfigPhase, TrainingState};
@@ -38,11 +38,19 @@ fn batch(step: usize, b: usize) -> Vec<i64> {
         .collect()
 }
 
+/// The initial weights, drawn once: the device RNG is shared by the tests running in parallel,
+/// so drawing per engine could give two engines of one test different weights.
+fn initial() -> &'static copus_burn::parallel::FullParams {
+    static INIT: OnceLock<copus_burn::parallel::FullParams> = OnceLock::new();
+    INIT.get_or_init(|| {
+        let device = Device::flex().autodiff();
+        device.seed(5);
+        full_params(&config().init(&device))
+    })
+}
+
 fn engine(d: ParallelDims, b_g: usize, b_m: usize) -> Engine<LlamaConfig> {
-    let device = Device::flex().autodiff();
-    device.seed(5);
-    let full = full_params(&config().init(&device));
-    Engine::new(Arc::new(config()), &full, EngineConfig::new(d, b_g, b_m, SEQ, optim())).unwrap()
+    Engine::new(Arc::new(config()), initial(), EngineConfig::new(d, b_g, b_m, SEQ, optim())).unwrap()
 }
 
 /// Trains steps `from..to` at the engine's current B_g; returns the losses.
