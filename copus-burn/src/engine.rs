@@ -37,7 +37,7 @@ use thiserror::Error;
 
 use crate::collective::{Collective, CommError, ReduceOp, ThreadComm};
 use crate::grads;
-use crate::parallel::{FullParams, ParallelLm, ShardError, ShardPlan, ShardSource, StageModel, unshard};
+use crate::parallel::{FullParams, ParallelLm, ShardError, ShardPlan, ShardSource, StageModel};
 use crate::trainer::{OptimConfig, StepMetrics, TrainError, adamw_optimizer};
 
 /// How the engine runs.
@@ -551,31 +551,9 @@ impl<L: ParallelLm> Engine<L> {
         self.dead = None;
     }
 
-    /// The full parameters, reassembled from dp replica 0's shards.
+    /// The full parameters, reassembled from dp replica 0's shards (through the staging path).
     pub fn gather(&mut self) -> Result<HashMap<String, Vec<f32>>, EngineError> {
-        let per_rank = self.rank_params()?;
-        let dims = self.cfg.dims;
-        let grid = self.grid();
-        let mut out = HashMap::new();
-        let num_layers = self.model.spec().num_layers;
-        for spec in &self.specs {
-            let stage = match spec.placement {
-                Placement::Layer(i) => copus_core::layout::stage_of_layer(i, num_layers, dims.pp),
-                Placement::Last => dims.pp - 1,
-                Placement::First | Placement::FirstAndLast => 0,
-            };
-            let mut shards = Vec::with_capacity(dims.tp);
-            for t in 0..dims.tp {
-                let r = grid.rank(copus_core::layout::Coord { dp: 0, tp: t, pp: stage });
-                let (_, _, v) = per_rank[r]
-                    .iter()
-                    .find(|(n, _, _)| n == &spec.name)
-                    .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("{} on rank {r}", spec.name))))?;
-                shards.push(v.clone());
-            }
-            out.insert(spec.name.clone(), unshard(spec, &shards, dims.tp)?);
-        }
-        Ok(out)
+        Ok(self.stage_state()?.params.into_iter().collect())
     }
 }
 
@@ -768,33 +746,15 @@ impl<L: ParallelLm> RankState<L> {
         let mut params = Vec::new();
         let mut names = HashMap::new();
         let mut paths = HashMap::new();
-        struct Ids {
-            path: Vec<String>,
-            out: Vec<(String, ParamId, Vec<usize>)>,
-        }
-        impl ModuleVisitor for Ids {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.push(name.into());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-                self.out.push((self.path.join("."), p.id, p.val().dims().to_vec()));
-            }
-        }
-        let mut ids = Ids { path: Vec::new(), out: Vec::new() };
-        stage.visit(&mut ids);
         let mut vocab_start = 0;
         let mut vocab_local = 0;
         let d_model = specs.iter().find(|s| s.name == "norm.weight").map_or(0, |s| s.shape[0]);
-        for (local, id, shape) in ids.out {
+        for (local, id, shape) in crate::parallel::param_paths(&stage) {
             let name = stage.global_name(&local);
             let spec = by_name
                 .get(name.as_str())
                 .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("spec for stage parameter `{name}`"))))?;
             let role = match spec.tp {
-                TpSplit::Split { .. } if dims.tp > 1 => Role::Sharded,
                 TpSplit::Split { .. } => Role::Sharded,
                 TpSplit::Replicated => Role::TpReplicated,
             };

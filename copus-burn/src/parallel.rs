@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_core::layout::{ParallelDims, stage_layers};
 use copus_core::model::{ModelSpec, ParamSpec, TpSplit};
@@ -244,10 +244,12 @@ pub fn holds(spec: &ParamSpec, plan: &ShardPlan, num_layers: usize) -> bool {
     }
 }
 
-/// Every float parameter of a module with its path, id and host values.
-pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
+/// Every float parameter of a module with its path, id and shape, and its host values when
+/// `with_values`.
+fn walk<M: Module>(module: &M, with_values: bool) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
     struct V {
         path: Vec<String>,
+        with_values: bool,
         out: Vec<(String, ParamId, Vec<usize>, Vec<f32>)>,
     }
     impl ModuleVisitor for V {
@@ -260,50 +262,23 @@ pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, 
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             let t = p.val();
             let shape = t.dims().to_vec();
-            let values = t.into_data().try_to_vec::<f32>().expect("f32 parameter");
+            let values = if self.with_values { t.into_data().try_to_vec::<f32>().expect("f32 parameter") } else { Vec::new() };
             self.out.push((self.path.join("."), p.id, shape, values));
         }
     }
-    let mut v = V { path: Vec::new(), out: Vec::new() };
+    let mut v = V { path: Vec::new(), with_values, out: Vec::new() };
     module.visit(&mut v);
     v.out
 }
 
-/// Replaces every float parameter whose path `values` names; returns the paths not found.
-pub fn load_named<M: Module>(module: M, mut values: HashMap<String, Vec<f32>>) -> (M, Vec<String>) {
-    struct L {
-        path: Vec<String>,
-        values: HashMap<String, Vec<f32>>,
-    }
-    impl ModuleMapper for L {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            match self.values.remove(&self.path.join(".")) {
-                Some(v) => {
-                    let (id, t, _) = p.consume();
-                    let shape = t.dims();
-                    let device = t.device();
-                    let require_grad = t.is_require_grad();
-                    let mut t = Tensor::<D>::from_data(TensorData::new(v, shape), &device);
-                    if require_grad {
-                        t = t.require_grad();
-                    }
-                    Param::initialized(id, t)
-                }
-                None => p,
-            }
-        }
-    }
-    let mut l = L { path: Vec::new(), values: std::mem::take(&mut values) };
-    let m = module.map(&mut l);
-    let mut left: Vec<String> = l.values.into_keys().collect();
-    left.sort();
-    (m, left)
+/// Every float parameter of a module with its path, id, shape and host values.
+pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
+    walk(module, true)
+}
+
+/// Every float parameter of a module with its path, id and shape (no data copied).
+pub fn param_paths<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>)> {
+    walk(module, false).into_iter().map(|(p, id, shape, _)| (p, id, shape)).collect()
 }
 
 /// Vocabulary-parallel embedding lookup: rows `vocab_start..vocab_start + rows` of the table are
