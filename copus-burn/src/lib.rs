@@ -10,7 +10,8 @@
 //!   slicing and the vocabulary-parallel embedding;
 //! - [`engine`]: the 3D-parallel engine (tensor, pipeline and data parallelism, the noise-scale
 //!   probe under 3D);
-//! - [`reconfig`]: in-memory reconfiguration with rollback, and checkpoints.
+//! - [`reconfig`]: in-memory reconfiguration with rollback, and checkpoints;
+//! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
 //! [`ParallelLm`] for the engine.
@@ -18,6 +19,8 @@
 pub mod collective;
 pub mod engine;
 pub mod grads;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod parallel;
 pub mod reconfig;
 pub mod trainer;

@@ -7,6 +7,7 @@
 //! - [`layout`]: validated `ParallelDims` and the `RankGrid` of ranks and groups;
 //! - [`model`]: `ModelSpec` shapes, parameter and FLOP counts, presets, per-parameter sharding specs;
 //! - [`memory`]: bytes per rank against a device budget;
+//! - [`accumulation`]: single-device plans (accumulation count, micro-batch) by Goodput;
 //! - [`candidates`]: every (S, B_g, B_m) with `B_g = dp * B_m * a`, rejections with reasons;
 //! - [`gns`]: the online gradient-noise-scale estimator;
 //! - [`goodput`]: statistical efficiency, objectives and learning-rate rules;
@@ -18,6 +19,7 @@
 //!   progress model);
 //! - [`orchestrator`]: observations to validated decisions, and the service's wire protocol.
 
+pub mod accumulation;
 pub mod candidates;
 pub mod gns;
 pub mod goodput;

@@ -1,0 +1,512 @@
+//! Adaptive batching for burn-train's `SupervisedTraining` (feature `learner`).
+//!
+//! Enabling it on an existing Learner takes four things from one [`CopusBatching`] handle:
+//!
+//! ```ignore
+//! let copus = CopusBatchingConfig::new(16).init()?;          // loader batches of 16, B0 = 32
+//! let learner = Learner::new(model, optim, copus.lr_scheduler(scheduler));
+//! SupervisedTraining::new(dir, train_loader, valid_loader)
+//!     .with_training_strategy(copus.training_strategy(device))
+//!     .metric_train_numeric(copus.noise_scale_metric())
+//!     .metric_train_numeric(copus.batch_size_metric())
+//!     .metric_train_numeric(copus.efficiency_metric())
+//!     .launch(learner);
+//! ```
+//!
+//! The training strategy runs the loader's batches as micro-batches and accumulates `k` of them
+//! per optimizer step (the mean gradient, weighted by each micro-batch's samples). Per step it
+//! measures every micro-batch's squared gradient norm and that of the mean, feeds copus-core's
+//! noise-scale estimator, and every `adapt_every` steps picks the accumulation count (and, with a
+//! loader built on [`CopusBatching::batch_strategy`], the micro-batch size) with the highest
+//! Goodput under the measured step costs ([`copus_core::accumulation`]). The optimizer, its state
+//! and the model are never rebuilt: a batch change only changes how many gradients go into the
+//! next step and the learning-rate factor the scheduler wrapper applies.
+//!
+//! One device only: burn-train's multi-device strategies run their own loops (and its DDP is
+//! CUDA-only); copus's own engine covers data, tensor and pipeline parallelism.
+
+mod metrics;
+mod strategy;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::config::Config;
+use burn::data::dataloader::BatchStrategy;
+use burn::optim::LearningRate;
+use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
+use burn::tensor::Device;
+use burn::train::{LearnerModel, TrainingStrategy};
+use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan, score};
+use copus_core::gns::{GnsEstimator, StepStats};
+use copus_core::goodput::{LrRule, ObjectiveKind};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+pub use metrics::{BatchSizeMetric, EfficiencyMetric, NoiseScaleMetric};
+pub use strategy::CopusStrategy;
+
+/// Settings of the add-on. `micro_batch` is the batch size the training loader produces.
+#[derive(Config, Debug)]
+pub struct CopusBatchingConfig {
+    /// Samples per loader batch at the start (the micro-batch, `m`).
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step at the start; the reference batch is
+    /// `B0 = micro_batch * initial_accumulation`, the batch the learning rate is tuned for.
+    /// With 2 or more the noise scale is measured without bias from the first step.
+    #[config(default = 2)]
+    pub initial_accumulation: usize,
+    /// The largest accumulation count considered.
+    #[config(default = 64)]
+    pub max_accumulation: usize,
+    /// Micro-batch sizes the loader may switch between (needs a loader built with
+    /// [`CopusBatching::batch_strategy`]); empty keeps `micro_batch`.
+    #[config(default = "Vec::new()")]
+    pub micro_batch_options: Vec<usize>,
+    /// How the learning rate follows the batch: `Sqrt` (Adam), `Linear` (SGD), `AdaScale`, `Constant`.
+    #[config(default = "LrRule::Sqrt")]
+    pub lr_rule: LrRule,
+    /// The objective that ranks plans: `Plain` Goodput, or `LrAware { x0, rule }`.
+    #[config(default = "ObjectiveKind::Plain")]
+    pub objective: ObjectiveKind,
+    /// EMA factor of the noise-scale estimator (0.9: about 10 steps of memory).
+    #[config(default = 0.9)]
+    pub smoothing: f64,
+    /// Optimizer steps between decisions.
+    #[config(default = 10)]
+    pub adapt_every: usize,
+    /// Noise measurements needed before the first decision.
+    #[config(default = 5)]
+    pub min_observations: u64,
+    /// Switch only when the best plan beats the current one's Goodput by this fraction.
+    #[config(default = 0.05)]
+    pub min_gain: f64,
+    /// A fixed cost model instead of measured step times (reproducible decisions).
+    #[config(default = "None")]
+    pub cost: Option<StepCost>,
+    /// Keep the batch fixed and only measure (a baseline that still reports the metrics).
+    #[config(default = false)]
+    pub frozen: bool,
+}
+
+/// A setting out of range.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum CopusLearnerError {
+    /// A field with a value it cannot take.
+    #[error("copus learner setting `{field}` must be {allowed}, got {value}")]
+    Setting {
+        /// Field.
+        field: &'static str,
+        /// Allowed values.
+        allowed: String,
+        /// The value given.
+        value: String,
+    },
+}
+
+fn bad(field: &'static str, allowed: impl Into<String>, value: impl std::fmt::Debug) -> CopusLearnerError {
+    CopusLearnerError::Setting { field, allowed: allowed.into(), value: format!("{value:?}") }
+}
+
+impl CopusBatchingConfig {
+    /// Checks the settings and builds the shared handle.
+    pub fn init(&self) -> Result<CopusBatching, CopusLearnerError> {
+        if self.micro_batch == 0 {
+            return Err(bad("micro_batch", "1 or more", self.micro_batch));
+        }
+        if self.max_accumulation == 0 {
+            return Err(bad("max_accumulation", "1 or more", self.max_accumulation));
+        }
+        if !(1..=self.max_accumulation).contains(&self.initial_accumulation) {
+            return Err(bad("initial_accumulation", format!("in 1..={}", self.max_accumulation), self.initial_accumulation));
+        }
+        if self.micro_batch_options.contains(&0) {
+            return Err(bad("micro_batch_options", "sizes of 1 or more", &self.micro_batch_options));
+        }
+        if !self.micro_batch_options.is_empty() && !self.micro_batch_options.contains(&self.micro_batch) {
+            return Err(bad("micro_batch_options", format!("a list that contains micro_batch = {}", self.micro_batch), &self.micro_batch_options));
+        }
+        if !(0.0..1.0).contains(&self.smoothing) {
+            return Err(bad("smoothing", "in [0, 1)", self.smoothing));
+        }
+        if self.adapt_every == 0 {
+            return Err(bad("adapt_every", "1 or more", self.adapt_every));
+        }
+        if !(self.min_gain.is_finite() && self.min_gain >= 0.0) {
+            return Err(bad("min_gain", "a finite number >= 0", self.min_gain));
+        }
+        if let ObjectiveKind::LrAware { x0, .. } = self.objective
+            && !(x0.is_finite() && x0 > 0.0 && x0 <= 1.0)
+        {
+            return Err(bad("objective.x0", "in (0, 1]", x0));
+        }
+        if let Some(cost) = &self.cost {
+            cost.validate().map_err(|e| bad("cost", e.to_string(), cost))?;
+        }
+        let mut options = if self.micro_batch_options.is_empty() { vec![self.micro_batch] } else { self.micro_batch_options.clone() };
+        options.sort_unstable();
+        options.dedup();
+        let plan = Plan { micro_batch: self.micro_batch, accumulation: self.initial_accumulation };
+        let estimator = GnsEstimator::new(self.smoothing).map_err(|e| bad("smoothing", e.to_string(), self.smoothing))?;
+        let state = State {
+            b0: plan.batch(),
+            plan,
+            options,
+            estimator,
+            costs: CostTracker::new(self.smoothing),
+            steps: 0,
+            samples: 0,
+            micro_batches: 0,
+            lr_factor: 1.0,
+            history: Vec::new(),
+            snapshots: VecDeque::new(),
+            follows_loader: true,
+        };
+        Ok(CopusBatching {
+            shared: Arc::new(Shared {
+                config: self.clone(),
+                micro_batch: AtomicUsize::new(self.micro_batch),
+                state: Mutex::new(state),
+            }),
+        })
+    }
+}
+
+/// What the add-on shows at one training iteration (one micro-batch).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Optimizer steps done.
+    pub steps: u64,
+    /// Training samples consumed.
+    pub samples: u64,
+    /// The plan of the step in progress.
+    pub plan: Plan,
+    /// The smoothed noise scale `B_simple`, once measured.
+    pub b_simple: Option<f64>,
+    /// Statistical efficiency of the current batch against `B0`, once the noise scale is known.
+    pub efficiency: Option<f64>,
+    /// The factor on the scheduler's learning rate.
+    pub lr_factor: f64,
+}
+
+/// One optimizer step, as the strategy ran it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// 1-based optimizer step.
+    pub step: u64,
+    /// The plan the step ran under (the last step of an epoch may hold fewer micro-batches).
+    pub plan: Plan,
+    /// Micro-batches in the step.
+    pub micro_batches: usize,
+    /// Samples in the step (from the loader's progress).
+    pub samples: usize,
+    /// Samples consumed up to and including this step.
+    pub samples_total: u64,
+    /// `|g|^2` of the step's mean gradient.
+    pub grad_sq_norm: f64,
+    /// Mean of the micro-batch `|g_k|^2`.
+    pub mean_micro_sq_norm: f64,
+    /// Smoothed `B_simple` after the step.
+    pub b_simple: Option<f64>,
+    /// The learning-rate factor the step used.
+    pub lr_factor: f64,
+    /// Seconds of the whole step.
+    pub seconds: f64,
+    /// The plan decided for the next step, when it changed.
+    pub switched_to: Option<Plan>,
+}
+
+/// The shared handle: hands out the strategy, scheduler wrapper, batch strategy and metrics, all
+/// reading and writing one state. Cheap to clone.
+#[derive(Clone)]
+pub struct CopusBatching {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: CopusBatchingConfig,
+    /// The micro-batch the loader should produce next (read by [`AdaptiveBatchSize`]).
+    micro_batch: AtomicUsize,
+    state: Mutex<State>,
+}
+
+struct State {
+    b0: usize,
+    plan: Plan,
+    options: Vec<usize>,
+    estimator: GnsEstimator,
+    costs: CostTracker,
+    steps: u64,
+    samples: u64,
+    micro_batches: u64,
+    lr_factor: f64,
+    history: Vec<StepRecord>,
+    /// (iteration in the epoch, snapshot) for the metrics, which may run behind.
+    snapshots: VecDeque<(usize, Snapshot)>,
+    /// False once the loader was seen ignoring a micro-batch change.
+    follows_loader: bool,
+}
+
+const SNAPSHOTS_KEPT: usize = 1 << 16;
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic elsewhere while holding the lock leaves plain numbers behind; keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl State {
+    fn phi(&self) -> Option<f64> {
+        let e = self.estimator.estimate()?;
+        // Noise swamping the signal (|G|^2 <= 0) reads as a very large noise scale.
+        Some(e.b_simple().unwrap_or(1e12))
+    }
+
+    fn snapshot(&self, config: &CopusBatchingConfig) -> Snapshot {
+        let phi = self.phi();
+        let objective = config.objective.build();
+        Snapshot {
+            steps: self.steps,
+            samples: self.samples,
+            plan: self.plan,
+            b_simple: self.estimator.b_simple(),
+            efficiency: phi.map(|phi| objective.efficiency(self.plan.batch() as f64, self.b0 as f64, phi)),
+            lr_factor: self.lr_factor,
+        }
+    }
+}
+
+/// What one optimizer step measured, handed to the shared state.
+pub(crate) struct StepMeasure {
+    pub micro_sizes: Vec<usize>,
+    pub micro_sq_norms: Vec<f64>,
+    pub grad_sq_norm: f64,
+    pub diff_sq_norm: Option<f64>,
+    pub step_seconds: f64,
+    pub overhead_seconds: f64,
+}
+
+impl CopusBatching {
+    /// The burn-train training strategy on `device` (an autodiff device is made from it).
+    pub fn training_strategy<M: LearnerModel>(&self, device: Device) -> TrainingStrategy<M> {
+        TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), device)))
+    }
+
+    /// Wraps a scheduler so its learning rate is multiplied by the batch rule's factor
+    /// (`lr_rule(B / B0)`), updated whenever the batch changes.
+    pub fn lr_scheduler<S: LrScheduler + Clone + 'static>(&self, inner: S) -> BatchScaledLr<S> {
+        BatchScaledLr { inner, shared: self.shared.clone() }
+    }
+
+    /// A loader batch strategy whose size follows the chosen micro-batch. Build the training
+    /// loader with it (`BatchDataLoader::new(Box::new(copus.batch_strategy()), ..)`) to let copus
+    /// change the micro-batch as well as the accumulation count.
+    pub fn batch_strategy<I>(&self) -> AdaptiveBatchSize<I> {
+        AdaptiveBatchSize { items: Vec::new(), shared: self.shared.clone() }
+    }
+
+    /// Burn metric: the smoothed noise scale `B_simple`.
+    pub fn noise_scale_metric(&self) -> NoiseScaleMetric {
+        NoiseScaleMetric::new(self.clone())
+    }
+
+    /// Burn metric: samples per optimizer step.
+    pub fn batch_size_metric(&self) -> BatchSizeMetric {
+        BatchSizeMetric::new(self.clone())
+    }
+
+    /// Burn metric: statistical efficiency of the current batch against `B0`.
+    pub fn efficiency_metric(&self) -> EfficiencyMetric {
+        EfficiencyMetric::new(self.clone())
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CopusBatchingConfig {
+        &self.shared.config
+    }
+
+    /// The reference batch `B0`.
+    pub fn b0(&self) -> usize {
+        self.shared.lock().b0
+    }
+
+    /// The state now.
+    pub fn snapshot(&self) -> Snapshot {
+        let s = self.shared.lock();
+        s.snapshot(&self.shared.config)
+    }
+
+    /// Every optimizer step so far.
+    pub fn history(&self) -> Vec<StepRecord> {
+        self.shared.lock().history.clone()
+    }
+
+    /// The snapshot published at training iteration `index` (the newest such), or the latest one.
+    pub(crate) fn snapshot_at(&self, index: Option<usize>) -> Snapshot {
+        let s = self.shared.lock();
+        if let Some(i) = index
+            && let Some((_, snap)) = s.snapshots.iter().rev().find(|(j, _)| *j == i)
+        {
+            return *snap;
+        }
+        s.snapshot(&self.shared.config)
+    }
+
+    /// The plan of the step about to start.
+    pub(crate) fn plan(&self) -> Plan {
+        self.shared.lock().plan
+    }
+
+    /// Records a finished micro-batch of `samples` at training `iteration` (what the metrics see).
+    pub(crate) fn publish_micro_batch(&self, iteration: usize, samples: usize, seconds: f64) {
+        let mut s = self.shared.lock();
+        s.micro_batches += 1;
+        s.samples += samples as u64;
+        s.costs.observe_micro(samples, seconds);
+        let snap = s.snapshot(&self.shared.config);
+        s.snapshots.push_back((iteration, snap));
+        if s.snapshots.len() > SNAPSHOTS_KEPT {
+            s.snapshots.pop_front();
+        }
+    }
+
+    /// Closes an optimizer step: feeds the estimator and the cost model, and decides the next plan.
+    pub(crate) fn finish_step(&self, m: StepMeasure) {
+        let cfg = &self.shared.config;
+        let mut s = self.shared.lock();
+        s.steps += 1;
+        s.costs.observe_step(m.overhead_seconds);
+        let n = m.micro_sizes.len();
+        let equal = n > 0 && m.micro_sizes.iter().all(|&x| x == m.micro_sizes[0]);
+        let mean_micro = if n > 0 { m.micro_sq_norms.iter().sum::<f64>() / n as f64 } else { 0.0 };
+        // A step with unequal micro-batches (the end of an epoch) breaks the estimator's
+        // assumption; it is skipped rather than mis-measured.
+        if equal {
+            let stats = StepStats {
+                micro_batch: m.micro_sizes[0],
+                num_micro: n,
+                mean_micro_sq_norm: mean_micro,
+                grad_sq_norm: m.grad_sq_norm,
+                diff_sq_norm: m.diff_sq_norm,
+            };
+            // Non-finite norms mean a diverged step; the estimator refuses them and we keep going.
+            let _ = s.estimator.observe(&stats);
+        }
+        let planned = s.plan.micro_batch;
+        if equal && m.micro_sizes[0] != planned && n > 1 && s.options.len() > 1 {
+            // The loader ignores micro-batch changes: adapt the accumulation count only.
+            s.follows_loader = false;
+            s.options = vec![m.micro_sizes[0]];
+            s.plan.micro_batch = m.micro_sizes[0];
+            self.shared.micro_batch.store(m.micro_sizes[0], Ordering::Relaxed);
+        }
+        let used_lr = s.lr_factor;
+        let used_plan = s.plan;
+        let switched_to = if !cfg.frozen && s.steps.is_multiple_of(cfg.adapt_every as u64) {
+            self.decide(&mut s)
+        } else {
+            None
+        };
+        let samples_total = s.samples;
+        let b_simple = s.estimator.b_simple();
+        let step = s.steps;
+        s.history.push(StepRecord {
+            step,
+            plan: used_plan,
+            micro_batches: n,
+            samples: m.micro_sizes.iter().sum(),
+            samples_total,
+            grad_sq_norm: m.grad_sq_norm,
+            mean_micro_sq_norm: mean_micro,
+            b_simple,
+            lr_factor: used_lr,
+            seconds: m.step_seconds,
+            switched_to,
+        });
+    }
+
+    fn decide(&self, s: &mut State) -> Option<Plan> {
+        let cfg = &self.shared.config;
+        if s.estimator.observations() < cfg.min_observations {
+            return None;
+        }
+        let phi = s.phi()?;
+        let objective = cfg.objective.build();
+        let b0 = s.b0 as f64;
+        // Measure every micro-batch option once before trusting a fitted cost model.
+        let measured = s.costs.measured();
+        let next = if cfg.cost.is_none()
+            && let Some(&m) = s.options.iter().find(|m| !measured.contains(m))
+        {
+            let k = (s.plan.batch() as f64 / m as f64).round().clamp(1.0, cfg.max_accumulation as f64) as usize;
+            Some(Plan { micro_batch: m, accumulation: k })
+        } else {
+            let cost = cfg.cost.or_else(|| s.costs.model())?;
+            let best = best_plan(&cost, objective.as_ref(), phi, b0, &s.options, cfg.max_accumulation, s.b0)?;
+            let current = score(&cost, objective.as_ref(), phi, b0, s.plan);
+            (best.plan != s.plan && best.goodput > current.goodput * (1.0 + cfg.min_gain)).then_some(best.plan)
+        };
+        let next = next.filter(|p| *p != s.plan)?;
+        s.plan = next;
+        s.lr_factor = cfg.lr_rule.factor(next.batch() as f64, b0, Some(phi));
+        self.shared.micro_batch.store(next.micro_batch, Ordering::Relaxed);
+        Some(next)
+    }
+
+    fn lr_factor(&self) -> f64 {
+        self.shared.lock().lr_factor
+    }
+}
+
+/// A scheduler whose rate is the inner scheduler's times the batch rule's factor.
+#[derive(Clone)]
+pub struct BatchScaledLr<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S: LrScheduler + Clone + 'static> LrScheduler for BatchScaledLr<S> {
+    fn step(&mut self) -> LearningRate {
+        let factor = CopusBatching { shared: self.shared.clone() }.lr_factor();
+        self.inner.step() * factor
+    }
+
+    fn to_record(&self) -> LrSchedulerRecord {
+        self.inner.to_record()
+    }
+
+    fn load_record(&mut self, record: LrSchedulerRecord) {
+        self.inner.load_record(record);
+    }
+}
+
+/// A loader batch strategy whose size is copus's current micro-batch.
+pub struct AdaptiveBatchSize<I> {
+    items: Vec<I>,
+    shared: Arc<Shared>,
+}
+
+impl<I: Send + Sync + 'static> BatchStrategy<I> for AdaptiveBatchSize<I> {
+    fn add(&mut self, item: I) {
+        self.items.push(item);
+    }
+
+    fn batch(&mut self, force: bool) -> Option<Vec<I>> {
+        let size = self.shared.micro_batch.load(Ordering::Relaxed).max(1);
+        if self.items.is_empty() || (self.items.len() < size && !force) {
+            return None;
+        }
+        let rest = self.items.split_off(size.min(self.items.len()));
+        Some(std::mem::replace(&mut self.items, rest))
+    }
+
+    fn clone_dyn(&self) -> Box<dyn BatchStrategy<I>> {
+        Box::new(AdaptiveBatchSize::<I> { items: Vec::new(), shared: self.shared.clone() })
+    }
+
+    fn batch_size(&self) -> Option<usize> {
+        Some(self.shared.micro_batch.load(Ordering::Relaxed).max(1))
+    }
+}

@@ -1,0 +1,227 @@
+//! The training loop: micro-batches, the noise probe, accumulation by the current plan.
+
+use std::time::Instant;
+
+use burn::data::dataloader::Progress;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+use burn::train::train::WorkerFailure;
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+};
+
+use super::{CopusBatching, StepMeasure};
+use crate::grads;
+
+/// burn-train's custom strategy that runs copus's adaptive batching on one device.
+pub struct CopusStrategy {
+    copus: CopusBatching,
+    device: Device,
+}
+
+impl CopusStrategy {
+    /// The strategy for `copus` on `device` (made an autodiff device if it is not one).
+    pub fn new(copus: CopusBatching, device: Device) -> Self {
+        let device = if device.is_autodiff() { device } else { device.autodiff() };
+        Self { copus, device }
+    }
+}
+
+/// The accumulation of the optimizer step in progress.
+#[derive(Default)]
+struct Open {
+    sum: Option<GradientsParams>,
+    sizes: Vec<usize>,
+    sq_norms: Vec<f64>,
+    started: Option<Instant>,
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let interrupter = components.interrupter.clone();
+        let mut processor = components.event_processor;
+        if components.grad_accumulation.is_some() {
+            interrupter.fail(TrainingError::Workers(vec![WorkerFailure {
+                device_id: 0,
+                message: "copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into(),
+            }]));
+            return (learner.model(), processor);
+        }
+        let train = dataloader_train.to_device(&self.device);
+        let valid = dataloader_valid.to_device(&self.device.clone().inner());
+        let (train_items, valid_items) = (train.num_items(), valid.num_items());
+        learner.fork(&self.device);
+        let mut checkpointer = components.checkpointer;
+        let mut early_stopping = components.early_stopping;
+        // The previous step's mean gradient, kept only while steps have one micro-batch (the
+        // estimator's differencing fallback needs it).
+        let mut previous: Option<GradientsParams> = None;
+
+        for epoch in starting_epoch..=components.num_epochs {
+            interrupter.fail_on_error(
+                processor.process_train(LearnerEvent::StartSplit { epoch_number: epoch, total_items: train_items }),
+            );
+            self.train_epoch(&mut learner, &train, &mut processor, &interrupter, &mut previous);
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+            if interrupter.should_stop() {
+                break;
+            }
+
+            interrupter.fail_on_error(
+                processor.process_valid(LearnerEvent::StartSplit { epoch_number: epoch, total_items: valid_items }),
+            );
+            valid_epoch(&learner, &valid, &mut processor, &interrupter);
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+            if checkpointer.is_some() || early_stopping.is_some() {
+                interrupter.fail_on_error(processor.flush());
+            }
+            if interrupter.should_stop() {
+                break;
+            }
+            if let Some(c) = &mut checkpointer {
+                c.checkpoint(&learner, epoch, &components.event_store);
+            }
+            if let Some(e) = &mut early_stopping
+                && e.should_stop(epoch, &components.event_store)
+            {
+                break;
+            }
+        }
+        (learner.model(), processor)
+    }
+}
+
+impl CopusStrategy {
+    fn train_epoch<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        loader: &TrainLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+        previous: &mut Option<GradientsParams>,
+    ) {
+        let mut iterator = loader.iter();
+        let mut iteration = 0;
+        let mut open = Open::default();
+        let mut seen = 0usize;
+        loop {
+            let started = Instant::now();
+            let Some(item) = iterator.next() else { break };
+            let item = match item {
+                Ok(item) => item,
+                Err(err) => {
+                    interrupter.fail(err);
+                    break;
+                }
+            };
+            iteration += 1;
+            let progress: Progress = iterator.progress();
+            let planned = self.copus.plan();
+            // The loader's progress tells how many samples the batch held.
+            let size = match progress.items_processed.checked_sub(seen) {
+                Some(d) if d > 0 => d,
+                _ => planned.micro_batch,
+            };
+            seen = progress.items_processed;
+
+            let model = learner.model();
+            let out = learner.train_step(item);
+            let sq = grads::sq_norm(&model, &out.grads);
+            // Weight by samples so a short last batch counts for what it holds.
+            let weight = size as f64 / planned.micro_batch as f64;
+            let g = if weight == 1.0 { out.grads } else { grads::scaled(&model, &out.grads, weight) };
+            open.sum = Some(grads::add(&model, open.sum.take(), g));
+            open.sizes.push(size);
+            open.sq_norms.push(sq);
+            open.started.get_or_insert(started);
+            self.copus.publish_micro_batch(iteration, size, started.elapsed().as_secs_f64());
+
+            let last = progress.items_processed >= progress.items_total;
+            if open.sizes.len() >= planned.accumulation || last {
+                self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous);
+            }
+            let lr = learner.lr_current();
+            let item = TrainingItem::new(out.item, progress, Some(iteration), Some(lr));
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+            if interrupter.should_stop() {
+                break;
+            }
+        }
+        // A loader that ended early (interrupted or failed) leaves no half step behind.
+        if !open.sizes.is_empty() && !interrupter.should_stop() {
+            let model = learner.model();
+            let m = self.copus.plan().micro_batch;
+            self.optimizer_step(learner, &model, &mut open, m, previous);
+        }
+    }
+
+    fn optimizer_step<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        model: &M,
+        open: &mut Open,
+        micro_batch: usize,
+        previous: &mut Option<GradientsParams>,
+    ) {
+        let overhead = Instant::now();
+        let Some(sum) = open.sum.take() else { return };
+        let samples: usize = open.sizes.iter().sum();
+        // sum holds sum_k (n_k / m) g_k; the mean gradient is sum_k n_k g_k / sum_k n_k.
+        let mean = grads::scaled(model, &sum, micro_batch as f64 / samples as f64);
+        let grad_sq_norm = grads::sq_norm(model, &mean);
+        let single = open.sizes.len() == 1;
+        let diff_sq_norm = match (single, previous.as_ref()) {
+            (true, Some(prev)) => Some(grads::diff_sq_norm(model, &mean, prev)),
+            _ => None,
+        };
+        *previous = single.then(|| grads::scaled(model, &mean, 1.0));
+        learner.lr_step();
+        learner.optimizer_step(mean);
+        let step_seconds = open.started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.copus.finish_step(StepMeasure {
+            micro_sizes: std::mem::take(&mut open.sizes),
+            micro_sq_norms: std::mem::take(&mut open.sq_norms),
+            grad_sq_norm,
+            diff_sq_norm,
+            step_seconds,
+            overhead_seconds: overhead.elapsed().as_secs_f64(),
+        });
+    }
+}
+
+fn valid_epoch<M: LearnerModel>(
+    learner: &Learner<M>,
+    loader: &ValidLoader<M>,
+    processor: &mut SupervisedTrainingEventProcessor<M>,
+    interrupter: &Interrupter,
+) {
+    let model = learner.model().valid();
+    let mut iterator = loader.iter();
+    let mut iteration = 0;
+    while let Some(item) = iterator.next() {
+        let item = match item {
+            Ok(item) => item,
+            Err(err) => {
+                interrupter.fail(err);
+                break;
+            }
+        };
+        iteration += 1;
+        let progress = iterator.progress();
+        let out = InferenceStep::step(&model, item);
+        let item = TrainingItem::new(out, progress, Some(iteration), None);
+        interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+        if interrupter.should_stop() {
+            break;
+        }
+    }
+}

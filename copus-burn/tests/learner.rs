@@ -1,0 +1,449 @@
+//! The burn-train add-on on a task with a known noise scale: least squares with Gaussian inputs.
+//!
+//! `y = w* . x + sigma e`, `x ~ N(0, I_d)`, loss `(w . x - y)^2`. With `delta = w - w*` the
+//! per-sample gradient `2 (delta . x - sigma e) x` has mean `G = 2 delta` and
+//! `tr(Sigma) = 4 ((d + 1) |delta|^2 + d sigma^2)`, so
+//! `B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`: it grows as training closes in.
+
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{BatchDataLoader, DataLoader, DataLoaderBuilder};
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, Param};
+use burn::optim::lr_scheduler::constant::ConstantLr;
+use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn::train::{
+    InferenceStep, Interrupter, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
+};
+use copus_burn::learner::{CopusBatching, CopusBatchingConfig, StepRecord};
+use copus_core::accumulation::{Plan, StepCost, best_plan};
+use copus_core::goodput::{LrRule, PlainGoodput};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const D: usize = 16;
+const SIGMA: f64 = 1.0;
+
+fn w_star() -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(123);
+    (0..D).map(|_| normal(&mut rng) as f32).collect()
+}
+
+fn normal(rng: &mut StdRng) -> f64 {
+    // Box-Muller, so the test needs no distribution crate.
+    let u: f64 = rng.random::<f64>().max(1e-300);
+    let v: f64 = rng.random();
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+}
+
+fn true_b_simple(delta_sq: f64) -> f64 {
+    ((D as f64 + 1.0) * delta_sq + D as f64 * SIGMA * SIGMA) / delta_sq
+}
+
+#[derive(Clone, Debug)]
+struct Sample {
+    x: Vec<f32>,
+    y: f32,
+}
+
+fn samples(n: usize, seed: u64) -> Vec<Sample> {
+    let ws = w_star();
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let x: Vec<f32> = (0..D).map(|_| normal(&mut rng) as f32).collect();
+            let y = x.iter().zip(&ws).map(|(a, b)| f64::from(a * b)).sum::<f64>() + SIGMA * normal(&mut rng);
+            Sample { x, y: y as f32 }
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+struct Batch {
+    x: Tensor<2>,
+    y: Tensor<2>,
+}
+
+#[derive(Clone)]
+struct RegBatcher;
+
+impl Batcher<Sample, Batch> for RegBatcher {
+    fn batch(&self, items: Vec<Sample>, device: &Device) -> Batch {
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|s| s.x.iter().copied()).collect();
+        let y: Vec<f32> = items.iter().map(|s| s.y).collect();
+        Batch {
+            x: Tensor::from_data(TensorData::new(x, [n, D]), device),
+            y: Tensor::from_data(TensorData::new(y, [n, 1]), device),
+        }
+    }
+}
+
+/// What the model sees at each training step: `|w - w*|^2` before the step's update, and an
+/// interrupter to stop at a target.
+#[derive(Default)]
+struct ProbeState {
+    delta_sq: Vec<f64>,
+    target: Option<f64>,
+    interrupter: Option<Interrupter>,
+    hit_at_micro_batch: Option<usize>,
+}
+
+#[derive(Clone, Default)]
+struct Probe(Arc<Mutex<ProbeState>>);
+
+impl std::fmt::Debug for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Probe")
+    }
+}
+
+#[derive(Module, Debug)]
+struct Regression {
+    w: Param<Tensor<2>>,
+    #[module(skip)]
+    probe: Probe,
+}
+
+impl Regression {
+    fn new(device: &Device, probe: Probe) -> Self {
+        let w = Tensor::zeros([D, 1], device);
+        Self { w: Param::from_tensor(w), probe }
+    }
+
+    fn weights(&self) -> Vec<f32> {
+        self.w.val().into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    fn forward(&self, b: Batch) -> RegressionOutput {
+        let pred = b.x.matmul(self.w.val());
+        let loss = (pred.clone() - b.y.clone()).powi_scalar(2).mean();
+        RegressionOutput { loss, output: pred, targets: b.y }
+    }
+}
+
+fn delta_sq(w: &[f32]) -> f64 {
+    w.iter().zip(w_star()).map(|(a, b)| f64::from(a - b).powi(2)).sum()
+}
+
+impl TrainStep for Regression {
+    type Input = Batch;
+    type Output = RegressionOutput;
+
+    fn step(&self, b: Batch) -> TrainOutput<RegressionOutput> {
+        let d = delta_sq(&self.weights());
+        {
+            let mut p = self.probe.0.lock().unwrap();
+            p.delta_sq.push(d);
+            if let Some(t) = p.target
+                && d <= t
+                && p.hit_at_micro_batch.is_none()
+            {
+                p.hit_at_micro_batch = Some(p.delta_sq.len());
+                if let Some(i) = &p.interrupter {
+                    i.stop(Some("target reached"));
+                }
+            }
+        }
+        let out = self.forward(b);
+        let grads = out.loss.backward();
+        TrainOutput::new(self, grads, out)
+    }
+}
+
+impl InferenceStep for Regression {
+    type Input = Batch;
+    type Output = RegressionOutput;
+
+    fn step(&self, b: Batch) -> RegressionOutput {
+        self.forward(b)
+    }
+}
+
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+enum Optim {
+    Sgd,
+    Adam,
+}
+
+fn optimizer(o: &Optim) -> ModuleOptimizer {
+    match o {
+        Optim::Sgd => SgdConfig::new().init(),
+        Optim::Adam => AdamConfig::new().init(),
+    }
+}
+
+struct RunOut {
+    copus: CopusBatching,
+    history: Vec<StepRecord>,
+    probe: ProbeState,
+    weights: Vec<f32>,
+    /// Where burn-train's file logger wrote the metrics.
+    dir: tempfile::TempDir,
+}
+
+/// Trains through `SupervisedTraining` with the copus strategy and returns what happened.
+fn run(cfg: CopusBatchingConfig, lr: f64, optim: Optim, data: Vec<Sample>, target: Option<f64>, adaptive_loader: bool) -> RunOut {
+    let copus = cfg.init().expect("valid settings");
+    let dev = device();
+    let probe = Probe::default();
+    let model = Regression::new(&dev, probe.clone());
+    let train: Arc<dyn DataLoader<Batch>> = if adaptive_loader {
+        Arc::new(BatchDataLoader::new(
+            Box::new(copus.batch_strategy()),
+            Arc::new(InMemDataset::new(data)),
+            Arc::new(RegBatcher),
+            dev.clone(),
+            None,
+        ))
+    } else {
+        DataLoaderBuilder::new(RegBatcher).batch_size(cfg.micro_batch).build(InMemDataset::new(data))
+    };
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(64).build(InMemDataset::new(samples(64, 999)));
+    let dir = tempfile::tempdir().unwrap();
+    let training = SupervisedTraining::new(dir.path(), train, valid)
+        .with_application_logger(None)
+        .with_training_strategy(copus.training_strategy(dev.clone()))
+        .metric_train_numeric(copus.noise_scale_metric())
+        .metric_train_numeric(copus.batch_size_metric())
+        .metric_train_numeric(copus.efficiency_metric())
+        .num_epochs(1);
+    {
+        let mut p = probe.0.lock().unwrap();
+        p.target = target;
+        p.interrupter = Some(training.interrupter());
+    }
+    let learner = Learner::new(model, optimizer(&optim), copus.lr_scheduler(ConstantLr::from(lr)));
+    let result = training.launch(learner);
+    assert!(result.error.is_none(), "training failed: {:?}", result.error);
+    let weights = result.model.weights();
+    drop(result);
+    let probe = std::mem::take(&mut *probe.0.lock().unwrap());
+    RunOut { history: copus.history(), copus, probe, weights, dir }
+}
+
+/// (optimizer steps, samples) to reach the target: the steps before the micro-batch that saw it.
+fn steps_and_samples(out: &RunOut) -> Option<(u64, u64)> {
+    let hit = out.probe.hit_at_micro_batch?;
+    let mut micro = 0;
+    for r in &out.history {
+        if micro + 1 >= hit {
+            break;
+        }
+        micro += r.micro_batches;
+        if micro + 1 >= hit {
+            return Some((r.step, r.samples_total));
+        }
+    }
+    (hit == 1).then_some((0, 0))
+}
+
+const COST: StepCost = StepCost { per_micro_batch: 0.0, per_sample: 1.0, per_step: 2.0 };
+
+fn adaptive(micro: usize, k0: usize, kmax: usize) -> CopusBatchingConfig {
+    CopusBatchingConfig::new(micro)
+        .with_initial_accumulation(k0)
+        .with_max_accumulation(kmax)
+        .with_lr_rule(LrRule::Sqrt)
+        .with_adapt_every(5)
+        .with_cost(Some(COST))
+}
+
+#[test]
+fn batch_grows_with_the_measured_noise_scale() {
+    let out = run(adaptive(2, 2, 64), 0.01, Optim::Sgd, samples(24_000, 1), None, false);
+    let h = &out.history;
+    assert!(h.len() > 300, "{} steps", h.len());
+    let b0 = out.copus.b0() as f64;
+
+    // The estimate tracks the closed form while the noise scale rises from ~20 to the hundreds.
+    let mut micro = 0;
+    let mut ratios = Vec::new();
+    for r in h {
+        micro += r.micro_batches;
+        let d = out.probe.delta_sq[micro.min(out.probe.delta_sq.len() - 1)];
+        let truth = true_b_simple(d);
+        if let Some(est) = r.b_simple
+            && r.step > 20
+            && truth < 400.0
+        {
+            ratios.push(est / truth);
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    println!("B_simple estimate / closed form: median {median:.3}, quartiles {:.3} {:.3}", ratios[ratios.len() / 4], ratios[3 * ratios.len() / 4]);
+    assert!(ratios.len() > 50 && (0.7..1.4).contains(&median), "median estimate / truth {median} over {} steps", ratios.len());
+
+    // Every decision is the Goodput optimum at the measured noise scale, so the batch follows it.
+    let mut plan = Plan { micro_batch: 2, accumulation: 2 };
+    let mut batches = vec![plan.batch()];
+    for r in h {
+        if let Some(next) = r.switched_to {
+            let phi = r.b_simple.unwrap_or(1e12);
+            let best = best_plan(&COST, &PlainGoodput, phi, b0, &[2], 64, 4).unwrap();
+            assert_eq!(next, best.plan, "step {}: phi {phi}", r.step);
+            assert!(next != plan);
+            plan = next;
+            batches.push(plan.batch());
+        }
+    }
+    let first_phi = h.iter().find_map(|r| r.b_simple).unwrap();
+    let last_phi = h.iter().rev().find_map(|r| r.b_simple).unwrap();
+    let last = *batches.last().unwrap();
+    println!("noise scale {first_phi:.1} -> {last_phi:.1}; batches {batches:?}");
+    assert!(last_phi > 5.0 * first_phi);
+    assert!(last >= 8 * batches[0], "batch {} -> {last}", batches[0]);
+    // Mostly upward: a step down is at most one decision's noise.
+    let downs = batches.windows(2).filter(|w| w[1] < w[0]).count();
+    assert!(downs * 3 <= batches.len(), "{batches:?}");
+    // Samples per step match the plan, and the LR factor follows the sqrt rule.
+    for r in h {
+        if r.step < h.len() as u64 {
+            assert_eq!(r.samples, r.plan.batch(), "step {}", r.step);
+        }
+        let expected = (r.plan.batch() as f64 / b0).sqrt();
+        assert!((r.lr_factor - expected).abs() < 1e-12, "step {}: factor {} under {:?}", r.step, r.lr_factor, r.plan);
+    }
+    let snap = out.copus.snapshot();
+    assert_eq!(snap.plan, plan);
+    let eff = snap.efficiency.unwrap();
+    let phi = snap.b_simple.unwrap_or(1e12);
+    assert!((eff - (phi + b0) / (phi + plan.batch() as f64)).abs() < 1e-9);
+}
+
+#[test]
+fn adaptive_reaches_the_target_in_fewer_steps_than_b0_and_fewer_samples_than_the_big_batch() {
+    let target = 0.15;
+    let lr0 = 0.01;
+    let (micro, k0, kbig) = (2, 2, 32);
+    let mut table = Vec::new();
+    for seed in [11, 12, 13] {
+        let data = samples(6_000, seed);
+        let small = run(adaptive(micro, k0, k0).with_frozen(true), lr0, Optim::Sgd, data.clone(), Some(target), false);
+        // The big batch uses the same rule's learning rate for its size.
+        let big_lr = lr0 * ((micro * kbig) as f64 / (micro * k0) as f64).sqrt();
+        let big = run(adaptive(micro, kbig, kbig).with_frozen(true), big_lr, Optim::Sgd, data.clone(), Some(target), false);
+        let adapt = run(adaptive(micro, k0, kbig), lr0, Optim::Sgd, data, Some(target), false);
+        let s = steps_and_samples(&small).expect("B0 run reaches the target");
+        let b = steps_and_samples(&big).expect("big-batch run reaches the target");
+        let a = steps_and_samples(&adapt).expect("adaptive run reaches the target");
+        println!(
+            "seed {seed}: steps/samples to |w - w*|^2 <= {target}: B0=4 {s:?}, B=64 {b:?}, adaptive {a:?} (final batch {})",
+            adapt.copus.snapshot().plan.batch()
+        );
+        table.push((s, b, a));
+        assert!(a.0 < s.0, "adaptive {a:?} vs B0 {s:?}");
+        assert!(a.1 <= b.1, "adaptive {a:?} vs big {b:?}");
+    }
+}
+
+#[test]
+fn optimizer_state_is_kept_across_batch_changes() {
+    let data = samples(3_000, 5);
+    let lr = 0.02;
+    let cfg = adaptive(2, 2, 16).with_adapt_every(3).with_min_observations(3);
+    let out = run(cfg, lr, Optim::Adam, data.clone(), None, true);
+    let switches = out.history.iter().filter(|r| r.switched_to.is_some()).count();
+    assert!(switches >= 2, "the run must change batch to test anything ({switches} changes)");
+
+    // Replay the same steps by hand: one Adam whose state lives through every change.
+    let replay = |fresh_optimizer_on_change: bool| -> Vec<f32> {
+        let dev = device();
+        let mut model = Regression::new(&dev, Probe::default());
+        let mut optim = optimizer(&Optim::Adam);
+        let mut next = 0;
+        let mut prev_batch = None;
+        for r in &out.history {
+            if fresh_optimizer_on_change && prev_batch.is_some_and(|b| b != r.samples) {
+                optim = optimizer(&Optim::Adam);
+            }
+            prev_batch = Some(r.samples);
+            let mut sum: Option<burn::optim::GradientsParams> = None;
+            for _ in 0..r.micro_batches {
+                let b = RegBatcher.batch(data[next..next + 2].to_vec(), &dev);
+                next += 2;
+                let o = TrainStep::step(&model, b);
+                sum = Some(copus_burn::grads::add(&model, sum, o.grads));
+            }
+            let mean = copus_burn::grads::scaled(&model, &sum.unwrap(), 1.0 / r.micro_batches as f64);
+            model = optim.step(lr * r.lr_factor, model, mean);
+        }
+        model.weights()
+    };
+    let kept = replay(false);
+    let reset = replay(true);
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(diff(&out.weights, &kept) < 1e-5, "copus vs replay with kept state: {}", diff(&out.weights, &kept));
+    assert!(diff(&out.weights, &reset) > 1e-3, "a reset optimizer must be told apart: {}", diff(&out.weights, &reset));
+
+    // Burn's file logger holds one batch-size entry per micro-batch: the batch of its step.
+    let logged = std::fs::read_to_string(out.dir.path().join("train/epoch-1/Batch_Size.log")).expect("metric log");
+    let logged: Vec<f64> =
+        logged.lines().filter(|l| !l.ends_with(",final")).map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
+    let expected: Vec<f64> =
+        out.history.iter().flat_map(|r| std::iter::repeat_n(r.plan.batch() as f64, r.micro_batches)).collect();
+    assert!(logged == expected, "logged {} entries, {} expected", logged.len(), expected.len());
+    let noise = std::fs::read_to_string(out.dir.path().join("train/epoch-1/Noise_Scale_(B_simple).log")).expect("metric log");
+    let noise: Vec<f64> =
+        noise.lines().filter(|l| !l.ends_with(",final")).map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
+    // Logged only while measured (from the first step, and not while |G|^2 reads <= 0).
+    assert!(noise.len() > expected.len() / 4 && noise.len() <= expected.len(), "{} B_simple entries", noise.len());
+    assert!(noise.iter().all(|&v| v.is_finite() && v >= 0.0));
+}
+
+#[test]
+fn micro_batch_changes_reach_the_loader() {
+    // A fixed cost per micro-batch makes bigger micro-batches pay off once the noise allows it.
+    let cost = StepCost { per_micro_batch: 8.0, per_sample: 1.0, per_step: 2.0 };
+    let cfg = adaptive(2, 2, 16).with_micro_batch_options(vec![2, 4, 8]).with_cost(Some(cost));
+    let out = run(cfg, 0.01, Optim::Sgd, samples(6_000, 7), None, true);
+    let final_plan = out.copus.snapshot().plan;
+    assert!(final_plan.micro_batch > 2, "{final_plan:?}");
+    // The loader followed: each step after the change holds micro-batches of the new size.
+    let mut plan = Plan { micro_batch: 2, accumulation: 2 };
+    for r in &out.history {
+        if r.micro_batches == plan.accumulation && r.step > 1 {
+            assert_eq!(r.samples, plan.batch(), "step {} under {plan:?}", r.step);
+        }
+        if let Some(p) = r.switched_to {
+            plan = p;
+        }
+    }
+}
+
+#[test]
+fn bad_settings_name_the_field() {
+    let e = CopusBatchingConfig::new(0).init().err().unwrap().to_string();
+    assert!(e.contains("`micro_batch`") && e.contains("1 or more"), "{e}");
+    let e = CopusBatchingConfig::new(4).with_initial_accumulation(9).with_max_accumulation(8).init().err().unwrap().to_string();
+    assert!(e.contains("`initial_accumulation`") && e.contains("1..=8"), "{e}");
+    let e = CopusBatchingConfig::new(4).with_micro_batch_options(vec![8, 16]).init().err().unwrap().to_string();
+    assert!(e.contains("`micro_batch_options`"), "{e}");
+    let e = CopusBatchingConfig::new(4).with_smoothing(1.0).init().err().unwrap().to_string();
+    assert!(e.contains("`smoothing`"), "{e}");
+    let bad_cost = StepCost { per_micro_batch: f64::NAN, per_sample: 1.0, per_step: 0.0 };
+    let e = CopusBatchingConfig::new(4).with_cost(Some(bad_cost)).init().err().unwrap().to_string();
+    assert!(e.contains("`cost`") && e.contains("per_micro_batch"), "{e}");
+}
+
+#[test]
+fn burn_grad_accumulation_is_refused() {
+    let copus = adaptive(2, 2, 4).init().unwrap();
+    let dev = device();
+    let data = samples(64, 3);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let result = SupervisedTraining::new(dir.path(), train, valid)
+        .with_application_logger(None)
+        .with_training_strategy(copus.training_strategy(dev.clone()))
+        .grads_accumulation(4)
+        .launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))));
+    let e = result.error.expect("refused").to_string();
+    assert!(e.contains("grads_accumulation"), "{e}");
+}
