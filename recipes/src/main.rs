@@ -7,12 +7,14 @@
 //! cargo run --release -p recipes -- bench --reconfig
 //! cargo run --release -p recipes -- profile recipes/parallel-tiny.ron
 //! cargo run --release -p recipes -- compare recipes/compare-synthetic-3b.ron
+//! cargo run --release -p recipes -- learner recipes/shakespeare-tiny.ron --compare
 //! ```
 
 mod bench;
 mod compare;
 mod data;
 mod engine_bench;
+mod learner;
 mod plot;
 mod profile;
 mod recipe;
@@ -75,6 +77,24 @@ enum Cmd {
         /// The comparison recipe (RON), e.g. recipes/compare-synthetic-3b.ron.
         recipe: PathBuf,
         /// No progress output.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Train the recipe's model and data with Burn's `SupervisedTraining` and copus's adaptive
+    /// batching (the Learner add-on); `--fixed` for the plain Learner, `--compare` for both.
+    Learner {
+        /// The recipe (RON), e.g. recipes/shakespeare-tiny.ron.
+        recipe: PathBuf,
+        /// The plain Learner at the recipe's global batch.
+        #[arg(long, conflicts_with = "compare")]
+        fixed: bool,
+        /// Both runs, then a table.
+        #[arg(long)]
+        compare: bool,
+        /// Training sequences (default: the recipe's max_steps x global_batch).
+        #[arg(long)]
+        max_samples: Option<usize>,
+        /// No data-preparation messages.
         #[arg(long)]
         quiet: bool,
     },
@@ -201,6 +221,18 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         (Some(Cmd::Profile { recipe, out, quiet }), _) => run_profile(&recipe, out, quiet),
+        (Some(Cmd::Learner { recipe, fixed, compare, max_samples, quiet }), _) => {
+            match learner::run(&recipe, fixed, compare, max_samples, quiet) {
+                Ok(report) => {
+                    println!("{report}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => match run_service(&recipe, &profile, &policy, listen) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

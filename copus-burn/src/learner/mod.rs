@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::config::Config;
 use burn::data::dataloader::BatchStrategy;
 use burn::optim::LearningRate;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::tensor::Device;
 use burn::train::{LearnerModel, TrainingStrategy};
@@ -294,10 +295,12 @@ impl CopusBatching {
         TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), device)))
     }
 
-    /// Wraps a scheduler so its learning rate is multiplied by the batch rule's factor
-    /// (`lr_rule(B / B0)`), updated whenever the batch changes.
-    pub fn lr_scheduler<S: LrScheduler + Clone + 'static>(&self, inner: S) -> BatchScaledLr<S> {
-        BatchScaledLr { inner, shared: self.shared.clone() }
+    /// Wraps a scheduler (a burn scheduler config's `init()`, or any `LrScheduler`) so its
+    /// learning rate is multiplied by the batch rule's factor `lr_rule(B / B0)`, updated whenever
+    /// the batch changes. The scheduler keeps counting optimizer steps. Parameter groups with
+    /// their own schedules are not kept apart: every parameter gets the base group's rate.
+    pub fn lr_scheduler(&self, inner: impl Into<ModuleLrScheduler>) -> BatchScaledLr {
+        BatchScaledLr { inner: inner.into(), shared: self.shared.clone() }
     }
 
     /// A loader batch strategy whose size follows the chosen micro-batch. Build the training
@@ -462,15 +465,15 @@ impl CopusBatching {
 
 /// A scheduler whose rate is the inner scheduler's times the batch rule's factor.
 #[derive(Clone)]
-pub struct BatchScaledLr<S> {
-    inner: S,
+pub struct BatchScaledLr {
+    inner: ModuleLrScheduler,
     shared: Arc<Shared>,
 }
 
-impl<S: LrScheduler + Clone + 'static> LrScheduler for BatchScaledLr<S> {
+impl LrScheduler for BatchScaledLr {
     fn step(&mut self) -> LearningRate {
         let factor = CopusBatching { shared: self.shared.clone() }.lr_factor();
-        self.inner.step() * factor
+        self.inner.step().base() * factor
     }
 
     fn to_record(&self) -> LrSchedulerRecord {
@@ -478,7 +481,7 @@ impl<S: LrScheduler + Clone + 'static> LrScheduler for BatchScaledLr<S> {
     }
 
     fn load_record(&mut self, record: LrSchedulerRecord) {
-        self.inner.load_record(record);
+        self.inner = self.inner.clone().load_record(record);
     }
 }
 
