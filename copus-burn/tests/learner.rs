@@ -432,6 +432,24 @@ fn bad_settings_name_the_field() {
 }
 
 #[test]
+fn a_loader_that_disagrees_with_the_micro_batch_is_refused() {
+    let copus = adaptive(2, 2, 4).init().unwrap();
+    let dev = device();
+    let data = samples(64, 3);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(8).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(8).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let result = SupervisedTraining::new(dir.path(), train, valid)
+        .with_application_logger(None)
+        .with_training_strategy(copus.training_strategy(dev.clone()))
+        .launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))));
+    let e = result.error.expect("refused").to_string();
+    assert!(e.contains("[8, 8]") && e.contains("micro_batch is 2"), "{e}");
+    assert!(copus.history().is_empty(), "no optimizer step was taken");
+    assert!(result.model.weights().iter().all(|&w| w == 0.0), "the weights are untouched");
+}
+
+#[test]
 fn burn_grad_accumulation_is_refused() {
     let copus = adaptive(2, 2, 4).init().unwrap();
     let dev = device();

@@ -375,6 +375,20 @@ impl CopusBatching {
         }
     }
 
+    /// Refuses, before the first optimizer step, a loader whose batches are not the configured
+    /// micro-batch (`full`: the step was not cut short by the epoch's end).
+    pub(crate) fn check_loader(&self, sizes: &[usize], full: bool) -> Result<(), String> {
+        let s = self.shared.lock();
+        if s.steps == 0 && full && sizes.iter().any(|&x| x != s.plan.micro_batch) {
+            return Err(format!(
+                "the training loader produced batches of {sizes:?} samples, but CopusBatchingConfig::micro_batch is {}; \
+                 build the loader with that batch size (or on `batch_strategy()`), or set micro_batch to the loader's",
+                s.plan.micro_batch
+            ));
+        }
+        Ok(())
+    }
+
     /// Closes an optimizer step: feeds the estimator and the cost model, and decides the next plan.
     pub(crate) fn finish_step(&self, m: StepMeasure) {
         let cfg = &self.shared.config;

@@ -147,7 +147,11 @@ impl CopusStrategy {
 
             let last = progress.items_processed >= progress.items_total;
             if open.sizes.len() >= planned.accumulation || last {
-                self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous);
+                let full = open.sizes.len() >= planned.accumulation;
+                if let Err(message) = self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous, full) {
+                    interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
+                    break;
+                }
             }
             let lr = learner.lr_current();
             let item = TrainingItem::new(out.item, progress, Some(iteration), Some(lr));
@@ -160,7 +164,9 @@ impl CopusStrategy {
         if !open.sizes.is_empty() && !interrupter.should_stop() {
             let model = learner.model();
             let m = self.copus.plan().micro_batch;
-            self.optimizer_step(learner, &model, &mut open, m, previous);
+            if let Err(message) = self.optimizer_step(learner, &model, &mut open, m, previous, false) {
+                interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
+            }
         }
     }
 
@@ -171,9 +177,11 @@ impl CopusStrategy {
         open: &mut Open,
         micro_batch: usize,
         previous: &mut Option<GradientsParams>,
-    ) {
+        full: bool,
+    ) -> Result<(), String> {
         let overhead = Instant::now();
-        let Some(sum) = open.sum.take() else { return };
+        self.copus.check_loader(&open.sizes, full)?;
+        let Some(sum) = open.sum.take() else { return Ok(()) };
         let samples: usize = open.sizes.iter().sum();
         // sum holds sum_k (n_k / m) g_k; the mean gradient is sum_k n_k g_k / sum_k n_k.
         let mean = grads::scaled(model, &sum, micro_batch as f64 / samples as f64);
@@ -195,6 +203,7 @@ impl CopusStrategy {
             step_seconds,
             overhead_seconds: overhead.elapsed().as_secs_f64(),
         });
+        Ok(())
     }
 }
 
