@@ -188,6 +188,18 @@ struct RunOut {
 
 /// Trains through `SupervisedTraining` with the copus strategy and returns what happened.
 fn run(cfg: CopusBatchingConfig, lr: f64, optim: Optim, data: Vec<Sample>, target: Option<f64>, adaptive_loader: bool) -> RunOut {
+    run_on(cfg, lr, optim, data, target, adaptive_loader, 1)
+}
+
+fn run_on(
+    cfg: CopusBatchingConfig,
+    lr: f64,
+    optim: Optim,
+    data: Vec<Sample>,
+    target: Option<f64>,
+    adaptive_loader: bool,
+    devices: usize,
+) -> RunOut {
     let copus = cfg.init().expect("valid settings");
     let dev = device();
     let probe = Probe::default();
@@ -207,7 +219,11 @@ fn run(cfg: CopusBatchingConfig, lr: f64, optim: Optim, data: Vec<Sample>, targe
     let dir = tempfile::tempdir().unwrap();
     let training = SupervisedTraining::new(dir.path(), train, valid)
         .with_application_logger(None)
-        .with_training_strategy(copus.training_strategy(dev.clone()))
+        .with_training_strategy(if devices == 1 {
+            copus.training_strategy(dev.clone())
+        } else {
+            copus.training_strategy_multi(vec![dev.clone(); devices]).expect("valid device count")
+        })
         .metric_train_numeric(copus.noise_scale_metric())
         .metric_train_numeric(copus.batch_size_metric())
         .metric_train_numeric(copus.efficiency_metric())
@@ -394,6 +410,49 @@ fn optimizer_state_is_kept_across_batch_changes() {
     // Logged only while measured (from the first step, and not while |G|^2 reads <= 0).
     assert!(noise.len() > expected.len() / 4 && noise.len() <= expected.len(), "{} B_simple entries", noise.len());
     assert!(noise.iter().all(|&v| v.is_finite() && v >= 0.0));
+}
+
+#[test]
+fn two_devices_match_a_replay_of_their_rounds() {
+    // Burn's multi-device step on two (CPU) devices: each round is one micro-batch from each
+    // half of the data, and steps hold whole rounds.
+    let data = samples(3_000, 9);
+    let lr = 0.02;
+    let cfg = adaptive(2, 2, 16).with_adapt_every(3).with_min_observations(3);
+    let out = run_on(cfg, lr, Optim::Adam, data.clone(), None, false, 2);
+    assert!(out.history.iter().all(|r| r.plan.accumulation % 2 == 0 && r.micro_batches % 2 == 0));
+    assert!(out.history.iter().filter(|r| r.switched_to.is_some()).count() >= 1, "the batch changed");
+    assert_eq!(out.history.iter().map(|r| r.samples).sum::<usize>(), 3_000);
+
+    let dev = device();
+    let mut model = Regression::new(&dev, Probe::default());
+    let mut optim = optimizer(&Optim::Adam);
+    let (mut a, mut b) = (0, 1_500);
+    for r in &out.history {
+        let mut sum: Option<burn::optim::GradientsParams> = None;
+        for _ in 0..r.micro_batches / 2 {
+            for at in [&mut a, &mut b] {
+                let o = TrainStep::step(&model, RegBatcher.batch(data[*at..*at + 2].to_vec(), &dev));
+                *at += 2;
+                sum = Some(copus_burn::grads::add(&model, sum, o.grads));
+            }
+        }
+        let mean = copus_burn::grads::scaled(&model, &sum.unwrap(), 1.0 / r.micro_batches as f64);
+        model = optim.step(lr * r.lr_factor, model, mean);
+    }
+    let diff = out.weights.iter().zip(model.weights()).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-5, "two devices vs replay: {diff}");
+}
+
+#[test]
+fn device_counts_the_plan_cannot_fill_are_refused() {
+    let copus = adaptive(2, 3, 16).init().unwrap();
+    let e = copus.training_strategy_multi::<Regression>(vec![device(); 2]).err().unwrap().to_string();
+    assert!(e.contains("`initial_accumulation`") && e.contains("multiple of the 2 devices"), "{e}");
+    let copus = adaptive(2, 1, 1).init().unwrap();
+    let e = copus.training_strategy_multi::<Regression>(vec![device(); 2]).err().unwrap().to_string();
+    assert!(e.contains("`initial_accumulation`") || e.contains("`max_accumulation`"), "{e}");
+    assert!(copus.training_strategy_multi::<Regression>(Vec::new()).is_err());
 }
 
 #[test]

@@ -71,6 +71,12 @@ impl StepCost {
     pub fn throughput(&self, plan: Plan) -> f64 {
         plan.batch() as f64 / self.step_seconds(plan)
     }
+
+    /// Seconds of an optimizer step of `plan` when `devices` run micro-batches side by side:
+    /// `ceil(k / devices)` rounds of `t(m)` (here `t(m)` is one round's time), then `o`.
+    pub fn step_seconds_on(&self, plan: Plan, devices: usize) -> f64 {
+        plan.accumulation.div_ceil(devices.max(1)) as f64 * self.micro_seconds(plan.micro_batch) + self.per_step
+    }
 }
 
 /// Micro-batch size and accumulation count of one optimizer step.
@@ -104,7 +110,12 @@ pub struct Scored {
 
 /// Scores `plan` at noise scale `phi` against the reference batch `b0`.
 pub fn score(cost: &StepCost, objective: &dyn Objective, phi: f64, b0: f64, plan: Plan) -> Scored {
-    let throughput = cost.throughput(plan);
+    score_on(cost, objective, phi, b0, plan, 1)
+}
+
+/// [`score`] with `devices` running micro-batches side by side.
+pub fn score_on(cost: &StepCost, objective: &dyn Objective, phi: f64, b0: f64, plan: Plan, devices: usize) -> Scored {
+    let throughput = plan.batch() as f64 / cost.step_seconds_on(plan, devices);
     let efficiency = objective.efficiency(plan.batch() as f64, b0, phi);
     Scored { plan, throughput, efficiency, goodput: throughput * efficiency }
 }
@@ -121,14 +132,31 @@ pub fn best_plan(
     max_accumulation: usize,
     min_batch: usize,
 ) -> Option<Scored> {
+    best_plan_on(cost, objective, phi, b0, micro_batches, max_accumulation, min_batch, 1)
+}
+
+/// [`best_plan`] for `devices` running micro-batches side by side: accumulation counts are
+/// multiples of `devices` (every round fills every device).
+#[allow(clippy::too_many_arguments)]
+pub fn best_plan_on(
+    cost: &StepCost,
+    objective: &dyn Objective,
+    phi: f64,
+    b0: f64,
+    micro_batches: &[usize],
+    max_accumulation: usize,
+    min_batch: usize,
+    devices: usize,
+) -> Option<Scored> {
+    let devices = devices.max(1);
     let mut best: Option<Scored> = None;
     for &micro_batch in micro_batches.iter().filter(|&&m| m > 0) {
-        for accumulation in 1..=max_accumulation {
+        for accumulation in (devices..=max_accumulation).step_by(devices) {
             let plan = Plan { micro_batch, accumulation };
             if plan.batch() < min_batch {
                 continue;
             }
-            let s = score(cost, objective, phi, b0, plan);
+            let s = score_on(cost, objective, phi, b0, plan, devices);
             let better = match &best {
                 None => true,
                 Some(b) => s.goodput > b.goodput || (s.goodput == b.goodput && plan.batch() < b.plan.batch()),
@@ -277,6 +305,21 @@ mod tests {
         let best = best_plan(&cost, &PlainGoodput, 0.0, 8.0, &[4, 8, 16], 8, 8).unwrap();
         assert_eq!(best.plan, Plan { micro_batch: 8, accumulation: 1 });
         assert!(best_plan(&cost, &PlainGoodput, 1.0, 8.0, &[4], 1, 8).is_none());
+    }
+
+    #[test]
+    fn more_devices_make_bigger_batches_cheaper() {
+        // Rounds of 4 devices: k = 4 costs one round, so throughput rises 4x up to k = 4.
+        let cost = StepCost { per_micro_batch: 0.0, per_sample: 0.001, per_step: 0.004 };
+        let phi = 200.0;
+        let one = best_plan_on(&cost, &PlainGoodput, phi, 8.0, &[8], 64, 8, 1).unwrap();
+        let four = best_plan_on(&cost, &PlainGoodput, phi, 8.0, &[8], 64, 8, 4).unwrap();
+        assert_eq!(four.plan.accumulation % 4, 0);
+        assert!(four.plan.batch() > one.plan.batch(), "{four:?} vs {one:?}");
+        // Hand-computed: k = 4 on 4 devices is one round of 8 ms plus 4 ms: 32 / 0.012 s.
+        let s = score_on(&cost, &PlainGoodput, phi, 8.0, Plan { micro_batch: 8, accumulation: 4 }, 4);
+        assert!((s.throughput - 32.0 / 0.012).abs() < 1e-9);
+        assert_eq!(best_plan_on(&cost, &PlainGoodput, phi, 8.0, &[8], 3, 8, 4), None);
     }
 
     #[test]

@@ -39,7 +39,7 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::tensor::Device;
 use burn::train::{LearnerModel, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan, score};
+use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
 use copus_core::gns::{GnsEstimator, StepStats};
 use copus_core::goodput::{LrRule, ObjectiveKind};
 use serde::{Deserialize, Serialize};
@@ -163,6 +163,7 @@ impl CopusBatchingConfig {
             history: Vec::new(),
             snapshots: VecDeque::new(),
             follows_loader: true,
+            devices: 1,
         };
         Ok(CopusBatching {
             shared: Arc::new(Shared {
@@ -247,6 +248,8 @@ struct State {
     snapshots: VecDeque<(usize, Snapshot)>,
     /// False once the loader was seen ignoring a micro-batch change.
     follows_loader: bool,
+    /// Devices running micro-batches side by side (accumulation counts are multiples of it).
+    devices: usize,
 }
 
 const SNAPSHOTS_KEPT: usize = 1 << 16;
@@ -292,7 +295,29 @@ pub(crate) struct StepMeasure {
 impl CopusBatching {
     /// The burn-train training strategy on `device` (an autodiff device is made from it).
     pub fn training_strategy<M: LearnerModel>(&self, device: Device) -> TrainingStrategy<M> {
-        TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), device)))
+        self.shared.lock().devices = 1;
+        TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), vec![device])))
+    }
+
+    /// The strategy on several devices through burn-train's multi-device step: each round runs
+    /// one micro-batch per device (the loader split across them, as Burn's own multi-device
+    /// strategy does), gradients are gathered on the first device, and accumulation counts are
+    /// multiples of the device count, so a bigger batch costs more rounds only every
+    /// `devices` micro-batches.
+    pub fn training_strategy_multi<M: LearnerModel>(&self, devices: Vec<Device>) -> Result<TrainingStrategy<M>, CopusLearnerError> {
+        let n = devices.len();
+        let cfg = &self.shared.config;
+        if n == 0 {
+            return Err(bad("devices", "one or more", n));
+        }
+        if !cfg.initial_accumulation.is_multiple_of(n) {
+            return Err(bad("initial_accumulation", format!("a multiple of the {n} devices"), cfg.initial_accumulation));
+        }
+        if cfg.max_accumulation < n {
+            return Err(bad("max_accumulation", format!("at least the {n} devices"), cfg.max_accumulation));
+        }
+        self.shared.lock().devices = n;
+        Ok(TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), devices))))
     }
 
     /// Wraps a scheduler (a burn scheduler config's `init()`, or any `LrScheduler`) so its
@@ -454,15 +479,16 @@ impl CopusBatching {
         let b0 = s.b0 as f64;
         // Measure every micro-batch option once before trusting a fitted cost model.
         let measured = s.costs.measured();
+        let d = s.devices;
         let next = if cfg.cost.is_none()
             && let Some(&m) = s.options.iter().find(|m| !measured.contains(m))
         {
-            let k = (s.plan.batch() as f64 / m as f64).round().clamp(1.0, cfg.max_accumulation as f64) as usize;
-            Some(Plan { micro_batch: m, accumulation: k })
+            let rounds = (s.plan.batch() as f64 / (m * d) as f64).round().clamp(1.0, (cfg.max_accumulation / d) as f64);
+            Some(Plan { micro_batch: m, accumulation: rounds as usize * d })
         } else {
             let cost = cfg.cost.or_else(|| s.costs.model())?;
-            let best = best_plan(&cost, objective.as_ref(), phi, b0, &s.options, cfg.max_accumulation, s.b0)?;
-            let current = score(&cost, objective.as_ref(), phi, b0, s.plan);
+            let best = best_plan_on(&cost, objective.as_ref(), phi, b0, &s.options, cfg.max_accumulation, s.b0, d)?;
+            let current = score_on(&cost, objective.as_ref(), phi, b0, s.plan, d);
             (best.plan != s.plan && best.goodput > current.goodput * (1.0 + cfg.min_gain)).then_some(best.plan)
         };
         let next = next.filter(|p| *p != s.plan)?;

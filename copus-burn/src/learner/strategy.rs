@@ -3,9 +3,10 @@
 use std::time::Instant;
 
 use burn::data::dataloader::Progress;
+use burn::data::dataloader::split::split_dataloader;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use burn::train::train::WorkerFailure;
+use burn::train::train::{MultiDevicesTrainStep, WorkerFailure};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, ValidLoader,
@@ -14,17 +15,23 @@ use burn::train::{
 use super::{CopusBatching, StepMeasure};
 use crate::grads;
 
-/// burn-train's custom strategy that runs copus's adaptive batching on one device.
+/// burn-train's custom strategy that runs copus's adaptive batching on one device or several.
 pub struct CopusStrategy {
     copus: CopusBatching,
-    device: Device,
+    /// Autodiff devices; the first holds the model and the optimizer.
+    devices: Vec<Device>,
 }
 
 impl CopusStrategy {
-    /// The strategy for `copus` on `device` (made an autodiff device if it is not one).
-    pub fn new(copus: CopusBatching, device: Device) -> Self {
-        let device = if device.is_autodiff() { device } else { device.autodiff() };
-        Self { copus, device }
+    /// The strategy for `copus` on `devices` (each made an autodiff device if it is not one;
+    /// at least one).
+    pub(crate) fn new(copus: CopusBatching, devices: Vec<Device>) -> Self {
+        let devices = devices.into_iter().map(|d| if d.is_autodiff() { d } else { d.autodiff() }).collect();
+        Self { copus, devices }
+    }
+
+    fn main(&self) -> &Device {
+        &self.devices[0]
     }
 }
 
@@ -55,10 +62,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
             }]));
             return (learner.model(), processor);
         }
-        let train = dataloader_train.to_device(&self.device);
-        let valid = dataloader_valid.to_device(&self.device.clone().inner());
-        let (train_items, valid_items) = (train.num_items(), valid.num_items());
-        learner.fork(&self.device);
+        let train_items = dataloader_train.num_items();
+        let multi = self.devices.len() > 1;
+        let trains = if multi { split_dataloader(dataloader_train, &self.devices) } else { vec![dataloader_train.to_device(self.main())] };
+        let valid = dataloader_valid.to_device(&self.main().clone().inner());
+        let valid_items = valid.num_items();
+        learner.fork(self.main());
+        let workers = multi.then(|| MultiDevicesTrainStep::<M>::new(&self.devices));
         let mut checkpointer = components.checkpointer;
         let mut early_stopping = components.early_stopping;
         // The previous step's mean gradient, kept only while steps have one micro-batch (the
@@ -69,7 +79,10 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
             interrupter.fail_on_error(
                 processor.process_train(LearnerEvent::StartSplit { epoch_number: epoch, total_items: train_items }),
             );
-            self.train_epoch(&mut learner, &train, &mut processor, &interrupter, &mut previous);
+            match &workers {
+                Some(w) => self.train_epoch_multi(&mut learner, &trains, w, &mut processor, &interrupter, &mut previous),
+                None => self.train_epoch(&mut learner, &trains[0], &mut processor, &interrupter, &mut previous),
+            }
             interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
             if interrupter.should_stop() {
                 break;
@@ -135,14 +148,7 @@ impl CopusStrategy {
 
             let model = learner.model();
             let out = learner.train_step(item);
-            let sq = grads::sq_norm(&model, &out.grads);
-            // Weight by samples so a short last batch counts for what it holds.
-            let weight = size as f64 / planned.micro_batch as f64;
-            let g = if weight == 1.0 { out.grads } else { grads::scaled(&model, &out.grads, weight) };
-            open.sum = Some(grads::add(&model, open.sum.take(), g));
-            open.sizes.push(size);
-            open.sq_norms.push(sq);
-            open.started.get_or_insert(started);
+            absorb(&model, &mut open, out.grads, size, planned.micro_batch, started);
             self.copus.publish_micro_batch(iteration, size, started.elapsed().as_secs_f64());
 
             let last = progress.items_processed >= progress.items_total;
@@ -161,6 +167,80 @@ impl CopusStrategy {
             }
         }
         // A loader that ended early (interrupted or failed) leaves no half step behind.
+        if !open.sizes.is_empty() && !interrupter.should_stop() {
+            let model = learner.model();
+            let m = self.copus.plan().micro_batch;
+            if let Err(message) = self.optimizer_step(learner, &model, &mut open, m, previous, false) {
+                interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
+            }
+        }
+    }
+
+    /// One epoch on several devices: each round runs one micro-batch per device on the same
+    /// weights; a step closes only on a round boundary (accumulation counts are multiples of the
+    /// device count), so no gradient is ever computed on stale weights.
+    fn train_epoch_multi<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        loaders: &[TrainLoader<M>],
+        workers: &MultiDevicesTrainStep<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+        previous: &mut Option<GradientsParams>,
+    ) {
+        let mut iterators: Vec<_> = loaders.iter().map(|l| l.iter()).collect();
+        let mut iteration = 0;
+        let mut open = Open::default();
+        let mut seen = 0usize;
+        loop {
+            let started = Instant::now();
+            let model = learner.model();
+            let (outputs, progress) = match workers.step(&mut iterators, &model) {
+                Ok(r) => r,
+                Err(e) => {
+                    interrupter.fail(TrainingError::from(e));
+                    break;
+                }
+            };
+            if outputs.is_empty() {
+                break;
+            }
+            let planned = self.copus.plan();
+            let round = outputs.len();
+            // The loaders report their progress together; a round's samples split evenly.
+            let size = match progress.items_processed.checked_sub(seen) {
+                Some(d) if d >= round => d / round,
+                _ => planned.micro_batch,
+            };
+            seen = progress.items_processed;
+            let seconds = started.elapsed().as_secs_f64();
+            let mut items = Vec::with_capacity(round);
+            for out in outputs {
+                iteration += 1;
+                let g = out.output.grads;
+                let sq = grads::sq_norm(&model, &g);
+                let g = g.to_device(self.main(), &model);
+                absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
+                self.copus.publish_micro_batch(iteration, size, seconds);
+                items.push((iteration, out.output.item));
+            }
+            let last = progress.items_processed >= progress.items_total;
+            if open.sizes.len() >= planned.accumulation || last {
+                let full = open.sizes.len() >= planned.accumulation;
+                if let Err(message) = self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous, full) {
+                    interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
+                    break;
+                }
+            }
+            let lr = learner.lr_current();
+            for (iteration, item) in items {
+                let item = TrainingItem::new(item, progress.clone(), Some(iteration), Some(lr.clone()));
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+            if interrupter.should_stop() {
+                break;
+            }
+        }
         if !open.sizes.is_empty() && !interrupter.should_stop() {
             let model = learner.model();
             let m = self.copus.plan().micro_batch;
@@ -205,6 +285,22 @@ impl CopusStrategy {
         });
         Ok(())
     }
+}
+
+/// Adds a micro-batch's gradient to the open step, weighted by its samples (so a short last
+/// batch counts for what it holds), and records its squared norm.
+fn absorb<M: LearnerModel>(model: &M, open: &mut Open, g: GradientsParams, size: usize, micro_batch: usize, started: Instant) {
+    let sq = grads::sq_norm(model, &g);
+    absorb_measured(model, open, g, sq, size, micro_batch, started);
+}
+
+fn absorb_measured<M: LearnerModel>(model: &M, open: &mut Open, g: GradientsParams, sq: f64, size: usize, micro_batch: usize, started: Instant) {
+    let weight = size as f64 / micro_batch as f64;
+    let g = if weight == 1.0 { g } else { grads::scaled(model, &g, weight) };
+    open.sum = Some(grads::add(model, open.sum.take(), g));
+    open.sizes.push(size);
+    open.sq_norms.push(sq);
+    open.started.get_or_insert(started);
 }
 
 fn valid_epoch<M: LearnerModel>(
