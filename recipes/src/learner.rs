@@ -205,6 +205,10 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     let heldout_loss = crate::run::evaluate(&model.llama, &heldout, eval, t.micro_batch);
     let (steps, final_batch, b_simple) = match &copus {
         Some(c) => {
+            // Every optimizer step as copus ran it: plan, norms, B_simple, LR factor, time.
+            let path = dir.join("copus-steps.jsonl");
+            let lines: Vec<String> = c.history().iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
+            std::fs::write(&path, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
             let s = c.snapshot();
             (s.steps, s.plan.batch(), s.b_simple)
         }
@@ -304,6 +308,8 @@ mod tests {
         assert_eq!(fixed.steps, 32);
         assert!(copus.steps >= 1 && copus.steps <= 32, "{} steps", copus.steps);
         assert!(copus.b_simple.is_some(), "the noise scale was measured");
+        let steps = std::fs::read_to_string(copus.dir.join("copus-steps.jsonl")).unwrap();
+        assert_eq!(steps.lines().count() as u64, copus.steps);
         let log = std::fs::read_to_string(copus.dir.join("train/epoch-1/Batch_Size.log")).expect("copus metric in Burn's logs");
         assert_eq!(log.lines().filter(|l| !l.ends_with(",final")).count(), 256 / 4);
         assert!(!fixed.dir.join("train/epoch-1/Batch_Size.log").exists());
