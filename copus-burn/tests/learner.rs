@@ -476,6 +476,22 @@ fn micro_batch_changes_reach_the_loader() {
 }
 
 #[test]
+fn a_loader_that_ignores_micro_batch_changes_keeps_its_size() {
+    // Options [2, 8] with a cost that favours 8, but a plain loader of 2: after three steps of
+    // the wrong size copus falls back to adapting the accumulation count at micro-batch 2.
+    let cost = StepCost { per_micro_batch: 8.0, per_sample: 1.0, per_step: 2.0 };
+    let cfg = adaptive(2, 2, 16).with_micro_batch_options(vec![2, 8]).with_cost(Some(cost));
+    let out = run(cfg, 0.01, Optim::Sgd, samples(4_000, 8), None, false);
+    let to_eight = out.history.iter().position(|r| r.switched_to.is_some_and(|p| p.micro_batch == 8));
+    let to_eight = to_eight.expect("copus tried the bigger micro-batch");
+    // Every step really ran micro-batches of 2.
+    assert!(out.history.iter().all(|r| r.samples == 2 * r.micro_batches));
+    let back = out.history[to_eight + 1..].iter().position(|r| r.plan.micro_batch == 2).expect("fell back") + to_eight + 1;
+    assert!(back - to_eight <= 4, "fell back after {} steps", back - to_eight);
+    assert!(out.history[back..].iter().all(|r| r.plan.micro_batch == 2 && r.switched_to.is_none_or(|p| p.micro_batch == 2)));
+}
+
+#[test]
 fn bad_settings_name_the_field() {
     let e = CopusBatchingConfig::new(0).init().err().unwrap().to_string();
     assert!(e.contains("`micro_batch`") && e.contains("1 or more"), "{e}");

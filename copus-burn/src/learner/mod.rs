@@ -162,7 +162,7 @@ impl CopusBatchingConfig {
             lr_factor: 1.0,
             history: Vec::new(),
             snapshots: VecDeque::new(),
-            follows_loader: true,
+            mismatched_steps: 0,
             devices: 1,
         };
         Ok(CopusBatching {
@@ -246,8 +246,9 @@ struct State {
     history: Vec<StepRecord>,
     /// (iteration in the epoch, snapshot) for the metrics, which may run behind.
     snapshots: VecDeque<(usize, Snapshot)>,
-    /// False once the loader was seen ignoring a micro-batch change.
-    follows_loader: bool,
+    /// Consecutive steps whose micro-batches were not the planned size (a loader that ignores
+    /// micro-batch changes, or one still handing out batches it prepared before a change).
+    mismatched_steps: u32,
     /// Devices running micro-batches side by side (accumulation counts are multiples of it).
     devices: usize,
 }
@@ -437,9 +438,10 @@ impl CopusBatching {
             let _ = s.estimator.observe(&stats);
         }
         let planned = s.plan.micro_batch;
-        if equal && m.micro_sizes[0] != planned && n > 1 && s.options.len() > 1 {
-            // The loader ignores micro-batch changes: adapt the accumulation count only.
-            s.follows_loader = false;
+        s.mismatched_steps = if equal && m.micro_sizes[0] != planned { s.mismatched_steps + 1 } else { 0 };
+        // A prefetching loader may hand out a few batches of the old size after a change; three
+        // whole steps of the wrong size mean it ignores changes: adapt the accumulation only.
+        if s.mismatched_steps >= 3 && s.options.len() > 1 {
             s.options = vec![m.micro_sizes[0]];
             s.plan.micro_batch = m.micro_sizes[0];
             self.shared.micro_batch.store(m.micro_sizes[0], Ordering::Relaxed);
