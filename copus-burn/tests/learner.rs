@@ -506,18 +506,27 @@ fn bad_settings_name_the_field() {
     assert!(e.contains("`cost`") && e.contains("per_micro_batch"), "{e}");
 }
 
+/// A short run of 64 samples in loader batches of `batch`, with Burn's own gradient
+/// accumulation when `burn_accumulation` is set.
+fn launch_small(copus: &CopusBatching, batch: usize, burn_accumulation: Option<usize>) -> burn::train::LearningResult<Regression> {
+    let dev = device();
+    let data = samples(64, 3);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(batch).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(batch).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let mut training = SupervisedTraining::new(dir.path(), train, valid)
+        .with_application_logger(None)
+        .with_training_strategy(copus.training_strategy(dev.clone()));
+    if let Some(k) = burn_accumulation {
+        training = training.grads_accumulation(k);
+    }
+    training.launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))))
+}
+
 #[test]
 fn a_loader_that_disagrees_with_the_micro_batch_is_refused() {
     let copus = adaptive(2, 2, 4).init().unwrap();
-    let dev = device();
-    let data = samples(64, 3);
-    let train = DataLoaderBuilder::new(RegBatcher).batch_size(8).build(InMemDataset::new(data.clone()));
-    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(8).build(InMemDataset::new(data));
-    let dir = tempfile::tempdir().unwrap();
-    let result = SupervisedTraining::new(dir.path(), train, valid)
-        .with_application_logger(None)
-        .with_training_strategy(copus.training_strategy(dev.clone()))
-        .launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))));
+    let result = launch_small(&copus, 8, None);
     let e = result.error.expect("refused").to_string();
     assert!(e.contains("[8, 8]") && e.contains("micro_batch is 2"), "{e}");
     assert!(copus.history().is_empty(), "no optimizer step was taken");
@@ -527,16 +536,6 @@ fn a_loader_that_disagrees_with_the_micro_batch_is_refused() {
 #[test]
 fn burn_grad_accumulation_is_refused() {
     let copus = adaptive(2, 2, 4).init().unwrap();
-    let dev = device();
-    let data = samples(64, 3);
-    let train = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(data.clone()));
-    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(data));
-    let dir = tempfile::tempdir().unwrap();
-    let result = SupervisedTraining::new(dir.path(), train, valid)
-        .with_application_logger(None)
-        .with_training_strategy(copus.training_strategy(dev.clone()))
-        .grads_accumulation(4)
-        .launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))));
-    let e = result.error.expect("refused").to_string();
+    let e = launch_small(&copus, 2, Some(4)).error.expect("refused").to_string();
     assert!(e.contains("grads_accumulation"), "{e}");
 }

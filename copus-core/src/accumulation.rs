@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::gns::Ema;
 use crate::goodput::Objective;
 
 /// Seconds of one step's parts: `t(m) = per_micro_batch + per_sample * m`, plus `per_step`.
@@ -173,23 +174,6 @@ pub fn best_plan_on(
 /// `k* = sqrt(o phi / (m t(m)))` (before rounding and bounds).
 pub fn plain_optimal_accumulation(cost: &StepCost, phi: f64, micro_batch: usize) -> f64 {
     (cost.per_step * phi / (micro_batch as f64 * cost.micro_seconds(micro_batch))).sqrt()
-}
-
-/// Bias-corrected exponential moving average of seconds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-struct Ema {
-    biased: f64,
-    weight: f64,
-}
-
-impl Ema {
-    fn update(&mut self, theta: f64, x: f64) {
-        self.biased = theta * self.biased + (1.0 - theta) * x;
-        self.weight = theta * self.weight + (1.0 - theta);
-    }
-    fn value(&self) -> Option<f64> {
-        (self.weight > 0.0).then(|| self.biased / self.weight)
-    }
 }
 
 /// Online step costs: a smoothed time per micro-batch for each size seen, and per optimizer step.

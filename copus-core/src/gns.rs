@@ -91,19 +91,19 @@ pub struct StepStats {
     pub diff_sq_norm: Option<f64>,
 }
 
-/// Bias-corrected exponential moving average.
+/// Bias-corrected exponential moving average (also smooths step costs in `accumulation`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-struct Ema {
+pub(crate) struct Ema {
     biased: f64,
     weight: f64,
 }
 
 impl Ema {
-    fn update(&mut self, theta: f64, x: f64) {
+    pub(crate) fn update(&mut self, theta: f64, x: f64) {
         self.biased = theta * self.biased + (1.0 - theta) * x;
         self.weight = theta * self.weight + (1.0 - theta);
     }
-    fn value(&self) -> Option<f64> {
+    pub(crate) fn value(&self) -> Option<f64> {
         (self.weight > 0.0).then(|| self.biased / self.weight)
     }
 }

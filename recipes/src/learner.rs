@@ -26,40 +26,20 @@ use crate::data::PackedDataset;
 use crate::recipe::Recipe;
 use crate::run::{Prepared, prepare, run_folder};
 
-/// The recipe's training stream as a Burn dataset: item `i` is the stream's `i`-th sequence.
-struct Stream {
+/// Sequences of a packed split as a Burn dataset: the training stream's order (item `i` is the
+/// stream's `i`-th sample) or stream order (held-out).
+struct Sequences {
     data: Arc<PackedDataset>,
     len: usize,
+    shuffled: bool,
 }
 
-impl Dataset<Vec<u32>> for Stream {
+impl Dataset<Vec<u32>> for Sequences {
     fn get(&self, index: usize) -> Result<Vec<u32>, DatasetError> {
-        check(index, self.len)?;
-        Ok(self.data.sample(index as u64).to_vec())
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-fn check(index: usize, len: usize) -> Result<(), DatasetError> {
-    if index < len {
-        Ok(())
-    } else {
-        Err(DatasetError::new(std::io::Error::other(format!("sequence {index} of {len}"))))
-    }
-}
-
-/// Held-out sequences in order.
-struct Heldout {
-    data: Arc<PackedDataset>,
-    len: usize,
-}
-
-impl Dataset<Vec<u32>> for Heldout {
-    fn get(&self, index: usize) -> Result<Vec<u32>, DatasetError> {
-        check(index, self.len)?;
-        Ok(self.data.sequence(index).to_vec())
+        if index >= self.len {
+            return Err(DatasetError::new(std::io::Error::other(format!("sequence {index} of {}", self.len))));
+        }
+        Ok(if self.shuffled { self.data.sample(index as u64) } else { self.data.sequence(index) }.to_vec())
     }
     fn len(&self) -> usize {
         self.len
@@ -160,7 +140,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
         .init()
         .map_err(|e| format!("learning-rate schedule: {e}"))?;
     let dir = folder.join(if adaptive { "copus" } else { "fixed" });
-    let valid = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Heldout { data: heldout.clone(), len: eval });
+    let valid = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: heldout.clone(), len: eval, shuffled: false });
 
     let started = Instant::now();
     let (result, copus) = if adaptive {
@@ -170,7 +150,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
             .with_max_accumulation(8 * t.global_batch / t.micro_batch)
             .init()
             .map_err(|e| e.to_string())?;
-        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Stream { data: train, len: samples });
+        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: train, len: samples, shuffled: true });
         let learner = Learner::new(model, optim, copus.lr_scheduler(schedule)); // copus: scheduler wrapper
         let result = SupervisedTraining::new(&dir, loader, valid)
             .with_training_strategy(copus.training_strategy(device.clone())) // copus: strategy
@@ -185,7 +165,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
             .launch(learner);
         (result, Some(copus))
     } else {
-        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.global_batch).build(Stream { data: train, len: samples });
+        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.global_batch).build(Sequences { data: train, len: samples, shuffled: true });
         let learner = Learner::new(model, optim, schedule);
         let result = SupervisedTraining::new(&dir, loader, valid)
             .with_training_strategy(TrainingStrategy::Default(burn::train::ExecutionStrategy::single(device.clone())))

@@ -12,6 +12,8 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, ValidLoader,
 };
 
+use copus_core::accumulation::Plan;
+
 use super::{CopusBatching, StepMeasure};
 use crate::grads;
 
@@ -56,10 +58,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
         let interrupter = components.interrupter.clone();
         let mut processor = components.event_processor;
         if components.grad_accumulation.is_some() {
-            interrupter.fail(TrainingError::Workers(vec![WorkerFailure {
-                device_id: 0,
-                message: "copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into(),
-            }]));
+            interrupter.fail(refusal(
+                "copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into(),
+            ));
             return (learner.model(), processor);
         }
         let train_items = dataloader_train.num_items();
@@ -152,12 +153,8 @@ impl CopusStrategy {
             self.copus.publish_micro_batch(iteration, size, started.elapsed().as_secs_f64());
 
             let last = progress.items_processed >= progress.items_total;
-            if open.sizes.len() >= planned.accumulation || last {
-                let full = open.sizes.len() >= planned.accumulation;
-                if let Err(message) = self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous, full) {
-                    interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
-                    break;
-                }
+            if !self.close_if_due(learner, &model, &mut open, planned, last, previous, interrupter) {
+                break;
             }
             let lr = learner.lr_current();
             let item = TrainingItem::new(out.item, progress, Some(iteration), Some(lr));
@@ -166,14 +163,7 @@ impl CopusStrategy {
                 break;
             }
         }
-        // A loader that ended early (interrupted or failed) leaves no half step behind.
-        if !open.sizes.is_empty() && !interrupter.should_stop() {
-            let model = learner.model();
-            let m = self.copus.plan().micro_batch;
-            if let Err(message) = self.optimizer_step(learner, &model, &mut open, m, previous, false) {
-                interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
-            }
-        }
+        self.close_rest(learner, &mut open, previous, interrupter);
     }
 
     /// One epoch on several devices: each round runs one micro-batch per device on the same
@@ -225,12 +215,8 @@ impl CopusStrategy {
                 items.push((iteration, out.output.item));
             }
             let last = progress.items_processed >= progress.items_total;
-            if open.sizes.len() >= planned.accumulation || last {
-                let full = open.sizes.len() >= planned.accumulation;
-                if let Err(message) = self.optimizer_step(learner, &model, &mut open, planned.micro_batch, previous, full) {
-                    interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
-                    break;
-                }
+            if !self.close_if_due(learner, &model, &mut open, planned, last, previous, interrupter) {
+                break;
             }
             let lr = learner.lr_current();
             for (iteration, item) in items {
@@ -241,11 +227,48 @@ impl CopusStrategy {
                 break;
             }
         }
+        self.close_rest(learner, &mut open, previous, interrupter);
+    }
+
+    /// Takes the optimizer step once the plan's micro-batches are in, or the epoch's data ends.
+    /// False when the step was refused (the interrupter then holds the error).
+    #[allow(clippy::too_many_arguments)]
+    fn close_if_due<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        model: &M,
+        open: &mut Open,
+        planned: Plan,
+        last: bool,
+        previous: &mut Option<GradientsParams>,
+        interrupter: &Interrupter,
+    ) -> bool {
+        let full = open.sizes.len() >= planned.accumulation;
+        if !(full || last) {
+            return true;
+        }
+        match self.optimizer_step(learner, model, open, planned.micro_batch, previous, full) {
+            Ok(()) => true,
+            Err(message) => {
+                interrupter.fail(refusal(message));
+                false
+            }
+        }
+    }
+
+    /// A loader that ended early (interrupted or failed) leaves no half step behind.
+    fn close_rest<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        open: &mut Open,
+        previous: &mut Option<GradientsParams>,
+        interrupter: &Interrupter,
+    ) {
         if !open.sizes.is_empty() && !interrupter.should_stop() {
             let model = learner.model();
             let m = self.copus.plan().micro_batch;
-            if let Err(message) = self.optimizer_step(learner, &model, &mut open, m, previous, false) {
-                interrupter.fail(TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }]));
+            if let Err(message) = self.optimizer_step(learner, &model, open, m, previous, false) {
+                interrupter.fail(refusal(message));
             }
         }
     }
@@ -285,6 +308,11 @@ impl CopusStrategy {
         });
         Ok(())
     }
+}
+
+/// A setting copus refuses, as burn-train's error (it has no variant of its own for this).
+fn refusal(message: String) -> TrainingError {
+    TrainingError::Workers(vec![WorkerFailure { device_id: 0, message }])
 }
 
 /// Adds a micro-batch's gradient to the open step, weighted by its samples (so a short last
