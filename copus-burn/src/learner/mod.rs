@@ -499,10 +499,6 @@ impl CopusBatching {
         self.shared.micro_batch.store(next.micro_batch, Ordering::Relaxed);
         Some(next)
     }
-
-    fn lr_factor(&self) -> f64 {
-        self.shared.lock().lr_factor
-    }
 }
 
 /// A scheduler whose rate is the inner scheduler's times the batch rule's factor.
@@ -514,7 +510,7 @@ pub struct BatchScaledLr {
 
 impl LrScheduler for BatchScaledLr {
     fn step(&mut self) -> LearningRate {
-        let factor = CopusBatching { shared: self.shared.clone() }.lr_factor();
+        let factor = self.shared.lock().lr_factor;
         self.inner.step().base() * factor
     }
 
