@@ -6,9 +6,18 @@
 //! all ranks. A rank that fails calls [`Collective::abort`]; every rank waiting in a collective
 //! (or a receive) of the same world then returns [`CommError::Aborted`] naming that rank and its
 //! message, so nothing hangs.
+//!
+//! The one `unsafe` block of the crate is here: the in-place all-reduce, where ranks read and
+//! write each other's buffers. It is sound from the safe API: [`Element`] is sealed (only `f32`
+//! and `f64`), each deposit is typed by its element (ranks passing different types get
+//! [`CommError::Mismatch`] before any buffer is touched), and a guard keeps every rank in the
+//! window until all have finished, also while one unwinds from a panic.
+
+#![allow(unsafe_code)]
 
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -25,8 +34,15 @@ pub enum ReduceOp {
     Max,
 }
 
-/// A value type collectives move: `f32` (tensors) and `f64` (statistics).
-pub trait Element: Copy + Default + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static {}
+mod sealed {
+    /// Only the crate's own element types: the in-place all-reduce relies on their layout.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
+/// A value type collectives move: `f32` (tensors) and `f64` (statistics). Sealed.
+pub trait Element: sealed::Sealed + Copy + Default + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static {}
 impl Element for f32 {}
 impl Element for f64 {}
 
@@ -121,13 +137,7 @@ struct ExchangeState {
 impl Exchange {
     fn new(n: usize) -> Self {
         Self {
-            state: Mutex::new(ExchangeState {
-                deposits: vec![None; n],
-                arrived: 0,
-                published: None,
-                readers_left: 0,
-                generation: 0,
-            }),
+            state: Mutex::new(ExchangeState { deposits: vec![None; n], arrived: 0, published: None, readers_left: 0, generation: 0 }),
             cv: Condvar::new(),
         }
     }
@@ -135,12 +145,16 @@ impl Exchange {
 
 const POLL: Duration = Duration::from_millis(20);
 
+/// A sub-group: (parent group id, split sequence number, members).
+type GroupKey = (u64, u64, Vec<usize>);
+
 struct World {
     size: usize,
     aborted: AtomicBool,
     failure: Mutex<Option<(usize, String)>>,
     mailboxes: Mutex<HashMap<(usize, usize, u32), Arc<Mailbox>>>,
-    groups: Mutex<HashMap<(u64, u64, Vec<usize>), Arc<Exchange>>>,
+    /// Sub-groups' rendezvous by (parent group id, split sequence number, members).
+    groups: Mutex<HashMap<GroupKey, Arc<Exchange>>>,
 }
 
 #[derive(Default)]
@@ -247,10 +261,7 @@ impl ThreadComm {
             ex.cv.notify_all();
         } else {
             while st.generation == generation {
-                if let Err(e) = self.world.check() {
-                    // Leave the round so a later world is not confused; this one is dead anyway.
-                    return Err(e);
-                }
+                self.world.check()?;
                 st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
             }
         }
@@ -267,10 +278,9 @@ impl ThreadComm {
         let all = self.exchange(Arc::new(Arc::new(v)))?;
         all.iter()
             .map(|p| {
-                p.downcast_ref::<Arc<Vec<T>>>().cloned().ok_or_else(|| CommError::Mismatch {
-                    op,
-                    detail: "ranks passed different element types".into(),
-                })
+                p.downcast_ref::<Arc<Vec<T>>>()
+                    .cloned()
+                    .ok_or_else(|| CommError::Mismatch { op, detail: "ranks passed different element types".into() })
             })
             .collect()
     }
@@ -293,12 +303,68 @@ impl ThreadComm {
     }
 }
 
-/// What a rank deposits for an in-place all-reduce: its buffer's address and length, and a
-/// count of ranks that have finished writing (rank 0's is used).
-struct InPlace {
+/// What a rank deposits for an in-place all-reduce: its buffer's address and length, typed by
+/// element, and the window all ranks share (rank 0's is used).
+struct InPlace<T: Element> {
     addr: usize,
     len: usize,
-    done: Arc<(Mutex<usize>, Condvar)>,
+    window: Arc<Window>,
+    _element: PhantomData<fn() -> T>,
+}
+
+/// The ranks of one in-place all-reduce while they may touch each other's buffers.
+struct Window {
+    state: Mutex<WindowState>,
+    cv: Condvar,
+}
+
+struct WindowState {
+    /// Ranks that stopped touching other ranks' buffers.
+    left: usize,
+    /// The group rank that left by unwinding, if any.
+    failed: Option<usize>,
+}
+
+/// Held while a rank is in the window. Dropping it (normally or while unwinding) records that
+/// the rank left and waits until every rank has: no buffer's owner returns (and frees it) while
+/// another rank may still write to it. Once addresses are exchanged no rank can block before it
+/// leaves, so the wait ends.
+struct InWindow<'a> {
+    window: &'a Window,
+    ranks: usize,
+    rank: usize,
+}
+
+impl InWindow<'_> {
+    /// Leaves normally; the error names a rank that unwound inside the window.
+    fn leave(self, world_rank_of: impl Fn(usize) -> usize) -> Result<(), CommError> {
+        let window = self.window;
+        drop(self);
+        match lock(&window.state).failed {
+            None => Ok(()),
+            Some(r) => Err(CommError::Aborted { rank: world_rank_of(r), message: "panicked inside an all-reduce".into() }),
+        }
+    }
+}
+
+impl Drop for InWindow<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.window.state);
+        st.left += 1;
+        if std::thread::panicking() {
+            st.failed.get_or_insert(self.rank);
+        }
+        self.window.cv.notify_all();
+        while st.left < self.ranks {
+            st = self.window.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hooks: panic, or sleep, on entering the window.
+    static WINDOW_HOOK: std::cell::Cell<(bool, u64)> = const { std::cell::Cell::new((false, 0)) };
 }
 
 /// Elements reduced per block: small enough to stay in cache while every rank's block is added.
@@ -322,19 +388,40 @@ impl ThreadComm {
     /// rank reads and writes about one buffer's worth.
     ///
     /// Safety argument: each owner keeps its buffer borrowed (`&mut`) and does not return until
-    /// every rank has finished writing (the `done` count reaches n; that wait has no abort
-    /// exit, and once the addresses are exchanged no rank can block before it has written).
-    /// Chunks are disjoint, so no two ranks touch the same element, and no rank reads or
+    /// every rank has left the window ([`InWindow`], which also holds while unwinding). Every
+    /// deposit is checked to be an `InPlace<T>` of this rank's `T` and length before the window
+    /// opens; the checks see the same deposits on every rank, so either all ranks enter or none
+    /// does. Chunks are disjoint, so no two ranks touch the same element, and no rank reads or
     /// writes its own buffer through the `&mut` while others may access it.
     fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         let n = self.size();
         let len = buf.len();
-        let mine = InPlace { addr: buf.as_mut_ptr() as usize, len, done: Arc::new((Mutex::new(0), Condvar::new())) };
+        let window = Arc::new(Window { state: Mutex::new(WindowState { left: 0, failed: None }), cv: Condvar::new() });
+        let mine = InPlace::<T> { addr: buf.as_mut_ptr() as usize, len, window, _element: PhantomData };
         let all = self.exchange(Arc::new(mine))?;
-        let views: Vec<&InPlace> = all.iter().map(|p| p.downcast_ref::<InPlace>().expect("in-place deposit")).collect();
-        if let Some((r, v)) = views.iter().enumerate().find(|(_, v)| v.len != len) {
-            // Every rank sees the same mismatch and returns before touching any buffer.
-            return Err(CommError::Mismatch { op: "all_reduce", detail: format!("rank {r} passed {} elements, this rank {len}", v.len) });
+        let mut views: Vec<&InPlace<T>> = Vec::with_capacity(n);
+        for (r, p) in all.iter().enumerate() {
+            // Every rank sees the same deposits, so every rank returns here or none does.
+            let Some(v) = p.downcast_ref::<InPlace<T>>() else {
+                return Err(CommError::Mismatch {
+                    op: "all_reduce",
+                    detail: format!("rank {r} passed another element type or a small buffer"),
+                });
+            };
+            if v.len != len {
+                return Err(CommError::Mismatch {
+                    op: "all_reduce",
+                    detail: format!("rank {r} passed {} elements, this rank {len}", v.len),
+                });
+            }
+            views.push(v);
+        }
+        let guard = InWindow { window: &views[0].window, ranks: n, rank: self.rank };
+        #[cfg(test)]
+        {
+            let (panic, sleep_ms) = WINDOW_HOOK.with(|h| h.get());
+            std::thread::sleep(Duration::from_millis(sleep_ms));
+            assert!(!panic, "test hook: panic inside the window");
         }
         let chunk = chunk_range(len, n, self.rank);
         let mut acc: Vec<T> = Vec::with_capacity(BLOCK.min(chunk.len()));
@@ -342,9 +429,9 @@ impl ThreadComm {
         while start < chunk.end {
             let end = (start + BLOCK).min(chunk.end);
             // SAFETY: `start..end` lies in this rank's chunk, which no other rank touches, of
-            // buffers that outlive this call (see above).
+            // buffers of `len` elements of `T` whose owners stay in the window (see above).
             unsafe {
-                let slice = |v: &InPlace| std::slice::from_raw_parts((v.addr as *const T).add(start), end - start);
+                let slice = |v: &InPlace<T>| std::slice::from_raw_parts((v.addr as *const T).add(start), end - start);
                 acc.clear();
                 acc.extend_from_slice(slice(views[0]));
                 for v in &views[1..] {
@@ -356,16 +443,7 @@ impl ThreadComm {
             }
             start = end;
         }
-        let (count, cv) = &*views[0].done;
-        let mut c = lock(count);
-        *c += 1;
-        if *c == n {
-            cv.notify_all();
-        }
-        while *c < n {
-            c = cv.wait(c).unwrap_or_else(|e| e.into_inner());
-        }
-        Ok(())
+        guard.leave(|r| self.members[r])
     }
 }
 
@@ -438,10 +516,8 @@ impl Collective for ThreadComm {
     }
 
     fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
-        let src = *self
-            .members
-            .get(from)
-            .ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
+        let src =
+            *self.members.get(from).ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
         let mb = self.world.mailbox(src, self.world_rank(), tag);
         let mut q = lock(&mb.queue);
         loop {
@@ -653,6 +729,61 @@ mod tests {
         for (r, e) in out.into_iter().enumerate() {
             if r != 2 {
                 assert_eq!(e, Some(CommError::Aborted { rank: 2, message: "out of memory in layer 3".into() }));
+            }
+        }
+    }
+
+    #[test]
+    fn different_element_types_above_the_in_place_threshold_are_a_mismatch() {
+        let out = run(2, |c| {
+            if c.rank() == 0 {
+                let mut v = vec![1f32; SMALL + 10];
+                (c.all_reduce(&mut v, ReduceOp::Sum).err(), v.iter().all(|&x| x == 1.0))
+            } else {
+                let mut v = vec![1f64; SMALL + 10];
+                (c.all_reduce(&mut v, ReduceOp::Sum).err(), v.iter().all(|&x| x == 1.0))
+            }
+        });
+        for (e, untouched) in out {
+            assert!(matches!(e, Some(CommError::Mismatch { op: "all_reduce", .. })), "{e:?}");
+            assert!(untouched, "a refused all-reduce must not touch the buffer");
+        }
+    }
+
+    #[test]
+    fn a_small_and_a_large_buffer_are_a_mismatch_not_a_panic() {
+        let out = run(2, |c| {
+            let mut v = vec![1f32; if c.rank() == 0 { 8 } else { SMALL + 8 }];
+            c.all_reduce(&mut v, ReduceOp::Sum).err()
+        });
+        for e in out {
+            assert!(matches!(e, Some(CommError::Mismatch { .. })), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_panics_inside_the_window_waits_for_the_others_to_leave() {
+        // Rank 1 panics on entering the window; rank 3 sleeps 300 ms there before it writes its
+        // chunk into every buffer, rank 1's included. Rank 1's buffer must outlive those writes:
+        // its unwinding takes at least the sleep, and the others report rank 1's failure.
+        const SLEEP_MS: u64 = 300;
+        let out = run(4, |c| {
+            let r = c.rank();
+            WINDOW_HOOK.with(|h| h.set((r == 1, if r == 3 { SLEEP_MS } else { 0 })));
+            let mut v = vec![r as f32; 3 * SMALL];
+            let started = std::time::Instant::now();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.all_reduce(&mut v, ReduceOp::Sum)));
+            let elapsed = started.elapsed();
+            drop(v);
+            (result.map_err(|_| ()), elapsed)
+        });
+        for (r, (result, elapsed)) in out.into_iter().enumerate() {
+            if r == 1 {
+                assert!(result.is_err(), "rank 1 panicked");
+                assert!(elapsed >= Duration::from_millis(SLEEP_MS), "rank 1 returned after {elapsed:?}, before rank 3 left");
+            } else {
+                let e = result.expect("no panic").err();
+                assert_eq!(e, Some(CommError::Aborted { rank: 1, message: "panicked inside an all-reduce".into() }), "rank {r}");
             }
         }
     }

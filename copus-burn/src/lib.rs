@@ -3,34 +3,49 @@
 //! - [`trainer`]: the single-rank trainer with micro-batching, token-normalised loss, AdamW,
 //!   warmup + cosine schedule with the batch-size LR rule, global-norm clipping and the
 //!   gradient-noise-scale probe feeding copus-core's estimator;
+//! - [`closing`]: closing an optimizer step (probe memory, estimator, clipping, LR), shared by
+//!   the trainer, the engine's ranks and the Learner strategy;
 //! - [`grads`]: whole-model gradient arithmetic (squared norms, scaling, sums);
 //! - [`cross_entropy_sum`]: the summed next-token loss models use;
 //! - [`collective`]: the `Collective` trait and its in-process backend (a thread per rank);
-//! - [`parallel`]: what a model implements to be sharded (`ParallelLm`, `StageModel`), shard
-//!   slicing and the vocabulary-parallel embedding;
+//! - [`parallel`]: what a model implements to be sharded (`ParallelLm` with its
+//!   `ParallelPlan`, `StageModel`), shard slicing and the vocabulary-parallel embedding;
+//! - [`state`]: the layout-independent training state (a leaf shared by the next three);
 //! - [`engine`]: the 3D-parallel engine (tensor, pipeline and data parallelism, the noise-scale
 //!   probe under 3D);
-//! - [`reconfig`]: in-memory reconfiguration with rollback, and checkpoints;
+//! - [`reconfig`]: in-memory reconfiguration with rollback;
+//! - [`driver`]: the adaptive loop (step, observe, decide, validate, reconfigure) over a data
+//!   source and a decision source (embedded orchestrator, service client, scripted);
+//! - [`checkpoint`]: checkpoints of the training state, loadable into any layout;
 //! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
-//! [`ParallelLm`] for the engine.
+//! [`ParallelLm`] for the engine. Only [`collective`] holds `unsafe` code.
 
+#![deny(unsafe_code)]
+
+pub mod checkpoint;
+pub mod closing;
 pub mod collective;
+pub mod driver;
 pub mod engine;
 pub mod grads;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod parallel;
 pub mod reconfig;
+pub mod state;
 pub mod trainer;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 
-pub use engine::{Engine, EngineConfig, EngineError, EngineStep, ReconfigPhase};
-pub use reconfig::{ReconfigReport, TrainingState};
-pub use parallel::{ParallelLm, ShardPlan, StageModel};
+pub use closing::{Closed, ProbeMemory, StepCloser};
+pub use driver::{Clock, DataSource, DecisionSource, Driver, DriverStep, Scripted};
+pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
+pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
+pub use reconfig::ReconfigReport;
+pub use state::TrainingState;
 pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, adamw_optimizer};
 
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, as
@@ -102,9 +117,7 @@ mod tests {
     }
 
     fn micro_batches(seqs: &[Vec<i64>], b_m: usize) -> Vec<MicroBatch> {
-        seqs.chunks(b_m)
-            .map(|c| MicroBatch::from_windows(&c.iter().map(|q| q.as_slice()).collect::<Vec<_>>(), &device()))
-            .collect()
+        seqs.chunks(b_m).map(|c| MicroBatch::from_windows(&c.iter().map(|q| q.as_slice()).collect::<Vec<_>>(), &device())).collect()
     }
 
     fn flat(m: &Bigram) -> Vec<f32> {
@@ -133,7 +146,8 @@ mod tests {
         let m = model();
         let seqs = sequences(4, 5, 9);
         let joint = accumulate(&m, &micro_batches(&seqs, 1)).unwrap();
-        let alone: Vec<f64> = seqs.iter().map(|s| accumulate(&m, &micro_batches(std::slice::from_ref(s), 1)).unwrap().grad_sq_norm).collect();
+        let alone: Vec<f64> =
+            seqs.iter().map(|s| accumulate(&m, &micro_batches(std::slice::from_ref(s), 1)).unwrap().grad_sq_norm).collect();
         let mean = alone.iter().sum::<f64>() / alone.len() as f64;
         assert!((joint.mean_micro_sq_norm - mean).abs() < 1e-5 * mean, "{} vs {mean}", joint.mean_micro_sq_norm);
         // And T is the norm of the mean of those gradients, which is smaller than their mean norm.
@@ -209,7 +223,8 @@ mod tests {
         for decay_all in [false, true] {
             let m0 = model();
             let before = row(&m0);
-            let cfg = OptimConfig { lr, weight_decay: wd, warmup_steps: 0, decay_norms_and_embeddings: decay_all, ..OptimConfig::default() };
+            let cfg =
+                OptimConfig { lr, weight_decay: wd, warmup_steps: 0, decay_norms_and_embeddings: decay_all, ..OptimConfig::default() };
             let mut t = Trainer::new(m0, cfg).unwrap();
             let lr_used = t.step(&micro_batches(&seqs, 2)).unwrap().lr;
             let after = row(t.model());

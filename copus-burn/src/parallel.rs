@@ -93,12 +93,66 @@ pub trait StageModel: Module + Clone + Send + std::fmt::Debug + 'static {
     }
 }
 
+/// The model's parallel plan, in the terms the engine needs; the engine names no parameter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParallelPlan {
+    /// The vocabulary-parallel embedding (split along the vocabulary over tp).
+    pub embedding: String,
+    /// The vocabulary-parallel head; `None` when the head is the tied embedding.
+    pub head: Option<String>,
+    /// Parameters every tp rank holds whole (the norms); their partial gradients are summed
+    /// over tp, and a whole-model norm counts them once.
+    pub tp_replicated: Vec<String>,
+}
+
+impl ParallelPlan {
+    /// Whether `name` is the embedding or the head (whose tp slice is this rank's vocabulary).
+    pub fn is_vocabulary(&self, name: &str) -> bool {
+        self.embedding == name || self.head.as_deref() == Some(name)
+    }
+
+    /// Checks the plan against the parameter specs: every named parameter exists, the
+    /// vocabulary parameters are split over tp, and exactly the replicated specs are listed
+    /// as replicated.
+    pub fn check(&self, specs: &[ParamSpec]) -> Result<(), ShardError> {
+        let by_name: HashMap<&str, &ParamSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
+        let bad = |m: String| Err(ShardError::Layout(format!("the model's parallel plan: {m}")));
+        for name in std::iter::once(&self.embedding).chain(&self.head) {
+            match by_name.get(name.as_str()) {
+                None => return bad(format!("`{name}` is not a parameter of the model")),
+                Some(s) if matches!(s.tp, TpSplit::Replicated) => {
+                    return bad(format!("`{name}` is the vocabulary but its spec is replicated"));
+                }
+                Some(_) => {}
+            }
+        }
+        for s in specs {
+            let listed = self.tp_replicated.contains(&s.name);
+            let replicated = matches!(s.tp, TpSplit::Replicated);
+            if listed != replicated {
+                return bad(format!(
+                    "`{}` is {} in the plan but {} in its spec",
+                    s.name,
+                    if listed { "replicated" } else { "split" },
+                    if replicated { "replicated" } else { "split" }
+                ));
+            }
+        }
+        if let Some(n) = self.tp_replicated.iter().find(|n| !by_name.contains_key(n.as_str())) {
+            return bad(format!("`{n}` is not a parameter of the model"));
+        }
+        Ok(())
+    }
+}
+
 /// A model family that copus can shard.
 pub trait ParallelLm: Send + Sync + 'static {
     /// The module one rank holds.
     type Stage: StageModel;
     /// The model's shape (heads, layers, parameter specs).
     fn spec(&self) -> ModelSpec;
+    /// Which parameter is the embedding, which the head, which are replicated over tp.
+    fn parallel_plan(&self) -> ParallelPlan;
     /// Builds the stage of `plan` on `device`, taking each parameter's local shard from
     /// `shards` (global name -> data of the local shape).
     fn build_stage(&self, plan: &ShardPlan, shards: &mut ShardSource, device: &Device) -> Result<Self::Stage, ShardError>;
@@ -297,12 +351,11 @@ pub fn vocab_parallel_embedding(weight_vd: Tensor<2>, tokens_bs: Tensor<2, Int>,
 /// The global name of a stage-local path whose layer index is local: `layers.{j}.rest` becomes
 /// `layers.{first_layer + j}.rest`; other names pass through.
 pub fn globalise_layer_path(local: &str, first_layer: usize) -> String {
-    if let Some(rest) = local.strip_prefix("layers.") {
-        if let Some((j, tail)) = rest.split_once('.') {
-            if let Ok(j) = j.parse::<usize>() {
-                return format!("layers.{}.{tail}", first_layer + j);
-            }
-        }
+    if let Some(rest) = local.strip_prefix("layers.")
+        && let Some((j, tail)) = rest.split_once('.')
+        && let Ok(j) = j.parse::<usize>()
+    {
+        return format!("layers.{}.{tail}", first_layer + j);
     }
     local.to_string()
 }

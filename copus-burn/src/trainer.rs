@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use burn::config::Config;
 use burn::module::{Module, ParamGroup};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Int, Tensor};
@@ -15,6 +16,7 @@ use copus_core::goodput::LrRule;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::closing::StepCloser;
 use crate::grads;
 
 /// A causal language model copus can train.
@@ -51,55 +53,55 @@ pub enum TrainError {
     NonFinite(f64, u64),
 }
 
-/// AdamW, schedule and clipping settings. Defaults follow common Llama pre-training.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+/// AdamW, schedule and clipping settings. Defaults follow common Llama pre-training; build
+/// with `OptimConfig::new()` and the `with_*` setters, and the optimizer with
+/// [`OptimConfig::init`].
+#[derive(Config, Debug, PartialEq)]
 pub struct OptimConfig {
     /// Peak learning rate at the reference batch `b0`.
+    #[config(default = 1e-3)]
     pub lr: f64,
     /// Reference global batch (sequences) for the LR rule and statistical efficiency.
+    #[config(default = 8)]
     pub b0: usize,
     /// How the LR follows B_g.
+    #[config(default = "LrRule::Sqrt")]
     pub lr_rule: LrRule,
     /// Linear warmup steps.
+    #[config(default = 20)]
     pub warmup_steps: u64,
     /// Steps of the cosine decay (after which the LR stays at its floor).
+    #[config(default = 1000)]
     pub total_steps: u64,
     /// Final LR as a fraction of the peak.
+    #[config(default = 0.1)]
     pub min_lr_ratio: f64,
     /// Adam beta 1.
+    #[config(default = 0.9)]
     pub beta1: f64,
     /// Adam beta 2.
+    #[config(default = 0.95)]
     pub beta2: f64,
     /// Adam epsilon (PyTorch's default 1e-8; Burn's is 1e-5).
+    #[config(default = 1e-8)]
     pub eps: f64,
     /// Decoupled weight decay.
+    #[config(default = 0.1)]
     pub weight_decay: f64,
     /// Apply weight decay to norms and embeddings too.
+    #[config(default = false)]
     pub decay_norms_and_embeddings: bool,
     /// Clip the global gradient norm to this value.
+    #[config(default = "Some(1.0)")]
     pub clip_norm: Option<f64>,
     /// EMA factor of the noise-scale estimator.
+    #[config(default = 0.95)]
     pub gns_theta: f64,
 }
 
 impl Default for OptimConfig {
     fn default() -> Self {
-        Self {
-            lr: 1e-3,
-            b0: 8,
-            lr_rule: LrRule::Sqrt,
-            warmup_steps: 20,
-            total_steps: 1000,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            decay_norms_and_embeddings: false,
-            clip_norm: Some(1.0),
-            gns_theta: 0.95,
-        }
+        Self::new()
     }
 }
 
@@ -240,6 +242,14 @@ pub fn accumulate<M: CausalLm>(model: &M, micro: &[MicroBatch]) -> Result<Accumu
     Ok(Accumulated { grads, loss, mean_micro_sq_norm: sum_micro_sq / n as f64, grad_sq_norm })
 }
 
+impl OptimConfig {
+    /// AdamW with these settings; parameters whose path contains one of `no_decay` take no
+    /// weight decay unless `decay_norms_and_embeddings`.
+    pub fn init(&self, no_decay: &[String]) -> ModuleOptimizer {
+        adamw_optimizer(self, no_decay)
+    }
+}
+
 /// AdamW with the settings of `cfg`; parameters whose path contains one of `no_decay` take no
 /// weight decay unless `cfg.decay_norms_and_embeddings`.
 pub fn adamw_optimizer(cfg: &OptimConfig, no_decay: &[String]) -> ModuleOptimizer {
@@ -264,10 +274,9 @@ pub struct Trainer<M: CausalLm> {
     model: Option<M>,
     optim: ModuleOptimizer,
     cfg: OptimConfig,
-    gns: GnsEstimator,
+    closer: StepCloser,
     step: u64,
     tokens_seen: u64,
-    previous: Option<GradientsParams>,
     last_stats: Option<StepStats>,
 }
 
@@ -275,9 +284,9 @@ impl<M: CausalLm> Trainer<M> {
     /// A trainer for `model` (built on an autodiff device).
     pub fn new(model: M, cfg: OptimConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
-        let optim = adamw_optimizer(&cfg, &model.no_decay_predicates());
-        let gns = GnsEstimator::new(cfg.gns_theta)?;
-        Ok(Self { model: Some(model), optim, cfg, gns, step: 0, tokens_seen: 0, previous: None, last_stats: None })
+        let optim = cfg.init(&model.no_decay_predicates());
+        let closer = StepCloser::new(cfg.gns_theta)?;
+        Ok(Self { model: Some(model), optim, cfg, closer, step: 0, tokens_seen: 0, last_stats: None })
     }
 
     /// The model.
@@ -297,7 +306,7 @@ impl<M: CausalLm> Trainer<M> {
 
     /// The noise-scale estimator.
     pub fn gns(&self) -> &GnsEstimator {
-        &self.gns
+        self.closer.gns()
     }
 
     /// The settings.
@@ -317,7 +326,7 @@ impl<M: CausalLm> Trainer<M> {
         let [b_m, seq] = micro[0].inputs.dims();
         let n = micro.len();
         let global_batch = b_m * n;
-        let diff = if n == 1 { self.previous.as_ref().map(|p| grads::diff_sq_norm(model, &acc.grads, p)) } else { None };
+        let diff = self.closer.memory().previous(n).map(|p| grads::diff_sq_norm(model, &acc.grads, p));
         let stats = StepStats {
             micro_batch: b_m,
             num_micro: n,
@@ -325,35 +334,26 @@ impl<M: CausalLm> Trainer<M> {
             grad_sq_norm: acc.grad_sq_norm,
             diff_sq_norm: diff,
         };
-        self.gns.observe(&stats)?;
+        let closed = self.closer.close(model, &self.cfg, self.step, global_batch, &stats, acc.grads)?;
         self.last_stats = Some(stats);
-        let previous = (n == 1).then(|| grads::scaled(model, &acc.grads, 1.0));
-        let grad_norm = acc.grad_sq_norm.sqrt();
-        let grads = match self.cfg.clip_norm {
-            Some(c) if grad_norm > c => grads::scaled(model, &acc.grads, c / grad_norm),
-            _ => acc.grads,
-        };
-        self.previous = previous;
-        let est = self.gns.estimate();
-        let phi = est.and_then(|e| e.b_simple());
-        let lr = self.cfg.lr_at(self.step, global_batch, phi);
         let model = self.model.take().expect("model present between steps");
-        self.model = Some(self.optim.step(lr, model, grads));
+        self.model = Some(self.optim.step(closed.lr, model, closed.grads));
         self.step += 1;
         self.tokens_seen += (global_batch * seq) as u64;
+        let est = closed.estimate;
         Ok(StepMetrics {
             step: self.step,
             loss: acc.loss,
-            lr,
+            lr: closed.lr,
             global_batch,
             micro_batch: b_m,
             num_micro: n,
             tokens_seen: self.tokens_seen,
             step_time: start.elapsed().as_secs_f64(),
-            grad_norm,
+            grad_norm: closed.grad_norm,
             grad_sq: est.map(|e| e.grad_sq),
             trace: est.map(|e| e.trace),
-            b_simple: phi,
+            b_simple: est.and_then(|e| e.b_simple()),
             gns_biased: est.is_some_and(|e| e.biased),
         })
     }

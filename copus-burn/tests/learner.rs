@@ -14,9 +14,7 @@ use burn::module::{Module, Param};
 use burn::optim::lr_scheduler::constant::ConstantLr;
 use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn::train::{
-    InferenceStep, Interrupter, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
-};
+use burn::train::{InferenceStep, Interrupter, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep};
 use copus_burn::learner::{CopusBatching, CopusBatchingConfig, StepRecord};
 use copus_core::accumulation::{Plan, StepCost, best_plan};
 use copus_core::goodput::{LrRule, PlainGoodput};
@@ -73,10 +71,7 @@ impl Batcher<Sample, Batch> for RegBatcher {
         let n = items.len();
         let x: Vec<f32> = items.iter().flat_map(|s| s.x.iter().copied()).collect();
         let y: Vec<f32> = items.iter().map(|s| s.y).collect();
-        Batch {
-            x: Tensor::from_data(TensorData::new(x, [n, D]), device),
-            y: Tensor::from_data(TensorData::new(y, [n, 1]), device),
-        }
+        Batch { x: Tensor::from_data(TensorData::new(x, [n, D]), device), y: Tensor::from_data(TensorData::new(y, [n, 1]), device) }
     }
 }
 
@@ -292,7 +287,11 @@ fn batch_grows_with_the_measured_noise_scale() {
     }
     ratios.sort_by(f64::total_cmp);
     let median = ratios[ratios.len() / 2];
-    println!("B_simple estimate / closed form: median {median:.3}, quartiles {:.3} {:.3}", ratios[ratios.len() / 4], ratios[3 * ratios.len() / 4]);
+    println!(
+        "B_simple estimate / closed form: median {median:.3}, quartiles {:.3} {:.3}",
+        ratios[ratios.len() / 4],
+        ratios[3 * ratios.len() / 4]
+    );
     assert!(ratios.len() > 50 && (0.7..1.4).contains(&median), "median estimate / truth {median} over {} steps", ratios.len());
 
     // Every decision is the Goodput optimum at the measured noise scale, so the batch follows it.
@@ -401,12 +400,10 @@ fn optimizer_state_is_kept_across_batch_changes() {
     let logged = std::fs::read_to_string(out.dir.path().join("train/epoch-1/Batch_Size.log")).expect("metric log");
     let logged: Vec<f64> =
         logged.lines().filter(|l| !l.ends_with(",final")).map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
-    let expected: Vec<f64> =
-        out.history.iter().flat_map(|r| std::iter::repeat_n(r.plan.batch() as f64, r.micro_batches)).collect();
+    let expected: Vec<f64> = out.history.iter().flat_map(|r| std::iter::repeat_n(r.plan.batch() as f64, r.micro_batches)).collect();
     assert!(logged == expected, "logged {} entries, {} expected", logged.len(), expected.len());
     let noise = std::fs::read_to_string(out.dir.path().join("train/epoch-1/Noise_Scale_(B_simple).log")).expect("metric log");
-    let noise: Vec<f64> =
-        noise.lines().filter(|l| !l.ends_with(",final")).map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
+    let noise: Vec<f64> = noise.lines().filter(|l| !l.ends_with(",final")).map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
     // Logged only while measured (from the first step, and not while |G|^2 reads <= 0).
     assert!(noise.len() > expected.len() / 4 && noise.len() <= expected.len(), "{} B_simple entries", noise.len());
     assert!(noise.iter().all(|&v| v.is_finite() && v >= 0.0));
@@ -520,7 +517,11 @@ fn launch_small(copus: &CopusBatching, batch: usize, burn_accumulation: Option<u
     if let Some(k) = burn_accumulation {
         training = training.grads_accumulation(k);
     }
-    training.launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), copus.lr_scheduler(ConstantLr::from(0.01))))
+    training.launch(Learner::new(
+        Regression::new(&dev, Probe::default()),
+        optimizer(&Optim::Sgd),
+        copus.lr_scheduler(ConstantLr::from(0.01)),
+    ))
 }
 
 #[test]

@@ -43,11 +43,7 @@ pub enum CostError {
 impl StepCost {
     /// Checks that every part is finite and non-negative and a micro-batch costs something.
     pub fn validate(&self) -> Result<(), CostError> {
-        for (field, value) in [
-            ("per_micro_batch", self.per_micro_batch),
-            ("per_sample", self.per_sample),
-            ("per_step", self.per_step),
-        ] {
+        for (field, value) in [("per_micro_batch", self.per_micro_batch), ("per_sample", self.per_sample), ("per_step", self.per_step)] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(CostError::Bad { field, value });
             }
@@ -218,8 +214,7 @@ impl CostTracker {
     /// measured sizes (`a = 0` with one size; `a` and `b` kept non-negative), `o` the smoothed
     /// per-step time. `None` before any micro-batch is measured.
     pub fn model(&self) -> Option<StepCost> {
-        let points: Vec<(f64, f64)> =
-            self.micro.iter().filter_map(|(&m, e)| Some((m as f64, e.value()?))).collect();
+        let points: Vec<(f64, f64)> = self.micro.iter().filter_map(|(&m, e)| Some((m as f64, e.value()?))).collect();
         let per_step = self.step.value().unwrap_or(0.0);
         let (a, b) = match points.as_slice() {
             [] => return None,

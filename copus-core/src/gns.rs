@@ -176,11 +176,7 @@ impl GnsEstimator {
 
     /// The smoothed estimate so far; biased when differenced steps carry more than 1% of it.
     pub fn estimate(&self) -> Option<NoiseEstimate> {
-        Some(NoiseEstimate {
-            grad_sq: self.grad_sq.value()?,
-            trace: self.trace.value()?,
-            biased: self.from_differencing.value()? > 0.01,
-        })
+        Some(NoiseEstimate { grad_sq: self.grad_sq.value()?, trace: self.trace.value()?, biased: self.from_differencing.value()? > 0.01 })
     }
 
     /// Smoothed B_simple.
@@ -328,8 +324,7 @@ mod tests {
     #[test]
     fn estimator_state_round_trips_through_ron() {
         let mut est = GnsEstimator::new(0.9).unwrap();
-        est.observe(&StepStats { micro_batch: 2, num_micro: 4, mean_micro_sq_norm: 9.0, grad_sq_norm: 3.0, diff_sq_norm: None })
-            .unwrap();
+        est.observe(&StepStats { micro_batch: 2, num_micro: 4, mean_micro_sq_norm: 9.0, grad_sq_norm: 3.0, diff_sq_norm: None }).unwrap();
         let text = ron::to_string(&est).unwrap();
         let back: GnsEstimator = ron::from_str(&text).unwrap();
         assert_eq!(back, est);

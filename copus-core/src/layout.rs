@@ -314,10 +314,7 @@ pub fn stage_len(num_layers: usize, pp: usize, stage: usize) -> usize {
 
 /// The pipeline stage that holds `layer`.
 pub fn stage_of_layer(layer: usize, num_layers: usize, pp: usize) -> usize {
-    stage_layers(num_layers, pp)
-        .iter()
-        .position(|r| r.contains(&layer))
-        .unwrap_or_else(|| panic!("layer {layer} outside 0..{num_layers}"))
+    stage_layers(num_layers, pp).iter().position(|r| r.contains(&layer)).unwrap_or_else(|| panic!("layer {layer} outside 0..{num_layers}"))
 }
 
 #[cfg(test)]

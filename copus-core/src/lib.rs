@@ -19,6 +19,8 @@
 //!   progress model);
 //! - [`orchestrator`]: observations to validated decisions, and the service's wire protocol.
 
+#![forbid(unsafe_code)]
+
 pub mod accumulation;
 pub mod candidates;
 pub mod gns;

@@ -87,11 +87,7 @@ impl MemoryModel {
         let k = model.kv_dim() as f64;
         let f = model.ffn_hidden as f64;
         let t = tp as f64;
-        let scores = if self.fused_attention {
-            0.0
-        } else {
-            2.0 * model.num_heads as f64 * model.seq_len as f64 / t
-        };
+        let scores = if self.fused_attention { 0.0 } else { 2.0 * model.num_heads as f64 * model.seq_len as f64 / t };
         4.0 * h + (2.0 * h + 2.0 * k + 4.0 * f) / t + scores
     }
 

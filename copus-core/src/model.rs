@@ -157,10 +157,7 @@ impl ModelSpec {
             return Err(ModelError::HeadDim { hidden: self.hidden, num_heads: self.num_heads });
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return Err(ModelError::Groups {
-                num_heads: self.num_heads,
-                num_kv_heads: self.num_kv_heads,
-            });
+            return Err(ModelError::Groups { num_heads: self.num_heads, num_kv_heads: self.num_kv_heads });
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(ModelError::OddHeadDim { head_dim: self.head_dim() });
@@ -252,10 +249,8 @@ impl ModelSpec {
     }
 
     /// Names of the presets accepted by [`ModelSpec::preset`].
-    pub const PRESETS: [&'static str; 8] = [
-        "tiny-1m", "tiny-5m", "tiny-20m", "small-100m", "llama-3.2-3b", "llama-2-7b", "llama-2-13b",
-        "qwen2.5-32b",
-    ];
+    pub const PRESETS: [&'static str; 8] =
+        ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m", "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "qwen2.5-32b"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Result<Self, ModelError> {
@@ -269,10 +264,7 @@ impl ModelSpec {
             "llama-2-13b" => Self::llama_2_13b(),
             "qwen2.5-32b" => Self::qwen2_5_32b(),
             _ => {
-                return Err(ModelError::UnknownPreset {
-                    name: name.to_string(),
-                    allowed: Self::PRESETS.join(", "),
-                });
+                return Err(ModelError::UnknownPreset { name: name.to_string(), allowed: Self::PRESETS.join(", ") });
             }
         })
     }
@@ -377,12 +369,9 @@ mod tests {
 
     #[test]
     fn tiny_presets_are_about_their_names() {
-        for (spec, target) in [
-            (ModelSpec::tiny_1m(), 1e6),
-            (ModelSpec::tiny_5m(), 5e6),
-            (ModelSpec::tiny_20m(), 20e6),
-            (ModelSpec::small_100m(), 100e6),
-        ] {
+        for (spec, target) in
+            [(ModelSpec::tiny_1m(), 1e6), (ModelSpec::tiny_5m(), 5e6), (ModelSpec::tiny_20m(), 20e6), (ModelSpec::small_100m(), 100e6)]
+        {
             spec.validate().unwrap();
             let n = spec.num_params() as f64;
             assert!(n > 0.75 * target && n < 1.25 * target, "{}: {n}", spec.name);

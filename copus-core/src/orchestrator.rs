@@ -182,8 +182,11 @@ mod tests {
     fn scorer() -> Scorer {
         let e = |dp, tp, b, s| ProfileEntry { dp, tp, pp: 1, global_batch: b, micro_batch: 1, samples_per_sec: s };
         let p = ThroughputProfile::new("t".into(), "m".into(), vec![e(2, 1, 2, 10.0), e(2, 1, 4, 15.0), e(1, 2, 2, 12.0)]).unwrap();
-        let cands: Vec<Candidate> =
-            p.entries().iter().map(|x| Candidate::new(ParallelDims { dp: x.dp, tp: x.tp, pp: x.pp }, x.global_batch, x.micro_batch).unwrap()).collect();
+        let cands: Vec<Candidate> = p
+            .entries()
+            .iter()
+            .map(|x| Candidate::new(ParallelDims { dp: x.dp, tp: x.tp, pp: x.pp }, x.global_batch, x.micro_batch).unwrap())
+            .collect();
         Scorer::plain(&cands, &p, 2.0).unwrap()
     }
 
@@ -216,7 +219,10 @@ mod tests {
         assert_eq!(o.on_step(&obs), Decision::Keep);
         assert_eq!(o.refused(), 1);
         let mut s = Orchestrator::new(Box::new(Static), scorer());
-        assert_eq!(s.handle(Request::Step { observation: obs, samples_per_sec: 1.0 }), Response::Decision { step: 3, decision: Decision::Keep });
+        assert_eq!(
+            s.handle(Request::Step { observation: obs, samples_per_sec: 1.0 }),
+            Response::Decision { step: 3, decision: Decision::Keep }
+        );
     }
 
     #[test]

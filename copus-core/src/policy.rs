@@ -424,7 +424,11 @@ impl Trajectory {
     /// Validates the points.
     pub fn new(points: Vec<(f64, f64)>, end: f64) -> Result<Self, PolicyError> {
         if points.is_empty() || points[0].0 != 0.0 {
-            return Err(PolicyError::Bad { field: "trajectory", allowed: "points starting at progress 0", value: points.first().map_or(f64::NAN, |p| p.0) });
+            return Err(PolicyError::Bad {
+                field: "trajectory",
+                allowed: "points starting at progress 0",
+                value: points.first().map_or(f64::NAN, |p| p.0),
+            });
         }
         for w in points.windows(2) {
             check("trajectory progress", w[1].0, w[1].0 > w[0].0, "strictly increasing")?;
@@ -709,7 +713,9 @@ mod tests {
     fn oracle_equals_brute_force_and_beats_every_static_schedule() {
         let s = small_scorer();
         let traj = Trajectory::new(vec![(0.0, 1.0), (100.0, 10.0), (300.0, 200.0), (600.0, 5000.0)], 2000.0).unwrap();
-        for costs in [SwitchCosts { batch: 0.0, layout: 0.0 }, SwitchCosts { batch: 0.5, layout: 3.0 }, SwitchCosts { batch: 0.0, layout: 1e6 }] {
+        for costs in
+            [SwitchCosts { batch: 0.0, layout: 0.0 }, SwitchCosts { batch: 0.5, layout: 3.0 }, SwitchCosts { batch: 0.0, layout: 1e6 }]
+        {
             let start = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
             let o = hindsight_oracle(&traj, &s, costs, Some(start));
             let b = brute(&traj, &s, costs, Some(start));
@@ -760,7 +766,15 @@ mod tests {
         // 3B on 8xH100: with low noise small B_g on a model-parallel layout; with high noise the
         // pure dp layout at a large batch.
         let cm = ClusterModel::new(ClusterSpec::h100_nvlink(1), ModelSpec::llama_3_2_3b());
-        let space = CandidateSpace::new(8, vec![4, 8, 16, 32, 64, 128, 256], vec![1, 2, 4], ScheduleKind::OneFOneB, MemoryModel::mixed_bf16(), 80e9).unwrap();
+        let space = CandidateSpace::new(
+            8,
+            vec![4, 8, 16, 32, 64, 128, 256],
+            vec![1, 2, 4],
+            ScheduleKind::OneFOneB,
+            MemoryModel::mixed_bf16(),
+            80e9,
+        )
+        .unwrap();
         let cands = space.enumerate(&cm.model).feasible;
         let s = Scorer::plain(&cands, &cm, 4.0).unwrap();
         let low = s.best(1.0, |_| true).unwrap().candidate;

@@ -118,11 +118,8 @@ pub fn shard_intervals(spec: &ParamSpec, tp: usize, t: usize) -> Result<(usize, 
     match spec.tp {
         TpSplit::Replicated => Ok((0, std::iter::once(0..spec.shape.first().copied().unwrap_or(1)).collect())),
         TpSplit::Split { dim, chunks } => {
-            let size = *spec.shape.get(dim).ok_or_else(|| ReshardError::BadDim {
-                param: spec.name.clone(),
-                dim,
-                rank: spec.shape.len(),
-            })?;
+            let size =
+                *spec.shape.get(dim).ok_or_else(|| ReshardError::BadDim { param: spec.name.clone(), dim, rank: spec.shape.len() })?;
             let parts = chunks.max(1) * tp;
             if size % parts != 0 {
                 return Err(ReshardError::NotDivisible { param: spec.name.clone(), dim, size, parts });
@@ -335,10 +332,17 @@ mod tests {
     #[test]
     fn fused_chunks_keep_block_order() {
         // A fused [8, 12] weight with 3 chunks on dim 1: tp2 shard 0 holds columns 0..2, 4..6, 8..10.
-        let spec = ParamSpec { name: "qkv".into(), shape: vec![8, 12], tp: TpSplit::Split { dim: 1, chunks: 3 }, placement: Placement::Layer(0) };
+        let spec =
+            ParamSpec { name: "qkv".into(), shape: vec![8, 12], tp: TpSplit::Split { dim: 1, chunks: 3 }, placement: Placement::Layer(0) };
         assert_eq!(shard_intervals(&spec, 2, 0).unwrap(), (1, vec![0..2, 4..6, 8..10]));
         let placer = Placer { num_layers: 1 };
-        let plan = ReshardPlan::new(std::slice::from_ref(&spec), placer, ParallelDims { dp: 1, tp: 2, pp: 1 }, ParallelDims { dp: 2, tp: 1, pp: 1 }).unwrap();
+        let plan = ReshardPlan::new(
+            std::slice::from_ref(&spec),
+            placer,
+            ParallelDims { dp: 1, tp: 2, pp: 1 },
+            ParallelDims { dp: 2, tp: 1, pp: 1 },
+        )
+        .unwrap();
         verify(std::slice::from_ref(&spec), placer, &plan).unwrap();
         let bad = ParamSpec { shape: vec![8, 10], ..spec };
         let e = ReshardPlan::new(&[bad], placer, ParallelDims::serial(), ParallelDims::serial()).unwrap_err();

@@ -218,7 +218,14 @@ mod tests {
                     _ => None,
                 };
                 if let Some((peer, want)) = partner {
-                    prop_assert!(position(&stages[peer], want).is_some(), "stage {} {:?} has no partner {:?} on stage {}", s, act, want, peer);
+                    prop_assert!(
+                        position(&stages[peer], want).is_some(),
+                        "stage {} {:?} has no partner {:?} on stage {}",
+                        s,
+                        act,
+                        want,
+                        peer
+                    );
                 }
             }
         }
@@ -239,18 +246,24 @@ mod tests {
     #[test]
     fn one_f_one_b_on_four_stages_by_hand() {
         let s = build(ScheduleKind::OneFOneB, 4, 6).unwrap();
-        let compute: Vec<_> = s[1]
-            .iter()
-            .filter(|a| matches!(a, Action::Forward { .. } | Action::Backward { .. }))
-            .copied()
-            .collect();
+        let compute: Vec<_> = s[1].iter().filter(|a| matches!(a, Action::Forward { .. } | Action::Backward { .. })).copied().collect();
         use Action::{Backward as B, Forward as F};
         // Stage 1 of 4: two warm-up forwards, then alternate, then drain.
         assert_eq!(
             compute,
             vec![
-                F { mb: 0 }, F { mb: 1 }, F { mb: 2 }, B { mb: 0 }, F { mb: 3 }, B { mb: 1 },
-                F { mb: 4 }, B { mb: 2 }, F { mb: 5 }, B { mb: 3 }, B { mb: 4 }, B { mb: 5 }
+                F { mb: 0 },
+                F { mb: 1 },
+                F { mb: 2 },
+                B { mb: 0 },
+                F { mb: 3 },
+                B { mb: 1 },
+                F { mb: 4 },
+                B { mb: 2 },
+                F { mb: 5 },
+                B { mb: 3 },
+                B { mb: 4 },
+                B { mb: 5 }
             ]
         );
     }

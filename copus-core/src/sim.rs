@@ -141,7 +141,13 @@ fn normal(seed: u64, k: u64) -> f64 {
 }
 
 /// Runs `policy` from `initial` until the trajectory's end on the simulated clock.
-pub fn simulate(policy: &mut dyn Policy, scorer: &Scorer, trajectory: &Trajectory, initial: Candidate, cfg: &SimConfig) -> Result<SimRun, SimError> {
+pub fn simulate(
+    policy: &mut dyn Policy,
+    scorer: &Scorer,
+    trajectory: &Trajectory,
+    initial: Candidate,
+    cfg: &SimConfig,
+) -> Result<SimRun, SimError> {
     let mut cur = initial;
     if scorer.throughput(&cur).is_none() {
         return Err(SimError::Initial(initial));
@@ -157,7 +163,15 @@ pub fn simulate(policy: &mut dyn Policy, scorer: &Scorer, trajectory: &Trajector
         let secs = b / t;
         if progress + gain >= trajectory.end {
             let done = time + secs * (trajectory.end - progress) / gain;
-            run.steps.push(SimStep { step, time: done, progress: trajectory.end, candidate: cur, throughput: t, efficiency, b_simple: phi });
+            run.steps.push(SimStep {
+                step,
+                time: done,
+                progress: trajectory.end,
+                candidate: cur,
+                throughput: t,
+                efficiency,
+                b_simple: phi,
+            });
             run.time_to_target = Some(done);
             return Ok(run);
         }
@@ -252,7 +266,7 @@ mod tests {
 
     /// Noise rising from 2 to 256 sequences over training, as the loss falls.
     fn rising() -> Trajectory {
-        let points: Vec<(f64, f64)> = (0..8).map(|i| (i as f64 * 1.0e5, 2f64.powi(i as i32 + 1))).collect();
+        let points: Vec<(f64, f64)> = (0..8).map(|i| (i as f64 * 1.0e5, 2f64.powi(i + 1))).collect();
         Trajectory::new(points, 8.0e5).unwrap()
     }
 
@@ -278,7 +292,13 @@ mod tests {
         }
         for (label, layout) in [("pessimistic", small.dims), ("optimistic", large.dims)] {
             let mut p = CbsFixedLayout::new(scorer.clone(), layout, 1.0, true).unwrap();
-            let start = scorer.candidates().filter(|(c, _)| c.dims == layout).map(|(c, _)| c.global_batch).min().and_then(|b| scorer.fastest(layout, b)).unwrap();
+            let start = scorer
+                .candidates()
+                .filter(|(c, _)| c.dims == layout)
+                .map(|(c, _)| c.global_batch)
+                .min()
+                .and_then(|b| scorer.fastest(layout, b))
+                .unwrap();
             baselines.push((format!("cbs {label}"), simulate(&mut p, &scorer, &traj, start, &cfg).unwrap().time_to_target.unwrap()));
         }
         let mut m = MerrillWarmup::new(scorer.clone());

@@ -458,9 +458,10 @@ mod tests {
             for &mb in micro {
                 let Ok(c) = Candidate::new(dims, global_batch, mb) else { continue };
                 if let Some(t) = model.samples_per_sec(&c)
-                    && best.is_none_or(|(_, bt)| t > bt) {
-                        best = Some((c, t));
-                    }
+                    && best.is_none_or(|(_, bt)| t > bt)
+                {
+                    best = Some((c, t));
+                }
             }
         }
         best
@@ -537,7 +538,14 @@ mod tests {
     }
 
     fn profile() -> ThroughputProfile {
-        let e = |dp, tp, pp, global_batch, micro_batch, samples_per_sec| ProfileEntry { dp, tp, pp, global_batch, micro_batch, samples_per_sec };
+        let e = |dp, tp, pp, global_batch, micro_batch, samples_per_sec| ProfileEntry {
+            dp,
+            tp,
+            pp,
+            global_batch,
+            micro_batch,
+            samples_per_sec,
+        };
         ThroughputProfile::new(
             "test".into(),
             "tiny".into(),

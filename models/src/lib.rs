@@ -4,6 +4,8 @@
 //! `layers.{i}.attn.q_proj.weight`, `layers.{i}.mlp.gate_proj.weight`, `norm.weight`,
 //! `lm_head.weight`, ...), so the sharding spec, checkpoints and resharding name the same tensors.
 
+#![forbid(unsafe_code)]
+
 pub mod llama;
 pub mod stage;
 
@@ -51,17 +53,14 @@ pub fn full_params(model: &Llama) -> copus_burn::parallel::FullParams {
 /// Writes the model's weights to a safetensors file under their Llama-style names.
 pub fn save_safetensors(model: &Llama, path: &Path) -> Result<(), WeightsError> {
     let mut store = SafetensorsStore::from_file(path).overwrite(true);
-    model
-        .save_into(&mut store)
-        .map_err(|e| WeightsError::Store { path: path.display().to_string(), message: e.to_string() })
+    model.save_into(&mut store).map_err(|e| WeightsError::Store { path: path.display().to_string(), message: e.to_string() })
 }
 
 /// Loads weights saved by [`save_safetensors`] (or any file with the same names and shapes).
 pub fn load_safetensors(model: &mut Llama, path: &Path) -> Result<(), WeightsError> {
     let mut store = SafetensorsStore::from_file(path).allow_partial(true);
-    let result = model
-        .load_from(&mut store)
-        .map_err(|e| WeightsError::Store { path: path.display().to_string(), message: e.to_string() })?;
+    let result =
+        model.load_from(&mut store).map_err(|e| WeightsError::Store { path: path.display().to_string(), message: e.to_string() })?;
     if !result.missing.is_empty() || !result.unused.is_empty() || !result.errors.is_empty() {
         let mut missing: Vec<String> = result.missing.iter().map(|m| format!("{m:?}")).collect();
         missing.extend(result.errors.iter().map(|e| format!("{e:?}")));
@@ -276,7 +275,13 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
-        for name in ["embed_tokens.weight", "layers.3.attn.k_proj.weight", "layers.0.mlp.down_proj.weight", "layers.2.mlp_norm.weight", "norm.weight"] {
+        for name in [
+            "embed_tokens.weight",
+            "layers.3.attn.k_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+            "layers.2.mlp_norm.weight",
+            "norm.weight",
+        ] {
             assert!(header.contains(&format!("\"{name}\"")), "{name} missing from {header:.300}");
         }
         let mut b = cfg.init(&device());
@@ -289,4 +294,3 @@ mod tests {
         assert!(load_safetensors(&mut other, &path).is_err());
     }
 }
-

@@ -9,8 +9,8 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::activation::{silu, softmax};
-use copus_burn::{CausalLm, cross_entropy_sum};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
 /// Configuration of a [`Llama`] model; build one from a copus-core [`ModelSpec`].
@@ -50,17 +50,9 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// The configuration of a copus-core shape.
     pub fn from_spec(spec: &ModelSpec) -> Self {
-        Self::new(
-            spec.num_layers,
-            spec.hidden,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.ffn_hidden,
-            spec.vocab_size,
-            spec.seq_len,
-        )
-        .with_tied_embeddings(spec.tied_embeddings)
-        .with_qkv_bias(spec.qkv_bias)
+        Self::new(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.ffn_hidden, spec.vocab_size, spec.seq_len)
+            .with_tied_embeddings(spec.tied_embeddings)
+            .with_qkv_bias(spec.qkv_bias)
     }
 
     /// The copus-core shape of this configuration.
@@ -91,10 +83,7 @@ impl LlamaConfig {
     }
 
     fn linear(&self, d_in: usize, d_out: usize, bias: bool, device: &Device) -> Linear {
-        LinearConfig::new(d_in, d_out)
-            .with_bias(bias)
-            .with_initializer(Initializer::Normal { mean: 0.0, std: self.init_std })
-            .init(device)
+        LinearConfig::new(d_in, d_out).with_bias(bias).with_initializer(Initializer::Normal { mean: 0.0, std: self.init_std }).init(device)
     }
 
     /// Builds the model on `device` (use `device.autodiff()` to train it).

@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Int, Tensor};
 use copus_burn::parallel::{ShardError, ShardPlan, ShardSource, globalise_layer_path, vocab_parallel_embedding};
-use copus_burn::{ParallelLm, StageModel};
+use copus_burn::{ParallelLm, ParallelPlan, StageModel};
 use copus_core::model::ModelSpec;
 
 use crate::llama::{Attention, DecoderLayer, LlamaConfig, Mlp, RmsNorm, Rope};
@@ -50,7 +50,7 @@ impl StageModel for LlamaStage {
 
     fn block(&self, i: usize, x_bsd: Tensor<3>, ctx: &Option<Rope>) -> Tensor<3> {
         let layer = &self.layers[i / 2];
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             layer.attn.forward(layer.attn_norm.forward(x_bsd), ctx.as_ref().expect("rope tables for a stage with layers"))
         } else {
             layer.mlp.forward(layer.mlp_norm.forward(x_bsd))
@@ -85,6 +85,17 @@ impl ParallelLm for LlamaConfig {
 
     fn spec(&self) -> ModelSpec {
         LlamaConfig::spec(self, "llama")
+    }
+
+    fn parallel_plan(&self) -> ParallelPlan {
+        let mut tp_replicated: Vec<String> =
+            (0..self.num_layers).flat_map(|i| [format!("layers.{i}.attn_norm.weight"), format!("layers.{i}.mlp_norm.weight")]).collect();
+        tp_replicated.push("norm.weight".into());
+        ParallelPlan {
+            embedding: "embed_tokens.weight".into(),
+            head: (!self.tied_embeddings).then(|| "lm_head.weight".into()),
+            tp_replicated,
+        }
     }
 
     fn build_stage(&self, plan: &ShardPlan, src: &mut ShardSource, device: &Device) -> Result<LlamaStage, ShardError> {
@@ -122,11 +133,7 @@ impl ParallelLm for LlamaConfig {
             });
         }
         let wants_embedding = plan.is_first() || (plan.is_last() && self.tied_embeddings);
-        let embed_tokens = if wants_embedding {
-            Some(Embedding { weight: src.param::<2>("embed_tokens.weight", device)? })
-        } else {
-            None
-        };
+        let embed_tokens = if wants_embedding { Some(Embedding { weight: src.param::<2>("embed_tokens.weight", device)? }) } else { None };
         let (norm_w, lm_head) = if plan.is_last() {
             let head = if self.tied_embeddings { None } else { Some(linear(src, "lm_head", false)?) };
             (Some(norm(src, "norm.weight")?), head)

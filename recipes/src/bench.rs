@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
+use anyhow::{Context, anyhow};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_burn::{MicroBatch, OptimConfig, Trainer};
@@ -83,19 +84,19 @@ pub fn gemm_gflops(reps: usize) -> f64 {
 }
 
 /// PyTorch's step times and GEMM GFLOP/s from `bench/torch_step.py`, or why there are none.
-pub fn time_torch(steps: usize, warmup: usize) -> Result<(Vec<f64>, f64), String> {
+pub fn time_torch(steps: usize, warmup: usize) -> anyhow::Result<(Vec<f64>, f64)> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
     let out = Command::new("python3")
         .arg(&script)
         .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string()])
         .output()
-        .map_err(|e| format!("cannot run python3: {e}"))?;
+        .map_err(|e| anyhow!("cannot run python3: {e}"))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(err.lines().last().unwrap_or("failed").to_string());
+        return Err(anyhow!("{}", err.lines().last().unwrap_or("failed")));
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
-    let steps = v["step_secs"].as_array().ok_or("no step_secs")?.iter().filter_map(|x| x.as_f64()).collect();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let steps = v["step_secs"].as_array().context("no step_secs")?.iter().filter_map(|x| x.as_f64()).collect();
     Ok((steps, v["gemm_gflops"].as_f64().unwrap_or(f64::NAN)))
 }
 

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::progress::Progress;
+use anyhow::{Context, anyhow};
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig};
 use copus_core::candidates::{Candidate, CandidateSpace};
@@ -26,12 +28,14 @@ use copus_core::layout::ParallelDims;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory, hindsight_oracle};
+use copus_core::policy::{
+    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
+    hindsight_oracle,
+};
 use copus_core::schedule::ScheduleKind;
 use copus_core::sim::{LossCurve, SimConfig, simulate};
 use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::plot::{Series, line_plot, region_plot};
@@ -104,16 +108,16 @@ fn one_node() -> usize {
 }
 
 impl ClusterRecipe {
-    fn spec(&self) -> Result<ClusterSpec, String> {
+    fn spec(&self) -> anyhow::Result<ClusterSpec> {
         if self.nodes == 0 {
-            return Err("cluster.nodes must be at least 1".into());
+            return Err(anyhow!("cluster.nodes must be at least 1"));
         }
         match self.preset.as_str() {
             "h100" => Ok(ClusterSpec::h100_nvlink(self.nodes)),
             "mi210" => Ok(ClusterSpec::mi210(self.nodes)),
             "h200" if self.nodes == 1 => Ok(ClusterSpec::h200()),
-            "h200" => Err("cluster preset h200 is a single GPU; nodes must be 1".into()),
-            other => Err(format!("cluster.preset = {other:?}: one of \"h100\", \"mi210\", \"h200\"")),
+            "h200" => Err(anyhow!("cluster preset h200 is a single GPU; nodes must be 1")),
+            other => Err(anyhow!("cluster.preset = {other:?}: one of \"h100\", \"mi210\", \"h200\"")),
         }
     }
 }
@@ -219,15 +223,20 @@ pub struct Sweeps {
     pub objectives: Vec<ObjectiveKind>,
 }
 
+/// `x > 0` (false for NaN).
+fn positive(x: f64) -> bool {
+    x > 0.0
+}
+
 impl CompareRecipe {
     /// Reads and checks a comparison recipe.
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
         let r: Self = ron::Options::default()
             .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
             .from_str(&text)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        r.validate().map_err(|e| format!("{}: {e}", path.display()))?;
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        r.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok(r)
     }
 
@@ -235,46 +244,46 @@ impl CompareRecipe {
         self.rule.unwrap_or(SwitchRule { layout_cost: self.costs.layout, horizon: 3600.0, ..SwitchRule::default() })
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> anyhow::Result<()> {
         if self.name.is_empty() || self.name.contains(['/', '\\']) {
-            return Err(format!("recipe field `name` = {:?}: a non-empty folder name without slashes", self.name));
+            return Err(anyhow!("recipe field `name` = {:?}: a non-empty folder name without slashes", self.name));
         }
         if !(self.costs.batch >= 0.0 && self.costs.layout >= 0.0) {
-            return Err("recipe field `costs`: batch and layout must be >= 0 seconds".into());
+            return Err(anyhow!("recipe field `costs`: batch and layout must be >= 0 seconds"));
         }
-        if !(self.cbs_c > 0.0) {
-            return Err(format!("recipe field `cbs_c` = {}: a positive number", self.cbs_c));
+        if !positive(self.cbs_c) {
+            return Err(anyhow!("recipe field `cbs_c` = {}: a positive number", self.cbs_c));
         }
-        self.rule().validate().map_err(|e| format!("recipe field `rule`: {e}"))?;
+        self.rule().validate().map_err(|e| anyhow!("recipe field `rule`: {e}"))?;
         match &self.scenario {
             Scenario::Synthetic(s) => {
-                ModelSpec::preset(&s.model).map_err(|e| format!("recipe field `scenario.model`: {e}"))?;
+                ModelSpec::preset(&s.model).map_err(|e| anyhow!("recipe field `scenario.model`: {e}"))?;
                 s.cluster.spec()?;
-                Trajectory::new(s.trajectory.clone(), s.end).map_err(|e| format!("recipe field `scenario.trajectory`: {e}"))?;
-                if !(s.b0 > 0.0) {
-                    return Err(format!("recipe field `scenario.b0` = {}: a positive batch size", s.b0));
+                Trajectory::new(s.trajectory.clone(), s.end).map_err(|e| anyhow!("recipe field `scenario.trajectory`: {e}"))?;
+                if !positive(s.b0) {
+                    return Err(anyhow!("recipe field `scenario.b0` = {}: a positive batch size", s.b0));
                 }
                 if !(s.loss.a > 0.0 && s.loss.p0 > 0.0 && s.loss.alpha > 0.0) {
-                    return Err("recipe field `scenario.loss`: a, p0 and alpha must be positive".into());
+                    return Err(anyhow!("recipe field `scenario.loss`: a, p0 and alpha must be positive"));
                 }
-                if !(s.estimate_error >= 0.0) {
-                    return Err("recipe field `scenario.estimate_error`: >= 0".into());
+                if !(positive(s.estimate_error) || s.estimate_error == 0.0) {
+                    return Err(anyhow!("recipe field `scenario.estimate_error`: >= 0"));
                 }
             }
             Scenario::Real(r) => {
                 if self.sweeps.is_some() {
-                    return Err("recipe field `sweeps`: only synthetic scenarios sweep settings".into());
+                    return Err(anyhow!("recipe field `sweeps`: only synthetic scenarios sweep settings"));
                 }
                 if r.max_steps == 0 {
-                    return Err("recipe field `scenario.max_steps`: at least 1".into());
+                    return Err(anyhow!("recipe field `scenario.max_steps`: at least 1"));
                 }
                 if !(0.0..1.0).contains(&r.loss_ema) {
-                    return Err(format!("recipe field `scenario.loss_ema` = {}: in [0, 1)", r.loss_ema));
+                    return Err(anyhow!("recipe field `scenario.loss_ema` = {}: in [0, 1)", r.loss_ema));
                 }
                 if let Clock::Analytic { cluster, model } = &r.clock {
                     cluster.spec()?;
                     if let Some(m) = model {
-                        ModelSpec::preset(m).map_err(|e| format!("recipe field `scenario.clock.model`: {e}"))?;
+                        ModelSpec::preset(m).map_err(|e| anyhow!("recipe field `scenario.clock.model`: {e}"))?;
                     }
                 }
             }
@@ -340,11 +349,7 @@ pub struct SwitchRecord {
 
 /// Seconds with four significant digits.
 fn secs(t: f64) -> String {
-    if t >= 1000.0 {
-        format!("{t:.0}")
-    } else {
-        format!("{t:.*}", (3 - t.abs().max(1e-12).log10().floor() as i64).clamp(0, 9) as usize)
-    }
+    if t >= 1000.0 { format!("{t:.0}") } else { format!("{t:.*}", (3 - t.abs().max(1e-12).log10().floor() as i64).clamp(0, 9) as usize) }
 }
 
 fn describe(c: &Candidate) -> String {
@@ -366,7 +371,7 @@ fn smallest_on(scorer: &Scorer, dims: ParallelDims) -> Option<Candidate> {
     scorer.fastest(dims, b)
 }
 
-fn lineup(scorer: &Scorer, rule: SwitchRule, cbs_c: f64) -> Result<Lineup, String> {
+fn lineup(scorer: &Scorer, rule: SwitchRule, cbs_c: f64) -> anyhow::Result<Lineup> {
     let mut batches: Vec<usize> = scorer.candidates().map(|(c, _)| c.global_batch).collect();
     batches.sort_unstable();
     batches.dedup();
@@ -379,19 +384,19 @@ fn lineup(scorer: &Scorer, rule: SwitchRule, cbs_c: f64) -> Result<Lineup, Strin
         policies.push((Box::new(Named(format!("static B_g={b} ({})", c.dims), Box::new(Static))), c, true));
     }
     for (label, layout) in [("pessimistic", start.dims), ("optimistic", large.dims)] {
-        let p = CbsFixedLayout::new(scorer.clone(), layout, cbs_c, true).map_err(|e| e.to_string())?;
+        let p = CbsFixedLayout::new(scorer.clone(), layout, cbs_c, true)?;
         let s = smallest_on(scorer, layout).expect("the layout has candidates");
         policies.push((Box::new(Named(format!("cbs {label} ({layout})"), Box::new(p))), s, true));
     }
     policies.push((Box::new(Named(format!("merrill warmup ({})", start.dims), Box::new(MerrillWarmup::new(scorer.clone())))), start, true));
-    let dp_layout = scorer
-        .candidates()
-        .map(|(c, _)| c.dims)
-        .max_by_key(|d| (d.dp, std::cmp::Reverse(d.tp)))
-        .expect("candidates");
-    let dp = DpOnlyGoodput::new(scorer.clone(), rule).map_err(|e| e.to_string())?;
-    policies.push((Box::new(Named(format!("dp-only goodput ({dp_layout})"), Box::new(dp))), smallest_on(scorer, dp_layout).expect("layout"), true));
-    let copus = Copus::new(scorer.clone(), rule).map_err(|e| e.to_string())?;
+    let dp_layout = scorer.candidates().map(|(c, _)| c.dims).max_by_key(|d| (d.dp, std::cmp::Reverse(d.tp))).expect("candidates");
+    let dp = DpOnlyGoodput::new(scorer.clone(), rule)?;
+    policies.push((
+        Box::new(Named(format!("dp-only goodput ({dp_layout})"), Box::new(dp))),
+        smallest_on(scorer, dp_layout).expect("layout"),
+        true,
+    ));
+    let copus = Copus::new(scorer.clone(), rule)?;
     policies.push((Box::new(copus), start, false));
     Ok(Lineup { policies, copus_start: start })
 }
@@ -420,11 +425,11 @@ pub struct Outcome {
 }
 
 /// Runs a comparison recipe and writes its report.
-pub fn run(recipe: &CompareRecipe, quiet: bool) -> Result<Outcome, String> {
-    let folder = crate::run::run_folder(Path::new(&recipe.output_dir), &recipe.name).map_err(|e| e.to_string())?;
+pub fn run(recipe: &CompareRecipe) -> anyhow::Result<Outcome> {
+    let folder = crate::run::run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
     let (runs, oracle, clock, target, sweeps) = match &recipe.scenario {
-        Scenario::Synthetic(s) => synthetic(recipe, s, quiet)?,
-        Scenario::Real(r) => real(recipe, r, quiet)?,
+        Scenario::Synthetic(s) => synthetic(recipe, s)?,
+        Scenario::Real(r) => real(recipe, r)?,
     };
     let summary = report(recipe, &folder, &runs, oracle, &clock, &target, sweeps.as_deref())?;
     Ok(Outcome { folder, summary })
@@ -432,8 +437,8 @@ pub fn run(recipe: &CompareRecipe, quiet: bool) -> Result<Outcome, String> {
 
 type Compared = (Vec<PolicyRun>, Option<f64>, String, String, Option<String>);
 
-fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> Result<(Scorer, usize), String> {
-    let spec = ModelSpec::preset(&s.model).map_err(|e| e.to_string())?;
+fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> anyhow::Result<(Scorer, usize)> {
+    let spec = ModelSpec::preset(&s.model)?;
     let cluster = s.cluster.spec()?;
     let world = cluster.gpus_per_node * cluster.num_nodes;
     let space = CandidateSpace::new(
@@ -444,20 +449,20 @@ fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> Result<(Scorer, 
         MemoryModel::mixed_bf16(),
         cluster.memory_bytes,
     )
-    .map_err(|e| format!("recipe field `scenario`: {e}"))?;
+    .map_err(|e| anyhow!("recipe field `scenario`: {e}"))?;
     let feasible = space.enumerate(&spec).feasible;
     if feasible.is_empty() {
-        return Err("no feasible candidate in the scenario's space".into());
+        return Err(anyhow!("no feasible candidate in the scenario's space"));
     }
     let model = ClusterModel::new(cluster, spec);
     let objective: Arc<dyn Objective> = Arc::from(objective.build());
-    Ok((Scorer::new(&feasible, &model, s.b0, objective).map_err(|e| e.to_string())?, world))
+    Ok((Scorer::new(&feasible, &model, s.b0, objective)?, world))
 }
 
-fn synthetic(recipe: &CompareRecipe, s: &Synthetic, quiet: bool) -> Result<Compared, String> {
+fn synthetic(recipe: &CompareRecipe, s: &Synthetic) -> anyhow::Result<Compared> {
     let (scorer, world) = synthetic_scorer(s, recipe.objective)?;
     let (truth, _) = synthetic_scorer(s, ObjectiveKind::Plain)?;
-    let trajectory = Trajectory::new(s.trajectory.clone(), s.end).map_err(|e| e.to_string())?;
+    let trajectory = Trajectory::new(s.trajectory.clone(), s.end)?;
     let cfg = SimConfig {
         costs: recipe.costs,
         truth: Arc::new(PlainGoodput),
@@ -471,7 +476,7 @@ fn synthetic(recipe: &CompareRecipe, s: &Synthetic, quiet: bool) -> Result<Compa
     let lineup = lineup(&scorer, rule, recipe.cbs_c)?;
     let mut runs = Vec::new();
     for (mut policy, start, baseline) in lineup.policies {
-        let sim = simulate(policy.as_mut(), &truth, &trajectory, start, &cfg).map_err(|e| e.to_string())?;
+        let sim = simulate(policy.as_mut(), &truth, &trajectory, start, &cfg)?;
         // Keep plots light: at most ~2000 points per run.
         let every = (sim.steps.len() / 2000).max(1);
         let steps = sim
@@ -494,11 +499,16 @@ fn synthetic(recipe: &CompareRecipe, s: &Synthetic, quiet: bool) -> Result<Compa
         let switches = sim
             .switches
             .iter()
-            .map(|w| SwitchRecord { step: w.step, time: w.time, from: describe(&w.from), to: describe(&w.to), cost: w.cost, layout: w.from.dims != w.to.dims })
+            .map(|w| SwitchRecord {
+                step: w.step,
+                time: w.time,
+                from: describe(&w.from),
+                to: describe(&w.to),
+                cost: w.cost,
+                layout: w.from.dims != w.to.dims,
+            })
             .collect();
-        if !quiet {
-            eprintln!("{}: {}", sim.policy, sim.time_to_target.map_or("did not reach the target".into(), |t| format!("{t:.0} s")));
-        }
+        tracing::info!("{}: {}", sim.policy, sim.time_to_target.map_or("did not reach the target".into(), |t| format!("{t:.0} s")));
         runs.push(PolicyRun { name: sim.policy, baseline, steps, switches, time_to_target: sim.time_to_target });
     }
     let oracle = hindsight_oracle(&trajectory, &truth, recipe.costs, Some(lineup.copus_start)).time;
@@ -512,38 +522,44 @@ fn synthetic(recipe: &CompareRecipe, s: &Synthetic, quiet: bool) -> Result<Compa
 }
 
 /// Copus's time under each setting, against the fastest baseline of the main comparison.
-fn sweep_table(recipe: &CompareRecipe, s: &Synthetic, sw: &Sweeps, truth: &Scorer, traj: &Trajectory, cfg: &SimConfig) -> Result<String, String> {
+fn sweep_table(
+    recipe: &CompareRecipe,
+    s: &Synthetic,
+    sw: &Sweeps,
+    truth: &Scorer,
+    traj: &Trajectory,
+    cfg: &SimConfig,
+) -> anyhow::Result<String> {
     let (scorer, _) = synthetic_scorer(s, recipe.objective)?;
     let base = lineup(&scorer, recipe.rule(), recipe.cbs_c)?;
     let mut fastest = f64::INFINITY;
     for (mut p, start, baseline) in base.policies {
-        if baseline {
-            if let Some(t) = simulate(p.as_mut(), truth, traj, start, cfg).map_err(|e| e.to_string())?.time_to_target {
-                fastest = fastest.min(t);
-            }
+        if baseline && let Some(t) = simulate(p.as_mut(), truth, traj, start, cfg)?.time_to_target {
+            fastest = fastest.min(t);
         }
     }
     let oracle = hindsight_oracle(traj, truth, recipe.costs, Some(base.copus_start)).time;
     let mut out = String::from("| setting | value | Copus s | vs fastest baseline | regret vs oracle |\n|---|---|---:|---:|---:|\n");
     let mut row = |setting: &str, value: String, t: Option<f64>| {
         let t = t.unwrap_or(f64::INFINITY);
-        let _ = writeln!(out, "| {setting} | {value} | {t:.0} | {:+.1}% | {:+.1}% |", 100.0 * (fastest / t - 1.0), 100.0 * (t / oracle - 1.0));
+        let _ =
+            writeln!(out, "| {setting} | {value} | {t:.0} | {:+.1}% | {:+.1}% |", 100.0 * (fastest / t - 1.0), 100.0 * (t / oracle - 1.0));
     };
     for &th in &sw.layout_thresholds {
         let rule = SwitchRule { layout_threshold: th, ..recipe.rule() };
-        let mut p = Copus::new(scorer.clone(), rule).map_err(|e| e.to_string())?;
-        row("layout threshold", format!("{th}"), simulate(&mut p, truth, traj, base.copus_start, cfg).map_err(|e| e.to_string())?.time_to_target);
+        let mut p = Copus::new(scorer.clone(), rule)?;
+        row("layout threshold", format!("{th}"), simulate(&mut p, truth, traj, base.copus_start, cfg)?.time_to_target);
     }
     for &c in &sw.cbs_c {
         // c scales Copus's noise estimate the way it scales CBS's target batch.
         let rule = recipe.rule();
-        let mut p = Scaled(c, Copus::new(scorer.clone(), rule).map_err(|e| e.to_string())?);
-        row("calibration c (B_simple x c)", format!("{c}"), simulate(&mut p, truth, traj, base.copus_start, cfg).map_err(|e| e.to_string())?.time_to_target);
+        let mut p = Scaled(c, Copus::new(scorer.clone(), rule)?);
+        row("calibration c (B_simple x c)", format!("{c}"), simulate(&mut p, truth, traj, base.copus_start, cfg)?.time_to_target);
     }
     for &o in &sw.objectives {
         let (sc, _) = synthetic_scorer(s, o)?;
-        let mut p = Copus::new(sc, recipe.rule()).map_err(|e| e.to_string())?;
-        row("objective", format!("{o:?}"), simulate(&mut p, truth, traj, base.copus_start, cfg).map_err(|e| e.to_string())?.time_to_target);
+        let mut p = Copus::new(sc, recipe.rule())?;
+        row("objective", format!("{o:?}"), simulate(&mut p, truth, traj, base.copus_start, cfg)?.time_to_target);
     }
     Ok(out)
 }
@@ -567,10 +583,10 @@ impl Policy for Scaled {
     }
 }
 
-fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, String> {
-    let train_recipe = Recipe::load(Path::new(&r.recipe)).map_err(|e| e.to_string())?;
-    let par = train_recipe.parallel.clone().ok_or_else(|| format!("{}: the training recipe needs a `parallel` section", r.recipe))?;
-    let prepared = crate::run::prepare(&train_recipe, quiet).map_err(|e| e.to_string())?;
+fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
+    let train_recipe = Recipe::load(Path::new(&r.recipe))?;
+    let par = train_recipe.parallel.clone().with_context(|| format!("{}: the training recipe needs a `parallel` section", r.recipe))?;
+    let prepared = crate::run::prepare(&train_recipe)?;
     let spec = prepared.spec.clone();
     let space = CandidateSpace::new(
         par.world_size,
@@ -579,11 +595,10 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
         par.schedule,
         MemoryModel::fp32(),
         par.device_memory_gib * GIB,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let feasible = space.enumerate(&spec).feasible;
     if feasible.is_empty() {
-        return Err("no feasible candidate in the training recipe's space".into());
+        return Err(anyhow!("no feasible candidate in the training recipe's space"));
     }
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
@@ -594,18 +609,26 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
         Clock::Wall { profile } => {
             let path = profile.as_ref().map(PathBuf::from);
             let loaded = path.as_ref().filter(|p| p.exists()).map(|p| {
-                std::fs::read_to_string(p).map_err(|e| e.to_string()).and_then(|t| ThroughputProfile::from_ron(&t).map_err(|e| e.to_string()))
+                std::fs::read_to_string(p)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| ThroughputProfile::from_ron(&t).map_err(|e| e.to_string()))
             });
             let profile = match loaded {
-                Some(p) => p.map_err(|e| format!("profile {}: {e}", path.as_ref().map_or(String::new(), |p| p.display().to_string())))?,
-                None => measure_profile(&cfg, &full, &feasible, spec.seq_len, par.profile_steps, path.as_deref(), quiet)?,
+                Some(p) => p.map_err(|e| anyhow!("profile {}: {e}", path.as_ref().map_or(String::new(), |p| p.display().to_string())))?,
+                None => measure_profile(&cfg, &full, &feasible, spec.seq_len, par.profile_steps, path.as_deref())?,
             };
-            (Box::new(profile), format!("wall clock of this machine ({} in-process ranks); the policies use a throughput profile measured here", par.world_size))
+            (
+                Box::new(profile),
+                format!(
+                    "wall clock of this machine ({} in-process ranks); the policies use a throughput profile measured here",
+                    par.world_size
+                ),
+            )
         }
         Clock::Analytic { cluster, model } => {
             let cs = cluster.spec()?;
             let clock_spec = match model {
-                Some(m) => ModelSpec::preset(m).map_err(|e| e.to_string())?,
+                Some(m) => ModelSpec::preset(m)?,
                 None => spec.clone(),
             };
             (
@@ -619,18 +642,20 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
     };
     let objective: Arc<dyn Objective> = Arc::from(recipe.objective.build());
     let b0 = train_recipe.optim.b0 as f64;
-    let scorer = Scorer::new(&feasible, model.as_ref(), b0, objective).map_err(|e| e.to_string())?;
-    let plain = Scorer::new(&feasible, model.as_ref(), b0, Arc::new(PlainGoodput)).map_err(|e| e.to_string())?;
+    let scorer = Scorer::new(&feasible, model.as_ref(), b0, objective)?;
+    let plain = Scorer::new(&feasible, model.as_ref(), b0, Arc::new(PlainGoodput))?;
     let lineup = lineup(&scorer, recipe.rule(), recipe.cbs_c)?;
     let wall = matches!(r.clock, Clock::Wall { .. });
     if wall {
         // Warm the process up (thread pools, allocator) so the first policy is not charged for it.
         let c = lineup.copus_start;
-        let ec = EngineConfig { schedule: par.schedule, ..EngineConfig::new(c.dims, c.global_batch, c.micro_batch, spec.seq_len, train_recipe.optim.clone()) };
-        let mut e = Engine::new(Arc::new(cfg.clone()), &full, ec).map_err(|e| e.to_string())?;
+        let ec =
+            EngineConfig::new(c.dims, c.global_batch, c.micro_batch, spec.seq_len, train_recipe.optim.clone()).with_schedule(par.schedule);
+        let mut e = Engine::new(Arc::new(cfg.clone()), &full, ec)?;
         for i in 0..5u64 {
-            let tokens: Vec<i64> = (0..c.global_batch as u64).flat_map(|j| prepared.train.sample(i * 64 + j).iter().map(|&t| i64::from(t))).collect();
-            e.step(tokens).map_err(|e| e.to_string())?;
+            let tokens: Vec<i64> =
+                (0..c.global_batch as u64).flat_map(|j| prepared.train.sample(i * 64 + j).iter().map(|&t| i64::from(t))).collect();
+            e.step(tokens)?;
         }
     }
     let mut runs = Vec::new();
@@ -641,7 +666,7 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
         let mut orch = Orchestrator::new(policy, scorer.clone());
         let mut client = match (&r.service, baseline) {
             (Some(addr), false) => {
-                let addr: std::net::SocketAddr = addr.parse().map_err(|e| format!("recipe field `scenario.service` = {addr:?}: {e}"))?;
+                let addr: std::net::SocketAddr = addr.parse().map_err(|e| anyhow!("recipe field `scenario.service` = {addr:?}: {e}"))?;
                 let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
                 Some(crate::service::Client::connect(addr, &token, &recipe.name)?)
             }
@@ -649,11 +674,9 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
         };
         let mut cur = start;
         let optim = train_recipe.optim.clone();
-        let ec = EngineConfig { schedule: par.schedule, ..EngineConfig::new(cur.dims, cur.global_batch, cur.micro_batch, spec.seq_len, optim) };
-        let mut engine = Engine::new(Arc::new(cfg.clone()), &full, ec).map_err(|e| e.to_string())?;
-        let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(r.max_steps) };
-        bar.set_style(ProgressStyle::with_template("{spinner} {prefix} [{bar:25}] {pos}/{len} {msg}").expect("template").progress_chars("=> "));
-        bar.set_prefix(name.clone());
+        let ec = EngineConfig::new(cur.dims, cur.global_batch, cur.micro_batch, spec.seq_len, optim).with_schedule(par.schedule);
+        let mut engine = Engine::new(Arc::new(cfg.clone()), &full, ec)?;
+        let bar = Progress::new(&name, r.max_steps);
         let (mut clock_s, mut ema, mut consumed) = (0.0f64, None::<f64>, 0u64);
         let mut run = PolicyRun { name: name.clone(), baseline, steps: Vec::new(), switches: Vec::new(), time_to_target: None };
         let mut progress = 0.0;
@@ -667,7 +690,7 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
             }
             consumed += b as u64;
             let t0 = Instant::now();
-            let out = engine.step(tokens).map_err(|e| format!("{name}: {e}"))?;
+            let out = engine.step(tokens).map_err(|e| anyhow!("{name}: {e}"))?;
             let secs = t0.elapsed().as_secs_f64();
             let predicted = scorer.throughput(&cur).unwrap_or(f64::NAN);
             clock_s += if wall { secs } else { b as f64 / predicted };
@@ -717,8 +740,21 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
                 match engine.reconfigure(target.dims, target.global_batch, target.micro_batch) {
                     Ok(rep) => {
                         let measured = t0.elapsed().as_secs_f64();
-                        let cost = if wall { measured } else if rep.layout_changed { recipe.costs.layout } else { recipe.costs.batch };
-                        run.switches.push(SwitchRecord { step, time: clock_s, from: describe(&cur), to: describe(&target), cost, layout: rep.layout_changed });
+                        let cost = if wall {
+                            measured
+                        } else if rep.layout_changed {
+                            recipe.costs.layout
+                        } else {
+                            recipe.costs.batch
+                        };
+                        run.switches.push(SwitchRecord {
+                            step,
+                            time: clock_s,
+                            from: describe(&cur),
+                            to: describe(&target),
+                            cost,
+                            layout: rep.layout_changed,
+                        });
                         clock_s += cost;
                         match client.as_mut() {
                             Some(c) => c.reconfigured(cost, rep.layout_changed),
@@ -728,18 +764,16 @@ fn real(recipe: &CompareRecipe, r: &Real, quiet: bool) -> Result<Compared, Strin
                         last_change = step + 1;
                     }
                     Err(e) => {
-                        bar.println(format!("{name}: reconfiguration to {} failed, continuing in {}: {e}", describe(&target), describe(&cur)));
+                        tracing::warn!("{name}: reconfiguration to {} failed, continuing in {}: {e}", describe(&target), describe(&cur));
                     }
                 }
             }
         }
-        bar.finish_and_clear();
+        bar.finish();
         if let Some(why) = client.as_ref().and_then(|c| c.unavailable()) {
             run.name = format!("{name} (orchestrator service lost: {why})");
         }
-        if !quiet {
-            eprintln!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{} s", secs(t))));
-        }
+        tracing::info!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{} s", secs(t))));
         if !baseline {
             copus_trajectory = trajectory;
             copus_progress = progress;
@@ -777,15 +811,14 @@ fn measure_profile(
     seq: usize,
     steps: usize,
     out: Option<&Path>,
-    quiet: bool,
-) -> Result<ThroughputProfile, String> {
-    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, quiet)?;
-    let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries).map_err(|e| e.to_string())?;
+) -> anyhow::Result<ThroughputProfile> {
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps)?;
+    let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries)?;
     if let Some(path) = out {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            std::fs::create_dir_all(d).map_err(|e| anyhow!("{}: {e}", d.display()))?;
         }
-        std::fs::write(path, p.to_ron()).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::write(path, p.to_ron()).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     }
     Ok(p)
 }
@@ -798,14 +831,29 @@ fn report(
     clock: &str,
     target: &str,
     sweeps: Option<&str>,
-) -> Result<String, String> {
-    let write = |name: &str, text: &str| std::fs::write(folder.join(name), text).map_err(|e| format!("{}: {e}", folder.join(name).display()));
-    let fastest = runs.iter().filter(|r| r.baseline).filter_map(|r| r.time_to_target.map(|t| (t, r.name.clone()))).min_by(|a, b| a.0.total_cmp(&b.0));
+) -> anyhow::Result<String> {
+    let write =
+        |name: &str, text: &str| std::fs::write(folder.join(name), text).map_err(|e| anyhow!("{}: {e}", folder.join(name).display()));
+    let fastest =
+        runs.iter().filter(|r| r.baseline).filter_map(|r| r.time_to_target.map(|t| (t, r.name.clone()))).min_by(|a, b| a.0.total_cmp(&b.0));
     let mut md = format!("# {}\n\nClock: {clock}.\nTarget: {target}.\n\n", recipe.name);
     md.push_str("| policy | time to target (s) | speedup vs fastest baseline | regret vs oracle | steps | layout switches | batch switches |\n|---|---:|---:|---:|---:|---:|---:|\n");
     let mut csv = csv::Writer::from_writer(Vec::new());
-    let row = |csv: &mut csv::Writer<Vec<u8>>, fields: &[String]| csv.write_record(fields).map_err(|e| e.to_string());
-    row(&mut csv, &["policy", "baseline", "time_to_target_s", "speedup_vs_fastest_baseline", "regret_vs_oracle", "steps", "layout_switches", "batch_switches"].map(String::from))?;
+    let row = |csv: &mut csv::Writer<Vec<u8>>, fields: &[String]| csv.write_record(fields).map_err(anyhow::Error::from);
+    row(
+        &mut csv,
+        &[
+            "policy",
+            "baseline",
+            "time_to_target_s",
+            "speedup_vs_fastest_baseline",
+            "regret_vs_oracle",
+            "steps",
+            "layout_switches",
+            "batch_switches",
+        ]
+        .map(String::from),
+    )?;
     for r in runs {
         let t = r.time_to_target;
         let speed = match (t, &fastest) {
@@ -842,8 +890,25 @@ fn report(
         )?;
     }
     if let Some(o) = oracle {
-        let _ = writeln!(md, "| hindsight oracle | {} | {} | 0.0% | | | |", secs(o), fastest.as_ref().map_or("-".into(), |(f, _)| format!("{:+.1}%", 100.0 * (f / o - 1.0))));
-        row(&mut csv, &["hindsight oracle".into(), "false".into(), format!("{o}"), String::new(), "0".into(), String::new(), String::new(), String::new()])?;
+        let _ = writeln!(
+            md,
+            "| hindsight oracle | {} | {} | 0.0% | | | |",
+            secs(o),
+            fastest.as_ref().map_or("-".into(), |(f, _)| format!("{:+.1}%", 100.0 * (f / o - 1.0)))
+        );
+        row(
+            &mut csv,
+            &[
+                "hindsight oracle".into(),
+                "false".into(),
+                format!("{o}"),
+                String::new(),
+                "0".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ],
+        )?;
     }
     if let Some((f, n)) = &fastest {
         let _ = writeln!(md, "\nFastest baseline: {n} ({} s).", secs(*f));
@@ -854,20 +919,31 @@ fn report(
     for r in runs {
         for s in &r.switches {
             let _ = writeln!(md, "| {} | {} | {:.1} | {} | {} | {:.2} |", r.name, s.step, s.time, s.from, s.to, s.cost);
-            row(&mut rcsv, &[r.name.clone(), s.step.to_string(), s.time.to_string(), s.from.clone(), s.to.clone(), s.cost.to_string(), s.layout.to_string()])?;
+            row(
+                &mut rcsv,
+                &[
+                    r.name.clone(),
+                    s.step.to_string(),
+                    s.time.to_string(),
+                    s.from.clone(),
+                    s.to.clone(),
+                    s.cost.to_string(),
+                    s.layout.to_string(),
+                ],
+            )?;
         }
     }
     if let Some(sw) = sweeps {
         md.push_str("\n## Sweeps (Copus, synthetic statistics)\n\n");
         md.push_str(sw);
     }
-    let text = |w: csv::Writer<Vec<u8>>| w.into_inner().map_err(|e| e.to_string()).map(|b| String::from_utf8_lossy(&b).into_owned());
+    let text = |w: csv::Writer<Vec<u8>>| w.into_inner().map_err(|e| anyhow!("{e}")).map(|b| String::from_utf8_lossy(&b).into_owned());
     write("results.csv", &text(csv)?)?;
     write("reconfigurations.csv", &text(rcsv)?)?;
     let mut jsonl = String::new();
     for r in runs {
         for s in &r.steps {
-            let mut v = serde_json::to_value(s).map_err(|e| e.to_string())?;
+            let mut v = serde_json::to_value(s)?;
             v["policy"] = serde_json::Value::String(r.name.clone());
             jsonl.push_str(&v.to_string());
             jsonl.push('\n');
@@ -899,13 +975,27 @@ fn report(
         }
         out
     });
-    let mut plot = |r: Result<(), String>| {
+    let mut plot = |r: anyhow::Result<()>| {
         if let Err(e) = r {
             notes.push(e);
         }
     };
-    plot(region_plot(&folder.join("loss_time.png"), "Loss against time (shaded: Copus's layout)", "seconds", "loss", &series(&|s| s.loss), &regions));
-    plot(line_plot(&folder.join("batch_schedule.png"), "Global batch size B_g", "seconds", "B_g (sequences)", &series(&|s| s.global_batch as f64), true));
+    plot(region_plot(
+        &folder.join("loss_time.png"),
+        "Loss against time (shaded: Copus's layout)",
+        "seconds",
+        "loss",
+        &series(&|s| s.loss),
+        &regions,
+    ));
+    plot(line_plot(
+        &folder.join("batch_schedule.png"),
+        "Global batch size B_g",
+        "seconds",
+        "B_g (sequences)",
+        &series(&|s| s.global_batch as f64),
+        true,
+    ));
     if let Some(c) = copus {
         let tmax = c.steps.iter().map(|s| s.throughput).fold(0.0, f64::max).max(1e-12);
         let gmax = c.steps.iter().map(|s| s.throughput * s.efficiency).fold(0.0, f64::max).max(1e-12);
@@ -914,15 +1004,22 @@ fn report(
             Series { label: "statistical efficiency", points: c.steps.iter().map(|s| (s.time, s.efficiency)).collect() },
             Series { label: "goodput / max", points: c.steps.iter().map(|s| (s.time, s.throughput * s.efficiency / gmax)).collect() },
         ];
-        plot(line_plot(&folder.join("goodput_split.png"), "Copus: Goodput = throughput x efficiency", "seconds", "relative", &split, false));
+        plot(line_plot(
+            &folder.join("goodput_split.png"),
+            "Copus: Goodput = throughput x efficiency",
+            "seconds",
+            "relative",
+            &split,
+            false,
+        ));
     }
     if !notes.is_empty() {
         md.push_str("\nPlots not written: ");
-        md.push_str(&notes.join("; "));
+        md.push_str(&notes.iter().map(|e: &anyhow::Error| e.to_string()).collect::<Vec<_>>().join("; "));
         md.push('\n');
     }
     write("summary.md", &md)?;
-    let recipe_text = ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default()).map_err(|e| e.to_string())?;
+    let recipe_text = ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?;
     write("recipe.ron", &recipe_text)?;
     Ok(md)
 }
@@ -950,12 +1047,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut r = CompareRecipe::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("compare-synthetic-13b.ron")).unwrap();
         r.output_dir = dir.path().display().to_string();
-        let out = run(&r, true).unwrap();
+        let out = run(&r).unwrap();
         for f in ["summary.md", "results.csv", "reconfigurations.csv", "steps.jsonl", "recipe.ron"] {
             assert!(out.folder.join(f).exists(), "{f}");
         }
-        let rows: Vec<csv::StringRecord> = csv::Reader::from_path(out.folder.join("results.csv")).unwrap().records().map(|r| r.unwrap()).collect();
-        let time = |prefix: &str| -> Vec<f64> { rows.iter().filter(|r| r[0].starts_with(prefix)).map(|r| r[2].parse::<f64>().unwrap()).collect() };
+        let rows: Vec<csv::StringRecord> =
+            csv::Reader::from_path(out.folder.join("results.csv")).unwrap().records().map(|r| r.unwrap()).collect();
+        let time =
+            |prefix: &str| -> Vec<f64> { rows.iter().filter(|r| r[0].starts_with(prefix)).map(|r| r[2].parse::<f64>().unwrap()).collect() };
         let copus = time("copus")[0];
         let oracle = time("hindsight oracle")[0];
         // Every baseline here keeps one layout; Copus changes layout and is faster than all.
@@ -966,7 +1065,8 @@ mod tests {
         }
         assert!(oracle <= copus * 1.001);
         assert!(out.summary.contains("Clock: simulated"), "the report names its clock");
-        let switches: Vec<csv::StringRecord> = csv::Reader::from_path(out.folder.join("reconfigurations.csv")).unwrap().records().map(|r| r.unwrap()).collect();
+        let switches: Vec<csv::StringRecord> =
+            csv::Reader::from_path(out.folder.join("reconfigurations.csv")).unwrap().records().map(|r| r.unwrap()).collect();
         assert!(switches.iter().any(|r| &r[0] == "copus" && &r[6] == "true"), "Copus changed layout at least once");
     }
 
@@ -977,7 +1077,7 @@ mod tests {
         let check = |text: String, field: &str| {
             let p = dir.path().join("c.ron");
             std::fs::write(&p, text).unwrap();
-            let e = CompareRecipe::load(&p).unwrap_err();
+            let e = CompareRecipe::load(&p).unwrap_err().to_string();
             assert!(e.contains(field), "{e}");
         };
         check(base.replace("\"h100\"", "\"tpu\""), "cluster.preset");

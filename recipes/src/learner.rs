@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::data::dataloader::batcher::Batcher;
+use anyhow::anyhow;
 use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
@@ -123,7 +124,7 @@ pub struct LearnerRun {
 }
 
 /// Trains on the recipe's data with `SupervisedTraining`; `adaptive` switches copus on.
-fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize>, folder: &Path) -> Result<LearnerRun, String> {
+fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize>, folder: &Path) -> anyhow::Result<LearnerRun> {
     let t = &recipe.train;
     let device = Device::flex().autodiff();
     device.seed(t.seed);
@@ -138,9 +139,13 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     let schedule = CosineAnnealingLrSchedulerConfig::new(recipe.optim.lr, recipe.optim.total_steps.max(1) as usize)
         .with_min_lr(recipe.optim.lr * recipe.optim.min_lr_ratio)
         .init()
-        .map_err(|e| format!("learning-rate schedule: {e}"))?;
+        .map_err(|e| anyhow!("learning-rate schedule: {e}"))?;
     let dir = folder.join(if adaptive { "copus" } else { "fixed" });
-    let valid = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: heldout.clone(), len: eval, shuffled: false });
+    let valid = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences {
+        data: heldout.clone(),
+        len: eval,
+        shuffled: false,
+    });
 
     let started = Instant::now();
     let (result, copus) = if adaptive {
@@ -148,9 +153,9 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
         let copus = CopusBatchingConfig::new(t.micro_batch)
             .with_initial_accumulation(t.global_batch / t.micro_batch)
             .with_max_accumulation(8 * t.global_batch / t.micro_batch)
-            .init()
-            .map_err(|e| e.to_string())?;
-        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: train, len: samples, shuffled: true });
+            .init()?;
+        let loader =
+            DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: train, len: samples, shuffled: true });
         let learner = Learner::new(model, optim, copus.lr_scheduler(schedule)); // copus: scheduler wrapper
         let result = SupervisedTraining::new(&dir, loader, valid)
             .with_training_strategy(copus.training_strategy(device.clone())) // copus: strategy
@@ -165,7 +170,8 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
             .launch(learner);
         (result, Some(copus))
     } else {
-        let loader = DataLoaderBuilder::new(TokenBatcher).batch_size(t.global_batch).build(Sequences { data: train, len: samples, shuffled: true });
+        let loader =
+            DataLoaderBuilder::new(TokenBatcher).batch_size(t.global_batch).build(Sequences { data: train, len: samples, shuffled: true });
         let learner = Learner::new(model, optim, schedule);
         let result = SupervisedTraining::new(&dir, loader, valid)
             .with_training_strategy(TrainingStrategy::Default(burn::train::ExecutionStrategy::single(device.clone())))
@@ -179,7 +185,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     };
     let seconds = started.elapsed().as_secs_f64();
     if let Some(e) = result.error {
-        return Err(format!("training failed: {e}"));
+        return Err(anyhow!("training failed: {e}"));
     }
     let model = result.model;
     let heldout_loss = crate::run::evaluate(&model.llama, &heldout, eval, t.micro_batch);
@@ -188,7 +194,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
             // Every optimizer step as copus ran it: plan, norms, B_simple, LR factor, time.
             let path = dir.join("copus-steps.jsonl");
             let lines: Vec<String> = c.history().iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
-            std::fs::write(&path, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+            std::fs::write(&path, lines.join("\n") + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))?;
             let s = c.snapshot();
             (s.steps, s.plan.batch(), s.b_simple)
         }
@@ -207,15 +213,17 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
 }
 
 /// The `learner` subcommand.
-pub fn run(recipe_path: &Path, fixed: bool, compare: bool, max_samples: Option<usize>, quiet: bool) -> Result<String, String> {
-    let recipe = Recipe::load(recipe_path).map_err(|e| e.to_string())?;
-    let (runs, summary) = run_recipe(&recipe, fixed, compare, max_samples, quiet)?;
+pub fn run(recipe_path: &Path, fixed: bool, compare: bool, max_samples: Option<usize>) -> anyhow::Result<String> {
+    let recipe = Recipe::load(recipe_path)?;
+    let (runs, summary) = run_recipe(&recipe, fixed, compare, max_samples)?;
     let dirs: Vec<String> = runs.iter().map(|r| format!("- {}: Burn's logs in {}", r.label, r.dir.display())).collect();
     Ok(format!("{}\n{}\nsummary: {}", table(&runs), dirs.join("\n"), summary.display()))
 }
 
 fn table(runs: &[LearnerRun]) -> String {
-    let mut table = String::from("| run | optimizer steps | sequences | final batch | B_simple | held-out loss | wall s |\n|---|---|---|---|---|---|---|\n");
+    let mut table = String::from(
+        "| run | optimizer steps | sequences | final batch | B_simple | held-out loss | wall s |\n|---|---|---|---|---|---|---|\n",
+    );
     for r in runs {
         table += &format!(
             "| {} | {} | {} | {} | {} | {:.4} | {:.1} |\n",
@@ -232,17 +240,17 @@ fn table(runs: &[LearnerRun]) -> String {
 }
 
 /// Runs the chosen modes on a parsed recipe; returns the runs and the summary file.
-pub fn run_recipe(recipe: &Recipe, fixed: bool, compare: bool, max_samples: Option<usize>, quiet: bool) -> Result<(Vec<LearnerRun>, PathBuf), String> {
+pub fn run_recipe(recipe: &Recipe, fixed: bool, compare: bool, max_samples: Option<usize>) -> anyhow::Result<(Vec<LearnerRun>, PathBuf)> {
     let t = &recipe.train;
     if t.micro_batch == 0 || !t.global_batch.is_multiple_of(t.micro_batch) {
-        return Err(format!("`train.micro_batch` ({}) must divide `train.global_batch` ({})", t.micro_batch, t.global_batch));
+        return Err(anyhow!("`train.micro_batch` ({}) must divide `train.global_batch` ({})", t.micro_batch, t.global_batch));
     }
     if max_samples == Some(0) {
-        return Err("`--max-samples` must be 1 or more".into());
+        return Err(anyhow!("`--max-samples` must be 1 or more"));
     }
-    let Prepared { spec, train: train_data, heldout, .. } = prepare(recipe, quiet).map_err(|e| e.to_string())?;
+    let Prepared { spec, train: train_data, heldout, .. } = prepare(recipe)?;
     let data = Data { spec, train: Arc::new(train_data), heldout: Arc::new(heldout) };
-    let folder = run_folder(Path::new(&recipe.output_dir), &format!("{}-learner", recipe.name)).map_err(|e| e.to_string())?;
+    let folder = run_folder(Path::new(&recipe.output_dir), &format!("{}-learner", recipe.name))?;
     let modes: Vec<bool> = if compare { vec![false, true] } else { vec![!fixed] };
     let mut runs = Vec::new();
     for adaptive in modes {
@@ -250,7 +258,7 @@ pub fn run_recipe(recipe: &Recipe, fixed: bool, compare: bool, max_samples: Opti
     }
     let summary = folder.join("summary.md");
     let dirs: Vec<String> = runs.iter().map(|r| format!("- {}: Burn's logs in {}", r.label, r.dir.display())).collect();
-    std::fs::write(&summary, format!("{}\n{}\n", table(&runs), dirs.join("\n"))).map_err(|e| format!("{}: {e}", summary.display()))?;
+    std::fs::write(&summary, format!("{}\n{}\n", table(&runs), dirs.join("\n"))).map_err(|e| anyhow!("{}: {e}", summary.display()))?;
     Ok((runs, summary))
 }
 
@@ -275,7 +283,7 @@ mod tests {
             out.path().display()
         );
         let recipe = Recipe::parse(&text, "learner-smoke").unwrap();
-        let (runs, summary) = run_recipe(&recipe, false, true, Some(256), true).unwrap();
+        let (runs, summary) = run_recipe(&recipe, false, true, Some(256)).unwrap();
         assert_eq!(runs.len(), 2);
         assert!(summary.exists());
         let uniform = (512f64).ln();
@@ -306,7 +314,7 @@ mod tests {
             optim: (lr: 3e-3, b0: 8, warmup_steps: 0, total_steps: 1),
         )"#;
         let recipe = Recipe::parse(text, "x").unwrap();
-        let e = run_recipe(&recipe, false, false, Some(0), true).err().unwrap();
+        let e = run_recipe(&recipe, false, false, Some(0)).err().unwrap().to_string();
         assert!(e.contains("--max-samples"), "{e}");
     }
 }

@@ -3,12 +3,17 @@
 //! ```text
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
 //! cargo run --release -p recipes -- bench
-//! cargo run --release -p recipes -- bench --engine
-//! cargo run --release -p recipes -- bench --reconfig
+//! cargo run --release -p recipes -- bench engine
+//! cargo run --release -p recipes -- bench reconfig
 //! cargo run --release -p recipes -- profile recipes/parallel-tiny.ron
 //! cargo run --release -p recipes -- compare recipes/compare-synthetic-3b.ron
 //! cargo run --release -p recipes -- learner recipes/shakespeare-tiny.ron --compare
 //! ```
+//!
+//! Logs go to stderr through `tracing` (`COPUS_LOG=debug` for more, `--quiet` for warnings
+//! only); results go to stdout.
+
+#![forbid(unsafe_code)]
 
 mod bench;
 mod compare;
@@ -17,26 +22,30 @@ mod engine_bench;
 mod learner;
 mod plot;
 mod profile;
+mod progress;
 mod recipe;
 mod run;
 mod service;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::{Context, anyhow};
 use clap::{Parser, Subcommand};
+
+use crate::service::PolicyName;
 
 #[derive(Parser)]
 #[command(name = "recipes", about = "copus recipes: train on real text and report", args_conflicts_with_subcommands = true)]
 struct Cli {
     /// A recipe file (RON), e.g. recipes/shakespeare-tiny.ron.
     recipe: Option<PathBuf>,
-    /// No progress bar.
-    #[arg(long)]
-    quiet: bool,
     /// Stop after this many steps (overrides the recipe; for smoke runs).
     #[arg(long)]
     max_steps: Option<u64>,
+    /// Warnings and errors only, no progress bars (COPUS_LOG, when set, wins).
+    #[arg(long, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -47,38 +56,19 @@ enum Cmd {
     Run {
         /// The recipe (RON).
         recipe: PathBuf,
-        /// No progress bar.
-        #[arg(long)]
-        quiet: bool,
         /// Stop after this many steps (overrides the recipe).
         #[arg(long)]
         max_steps: Option<u64>,
     },
-    /// Training-step throughput of the reference shape, against PyTorch when it is installed.
+    /// Benchmarks, each printing a table (`step` when none is named).
     Bench {
-        /// Timed steps.
-        #[arg(long, default_value_t = 5)]
-        steps: usize,
-        /// Untimed warm-up steps.
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        /// Skip the PyTorch comparison.
-        #[arg(long)]
-        no_torch: bool,
-        /// Instead: the parallel engine (all-reduce bandwidth, step time of every layout).
-        #[arg(long)]
-        engine: bool,
-        /// Instead: in-memory reconfiguration against checkpoint-restart.
-        #[arg(long)]
-        reconfig: bool,
+        #[command(subcommand)]
+        mode: Option<BenchMode>,
     },
     /// Run every policy of a comparison recipe side by side and write the report.
     Compare {
         /// The comparison recipe (RON), e.g. recipes/compare-synthetic-3b.ron.
         recipe: PathBuf,
-        /// No progress output.
-        #[arg(long)]
-        quiet: bool,
     },
     /// Train the recipe's model and data with Burn's `SupervisedTraining` and copus's adaptive
     /// batching (the Learner add-on); `--fixed` for the plain Learner, `--compare` for both.
@@ -94,9 +84,6 @@ enum Cmd {
         /// Training sequences (default: the recipe's max_steps x global_batch).
         #[arg(long)]
         max_samples: Option<usize>,
-        /// No data-preparation messages.
-        #[arg(long)]
-        quiet: bool,
     },
     /// Serve decisions over TCP to training runs (token from COPUS_ORCHESTRATOR_TOKEN).
     Orchestrator {
@@ -105,9 +92,9 @@ enum Cmd {
         /// Throughput profile of the candidates (from `recipes profile`).
         #[arg(long)]
         profile: PathBuf,
-        /// copus, dp-only, merrill or static.
-        #[arg(long, default_value = "copus")]
-        policy: String,
+        /// The decision policy.
+        #[arg(long, value_enum, default_value_t = PolicyName::Copus)]
+        policy: PolicyName,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7450")]
         listen: std::net::SocketAddr,
@@ -120,150 +107,133 @@ enum Cmd {
         /// Output file (default `<output_dir>/<name>-profile.ron`; a CSV is written next to it).
         #[arg(long)]
         out: Option<PathBuf>,
-        /// No progress bar.
-        #[arg(long)]
-        quiet: bool,
     },
 }
 
-fn run_service(recipe: &std::path::Path, profile: &std::path::Path, policy: &str, listen: std::net::SocketAddr) -> Result<(), String> {
+#[derive(Subcommand)]
+enum BenchMode {
+    /// Training-step throughput of the reference shape, against PyTorch when it is installed.
+    Step {
+        /// Timed steps.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Untimed warm-up steps.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Skip the PyTorch comparison.
+        #[arg(long)]
+        no_torch: bool,
+    },
+    /// The parallel engine: all-reduce bandwidth and the step time of every layout.
+    Engine {
+        /// Timed steps per layout.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
+    /// In-memory reconfiguration against checkpoint-restart.
+    Reconfig,
+}
+
+/// A user mistake in what was asked (exit code 2), as opposed to a failure while doing it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Usage(String);
+
+fn run_service(recipe: &Path, profile: &Path, policy: PolicyName, listen: std::net::SocketAddr) -> anyhow::Result<()> {
     let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
-        .ok_or("set COPUS_ORCHESTRATOR_TOKEN to the shared token the training runs will present")?;
-    let recipe = recipe::Recipe::load(recipe).map_err(|e| e.to_string())?;
-    let par = recipe.parallel.clone().ok_or("the recipe needs a `parallel` section (the candidate space)")?;
-    let text = std::fs::read_to_string(profile).map_err(|e| format!("{}: {e}", profile.display()))?;
-    let profile = copus_core::throughput::ThroughputProfile::from_ron(&text).map_err(|e| e.to_string())?;
-    let spec = recipe.model_spec().map_err(|e| e.to_string())?;
-    let feasible = par.space().map_err(|e| e.to_string())?.enumerate(&spec).feasible;
-    let scorer = copus_core::policy::Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64).map_err(|e| e.to_string())?;
+        .context("set COPUS_ORCHESTRATOR_TOKEN to the shared token the training runs will present")?;
+    let recipe = load_recipe(recipe)?;
+    let par = recipe.parallel.clone().context("the recipe needs a `parallel` section (the candidate space)")?;
+    let text = std::fs::read_to_string(profile).with_context(|| format!("reading the profile {}", profile.display()))?;
+    let profile = copus_core::throughput::ThroughputProfile::from_ron(&text)?;
+    let spec = recipe.model_spec()?;
+    let feasible = par.space()?.enumerate(&spec).feasible;
+    let scorer = copus_core::policy::Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64)?;
     let rule = copus_core::policy::SwitchRule::default();
     service::policy_by_name(policy, &scorer, rule)?;
-    let policy = policy.to_string();
     let make: std::sync::Arc<dyn Fn() -> copus_core::orchestrator::Orchestrator + Send + Sync> = std::sync::Arc::new(move || {
-        let p = service::policy_by_name(&policy, &scorer, rule).expect("checked above");
+        let p = service::policy_by_name(policy, &scorer, rule).expect("checked above");
         copus_core::orchestrator::Orchestrator::new(p, scorer.clone())
     });
     let (addr, handle) = service::spawn(listen, token, make)?;
-    println!("orchestrator listening on {addr}");
-    handle.join().map_err(|_| "the service thread panicked".to_string())
+    tracing::info!("orchestrator listening on {addr}");
+    handle.join().map_err(|_| anyhow!("the service thread panicked"))
 }
 
-fn run_profile(path: &std::path::Path, out: Option<PathBuf>, quiet: bool) -> ExitCode {
-    let recipe = match recipe::Recipe::load(path) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    match profile::profile(&recipe, &profile::ProfileOptions { out, quiet }) {
-        Ok((p, file)) => {
-            print!("{}", profile::table(&p));
-            println!("profile: {} (and .csv)", file.display());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+fn load_recipe(path: &Path) -> anyhow::Result<recipe::Recipe> {
+    recipe::Recipe::load(path).map_err(|e| Usage(e.to_string()).into())
 }
 
-fn run_recipe(path: &std::path::Path, quiet: bool, max_steps: Option<u64>) -> ExitCode {
-    let recipe = match recipe::Recipe::load(path) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
+    let recipe = load_recipe(path)?;
+    let (p, file) = profile::profile(&recipe, &profile::ProfileOptions { out })?;
+    print!("{}", profile::table(&p));
+    println!("profile: {} (and .csv)", file.display());
+    Ok(())
+}
+
+fn run_recipe(path: &Path, max_steps: Option<u64>) -> anyhow::Result<()> {
+    let recipe = load_recipe(path)?;
+    let (folder, s) = run::run(&recipe, &run::RunOptions { max_steps })?;
+    println!(
+        "{}: {} steps, {} tokens in {:.1} s ({:.0} tokens/s); loss {:.3} -> {:.3}; held-out {:.3} -> {:.3}; B_simple {}",
+        s.name,
+        s.steps,
+        s.tokens,
+        s.train_secs,
+        s.tokens_per_sec,
+        s.first_loss,
+        s.last_loss,
+        s.initial_eval_loss,
+        s.final_eval_loss,
+        s.final_b_simple.map_or("-".into(), |b| format!("{b:.1}"))
+    );
+    println!("run folder: {}", folder.display());
+    Ok(())
+}
+
+fn run_compare(path: &Path) -> anyhow::Result<()> {
+    let r = compare::CompareRecipe::load(path).map_err(|e| Usage(e.to_string()))?;
+    let out = compare::run(&r)?;
+    println!("{}", out.summary);
+    println!("report: {}", out.folder.display());
+    Ok(())
+}
+
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match (cli.command, cli.recipe) {
+        (Some(Cmd::Run { recipe, max_steps }), _) => run_recipe(&recipe, max_steps),
+        (Some(Cmd::Bench { mode }), _) => {
+            match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false }) {
+                BenchMode::Step { steps, warmup, no_torch } => bench::run(steps.max(1), warmup, !no_torch),
+                BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
+                BenchMode::Reconfig => engine_bench::run_reconfig(),
+            }
+            Ok(())
         }
-    };
-    match run::run(&recipe, &run::RunOptions { quiet, max_steps }) {
-        Ok((folder, s)) => {
-            println!(
-                "{}: {} steps, {} tokens in {:.1} s ({:.0} tokens/s); loss {:.3} -> {:.3}; held-out {:.3} -> {:.3}; B_simple {}",
-                s.name,
-                s.steps,
-                s.tokens,
-                s.train_secs,
-                s.tokens_per_sec,
-                s.first_loss,
-                s.last_loss,
-                s.initial_eval_loss,
-                s.final_eval_loss,
-                s.final_b_simple.map_or("-".into(), |b| format!("{b:.1}"))
-            );
-            println!("run folder: {}", folder.display());
-            ExitCode::SUCCESS
+        (Some(Cmd::Profile { recipe, out }), _) => run_profile(&recipe, out),
+        (Some(Cmd::Learner { recipe, fixed, compare, max_samples }), _) => {
+            println!("{}", learner::run(&recipe, fixed, compare, max_samples)?);
+            Ok(())
         }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+        (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => run_service(&recipe, &profile, policy, listen),
+        (Some(Cmd::Compare { recipe }), _) => run_compare(&recipe),
+        (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps),
+        (None, None) => Err(Usage("give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help".into()).into()),
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match (cli.command, cli.recipe) {
-        (Some(Cmd::Run { recipe, quiet, max_steps }), _) => run_recipe(&recipe, quiet, max_steps),
-        (Some(Cmd::Bench { reconfig: true, .. }), _) => {
-            engine_bench::run_reconfig();
-            ExitCode::SUCCESS
-        }
-        (Some(Cmd::Bench { steps, engine: true, .. }), _) => {
-            engine_bench::run(steps.max(1));
-            ExitCode::SUCCESS
-        }
-        (Some(Cmd::Bench { steps, warmup, no_torch, .. }), _) => {
-            bench::run(steps.max(1), warmup, !no_torch);
-            ExitCode::SUCCESS
-        }
-        (Some(Cmd::Profile { recipe, out, quiet }), _) => run_profile(&recipe, out, quiet),
-        (Some(Cmd::Learner { recipe, fixed, compare, max_samples, quiet }), _) => {
-            match learner::run(&recipe, fixed, compare, max_samples, quiet) {
-                Ok(report) => {
-                    println!("{report}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => match run_service(&recipe, &profile, &policy, listen) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        (Some(Cmd::Compare { recipe, quiet }), _) => {
-            let r = match compare::CompareRecipe::load(&recipe) {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            match compare::run(&r, quiet) {
-                Ok(out) => {
-                    println!("{}", out.summary);
-                    println!("report: {}", out.folder.display());
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        (None, Some(recipe)) => run_recipe(&recipe, cli.quiet, cli.max_steps),
-        (None, None) => {
-            eprintln!("error: give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help");
-            ExitCode::from(2)
+    progress::init(cli.quiet);
+    match dispatch(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The whole chain of causes, outermost first; printed even when logs are off.
+            eprintln!("error: {e:#}");
+            if e.is::<Usage>() { ExitCode::from(2) } else { ExitCode::FAILURE }
         }
     }
 }

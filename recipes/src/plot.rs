@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+use anyhow::anyhow;
 use plotters::prelude::*;
 
 /// Font files tried in order after `$COPUS_FONT`.
@@ -16,7 +17,7 @@ const FONT_PATHS: [&str; 6] = [
 ];
 
 /// Registers a font once; `Err` says how to get one.
-pub fn ensure_font() -> Result<(), String> {
+pub fn ensure_font() -> anyhow::Result<()> {
     static FONT: OnceLock<Result<(), String>> = OnceLock::new();
     FONT.get_or_init(|| {
         let candidates = std::env::var("COPUS_FONT").into_iter().chain(FONT_PATHS.iter().map(|s| s.to_string()));
@@ -28,9 +29,11 @@ pub fn ensure_font() -> Result<(), String> {
                 }
             }
         }
-        Err("no TrueType font found for plot text; install one (`apt-get install fonts-dejavu-core`) or set COPUS_FONT to a .ttf file".into())
+        Err("no TrueType font found for plot text; install one (`apt-get install fonts-dejavu-core`) or set COPUS_FONT to a .ttf file"
+            .to_string())
     })
     .clone()
+    .map_err(anyhow::Error::msg)
 }
 
 /// One line of a plot.
@@ -64,13 +67,13 @@ fn bounds(series: &[Series<'_>], log_y: bool) -> Option<((f64, f64), (f64, f64))
 }
 
 /// Draws `series` as lines into a PNG at `path`. `log_y` uses a log scale for y.
-pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], log_y: bool) -> Result<(), String> {
+pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], log_y: bool) -> anyhow::Result<()> {
     ensure_font()?;
     let Some(((x0, x1), (y0, y1))) = bounds(series, log_y) else {
-        return Err(format!("{}: nothing to plot", path.display()));
+        return Err(anyhow!("{}: nothing to plot", path.display()));
     };
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
-    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let err = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
     macro_rules! draw {
@@ -85,12 +88,7 @@ pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series:
                     .label(s.label)
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
             }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()
-                .map_err(|e| err(&e))?;
+            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| err(&e))?;
         }};
     }
     let mut builder = ChartBuilder::on(&root);
@@ -106,13 +104,20 @@ pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series:
 
 /// Like [`line_plot`], with shaded x-ranges `(start, end, label)` (one colour per label) behind
 /// the lines, e.g. the layout a run used over time.
-pub fn region_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], regions: &[(f64, f64, String)]) -> Result<(), String> {
+pub fn region_plot(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series<'_>],
+    regions: &[(f64, f64, String)],
+) -> anyhow::Result<()> {
     ensure_font()?;
     let Some(((x0, x1), (y0, y1))) = bounds(series, false) else {
-        return Err(format!("{}: nothing to plot", path.display()));
+        return Err(anyhow!("{}: nothing to plot", path.display()));
     };
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
-    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let err = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -122,7 +127,14 @@ pub fn region_plot(path: &Path, title: &str, x_label: &str, y_label: &str, serie
         .build_cartesian_2d(x0..x1, y0..y1)
         .map_err(|e| err(&e))?;
     chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw().map_err(|e| err(&e))?;
-    let shades = [RGBColor(255, 228, 196), RGBColor(204, 229, 255), RGBColor(214, 245, 214), RGBColor(240, 220, 245), RGBColor(255, 250, 205), RGBColor(230, 230, 230)];
+    let shades = [
+        RGBColor(255, 228, 196),
+        RGBColor(204, 229, 255),
+        RGBColor(214, 245, 214),
+        RGBColor(240, 220, 245),
+        RGBColor(255, 250, 205),
+        RGBColor(230, 230, 230),
+    ];
     let mut labels: Vec<&str> = Vec::new();
     for (a, b, label) in regions {
         let k = labels.iter().position(|l| *l == label.as_str()).unwrap_or_else(|| {
@@ -130,7 +142,8 @@ pub fn region_plot(path: &Path, title: &str, x_label: &str, y_label: &str, serie
             labels.len() - 1
         });
         let c = shades[k % shades.len()];
-        let first = labels.iter().filter(|l| **l == label.as_str()).count() == 1 && regions.iter().position(|r| &r.2 == label) == regions.iter().position(|r| r.0 == *a && r.1 == *b);
+        let first = labels.iter().filter(|l| **l == label.as_str()).count() == 1
+            && regions.iter().position(|r| &r.2 == label) == regions.iter().position(|r| r.0 == *a && r.1 == *b);
         let drawn = chart.draw_series(std::iter::once(Rectangle::new([(*a, y0), (*b, y1)], c.filled()))).map_err(|e| err(&e))?;
         if first {
             drawn.label(label.clone()).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], c.filled()));

@@ -9,12 +9,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::progress::Progress;
+use anyhow::anyhow;
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig};
 use copus_core::candidates::Candidate;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::recipe::Recipe;
 
@@ -22,8 +23,6 @@ use crate::recipe::Recipe;
 pub struct ProfileOptions {
     /// Where to write the profile (default `<output_dir>/<name>-profile.ron`).
     pub out: Option<PathBuf>,
-    /// No progress bar.
-    pub quiet: bool,
 }
 
 /// Synthetic batch of `b` sequences of `seq + 1` tokens below `vocab`.
@@ -32,15 +31,21 @@ pub fn synthetic_batch(b: usize, seq: usize, vocab: usize, salt: usize) -> Vec<i
 }
 
 /// Seconds per step of one candidate: one untimed step, then `steps` timed ones.
-pub fn time_candidate(cfg: &LlamaConfig, full: &copus_burn::parallel::FullParams, c: &Candidate, seq: usize, steps: usize) -> Result<f64, String> {
+pub fn time_candidate(
+    cfg: &LlamaConfig,
+    full: &copus_burn::parallel::FullParams,
+    c: &Candidate,
+    seq: usize,
+    steps: usize,
+) -> anyhow::Result<f64> {
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
     let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim);
-    let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec).map_err(|e| e.to_string())?;
+    let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
     let vocab = cfg.vocab_size;
-    engine.step(synthetic_batch(c.global_batch, seq, vocab, 0)).map_err(|e| e.to_string())?;
+    engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
     let t = Instant::now();
     for i in 0..steps {
-        engine.step(synthetic_batch(c.global_batch, seq, vocab, i + 1)).map_err(|e| e.to_string())?;
+        engine.step(synthetic_batch(c.global_batch, seq, vocab, i + 1))?;
     }
     Ok(t.elapsed().as_secs_f64() / steps as f64)
 }
@@ -52,14 +57,8 @@ pub fn measure(
     candidates: &[Candidate],
     seq: usize,
     steps: usize,
-    quiet: bool,
-) -> Result<Vec<ProfileEntry>, String> {
-    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(candidates.len() as u64) };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} profile [{bar:30}] {pos}/{len} {msg} (eta {eta})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+) -> anyhow::Result<Vec<ProfileEntry>> {
+    let bar = Progress::new("profile", candidates.len() as u64);
     let mut entries = Vec::with_capacity(candidates.len());
     for c in candidates {
         bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
@@ -74,56 +73,61 @@ pub fn measure(
         });
         bar.inc(1);
     }
-    bar.finish_and_clear();
+    bar.finish();
     Ok(entries)
 }
 
 /// Profiles the recipe's candidate space; returns the profile and where it was written.
-pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> Result<(ThroughputProfile, PathBuf), String> {
+pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(ThroughputProfile, PathBuf)> {
     let par = recipe.parallel.as_ref().ok_or_else(|| {
-        format!(
+        anyhow!(
             "recipe `{}` has no `parallel` section; add one, e.g. parallel: (world_size: 8, global_batches: [8, 16], micro_batches: [1, 2])",
             recipe.name
         )
     })?;
-    let spec = recipe.model_spec().map_err(|e| e.to_string())?;
-    let space = par.space().map_err(|e| e.to_string())?;
+    let spec = recipe.model_spec()?;
+    let space = par.space()?;
     let enumeration = space.enumerate(&spec);
     if enumeration.feasible.is_empty() {
-        let reasons: Vec<String> =
-            enumeration.rejected.iter().take(5).map(|r| format!("{} B_g={} B_m={}: {}", r.dims, r.global_batch, r.micro_batch, r.reason)).collect();
-        return Err(format!("no feasible candidate in the recipe's space; for example {}", reasons.join("; ")));
+        let reasons: Vec<String> = enumeration
+            .rejected
+            .iter()
+            .take(5)
+            .map(|r| format!("{} B_g={} B_m={}: {}", r.dims, r.global_batch, r.micro_batch, r.reason))
+            .collect();
+        return Err(anyhow!("no feasible candidate in the recipe's space; for example {}", reasons.join("; ")));
     }
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     device.seed(recipe.train.seed);
     let full = full_params(&cfg.init(&device));
-    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, opts.quiet)?;
+    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} in-process ranks (Flex)", par.world_size);
-    let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries).map_err(|e| e.to_string())?;
+    let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries)?;
     let out = opts.out.clone().unwrap_or_else(|| Path::new(&recipe.output_dir).join(format!("{}-profile.ron", recipe.name)));
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| anyhow!("cannot create {}: {e}", dir.display()))?;
     }
     write_atomic(&out, &profile.to_ron())?;
     write_atomic(&out.with_extension("csv"), &profile.to_csv())?;
     Ok((profile, out))
 }
 
-fn write_atomic(path: &Path, text: &str) -> Result<(), String> {
+fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    std::fs::write(&tmp, text).map_err(|e| anyhow!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
 }
 
 /// The profile as a Markdown table, best layout per B_g marked.
 pub fn table(profile: &ThroughputProfile) -> String {
     let mut rows: Vec<&ProfileEntry> = profile.entries().iter().collect();
-    rows.sort_by(|a, b| (a.global_batch, a.micro_batch, a.dp, a.tp, a.pp).cmp(&(b.global_batch, b.micro_batch, b.dp, b.tp, b.pp)));
+    rows.sort_by_key(|a| (a.global_batch, a.micro_batch, a.dp, a.tp, a.pp));
     let mut out = String::from("| B_g | B_m | layout | samples/s | best for B_g |\n|---:|---:|---|---:|:---:|\n");
     for e in rows {
-        let best = profile.best_layout(e.global_batch).is_some_and(|(d, m, _)| d.dp == e.dp && d.tp == e.tp && d.pp == e.pp && m == e.micro_batch);
+        let best =
+            profile.best_layout(e.global_batch).is_some_and(|(d, m, _)| d.dp == e.dp && d.tp == e.tp && d.pp == e.pp && m == e.micro_batch);
         out.push_str(&format!(
             "| {} | {} | dp{},tp{},pp{} | {:.2} | {} |\n",
             e.global_batch,
@@ -156,7 +160,7 @@ mod tests {
             dir.path().display()
         );
         let recipe = Recipe::parse(&text, "p").unwrap();
-        let (profile, path) = profile(&recipe, &ProfileOptions { out: None, quiet: true }).unwrap();
+        let (profile, path) = profile(&recipe, &ProfileOptions { out: None }).unwrap();
         // Layouts of 2 ranks: dp2, tp2, pp2. B_g=2 with dp2 needs B_m=1; everything else fits.
         let expected = recipe.parallel.as_ref().unwrap().space().unwrap().enumerate(&recipe.model_spec().unwrap()).feasible.len();
         assert_eq!(profile.entries().len(), expected);
@@ -170,8 +174,10 @@ mod tests {
 
     #[test]
     fn a_recipe_without_a_parallel_section_is_an_error_that_says_what_to_add() {
-        let recipe = Recipe::parse(r#"(name: "p", model: (preset: "tiny-1m"), train: (global_batch: 4, micro_batch: 1, max_steps: 1))"#, "p").unwrap();
-        let e = profile(&recipe, &ProfileOptions { out: None, quiet: true }).unwrap_err();
+        let recipe =
+            Recipe::parse(r#"(name: "p", model: (preset: "tiny-1m"), train: (global_batch: 4, micro_batch: 1, max_steps: 1))"#, "p")
+                .unwrap();
+        let e = profile(&recipe, &ProfileOptions { out: None }).unwrap_err().to_string();
         assert!(e.contains("parallel") && e.contains("world_size"), "{e}");
     }
 }

@@ -78,10 +78,7 @@ pub struct DataRecipe {
 
 impl Default for DataRecipe {
     fn default() -> Self {
-        Self {
-            heldout_plays: vec!["macbeth".into(), "the-tempest".into()],
-            tokenizer: TokenizerRecipe::Bpe { vocab_size: 4096 },
-        }
+        Self { heldout_plays: vec!["macbeth".into(), "the-tempest".into()], tokenizer: TokenizerRecipe::Bpe { vocab_size: 4096 } }
     }
 }
 
@@ -205,12 +202,57 @@ pub struct Recipe {
     pub data: DataRecipe,
     /// Training loop.
     pub train: TrainRecipe,
-    /// Optimizer, schedule, clipping, noise-scale smoothing.
-    #[serde(default)]
+    /// Optimizer, schedule, clipping, noise-scale smoothing: any of `OptimConfig`'s fields.
+    #[serde(default, deserialize_with = "optim_section")]
     pub optim: OptimConfig,
     /// Several ranks and the candidate space (for `recipes profile`, layouts and policies).
     #[serde(default)]
     pub parallel: Option<ParallelRecipe>,
+}
+
+/// The recipe's `optim` section: any subset of [`OptimConfig`]'s fields, the others at their
+/// defaults; an unknown field is an error that lists the allowed ones.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OptimSection {
+    lr: Option<f64>,
+    b0: Option<usize>,
+    lr_rule: Option<copus_core::goodput::LrRule>,
+    warmup_steps: Option<u64>,
+    total_steps: Option<u64>,
+    min_lr_ratio: Option<f64>,
+    beta1: Option<f64>,
+    beta2: Option<f64>,
+    eps: Option<f64>,
+    weight_decay: Option<f64>,
+    decay_norms_and_embeddings: Option<bool>,
+    /// Absent: the default; `None`: no clipping.
+    #[serde(default, deserialize_with = "present")]
+    clip_norm: Option<Option<f64>>,
+    gns_theta: Option<f64>,
+}
+
+/// A field that is present, whatever its value (`None` included).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+fn optim_section<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OptimConfig, D::Error> {
+    let s = OptimSection::deserialize(d)?;
+    let c = OptimConfig::new();
+    let c = if let Some(v) = s.lr { c.with_lr(v) } else { c };
+    let c = if let Some(v) = s.b0 { c.with_b0(v) } else { c };
+    let c = if let Some(v) = s.lr_rule { c.with_lr_rule(v) } else { c };
+    let c = if let Some(v) = s.warmup_steps { c.with_warmup_steps(v) } else { c };
+    let c = if let Some(v) = s.total_steps { c.with_total_steps(v) } else { c };
+    let c = if let Some(v) = s.min_lr_ratio { c.with_min_lr_ratio(v) } else { c };
+    let c = if let Some(v) = s.beta1 { c.with_beta1(v) } else { c };
+    let c = if let Some(v) = s.beta2 { c.with_beta2(v) } else { c };
+    let c = if let Some(v) = s.eps { c.with_eps(v) } else { c };
+    let c = if let Some(v) = s.weight_decay { c.with_weight_decay(v) } else { c };
+    let c = if let Some(v) = s.decay_norms_and_embeddings { c.with_decay_norms_and_embeddings(v) } else { c };
+    let c = if let Some(v) = s.clip_norm { c.with_clip_norm(v) } else { c };
+    Ok(if let Some(v) = s.gns_theta { c.with_gns_theta(v) } else { c })
 }
 
 fn default_output_dir() -> String {
@@ -232,7 +274,8 @@ impl Recipe {
     pub fn parse(text: &str, origin: &str) -> Result<Self, RecipeError> {
         let r: Recipe = ron::Options::default()
             .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
-            .from_str(text).map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
+            .from_str(text)
+            .map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
         r.validate()?;
         Ok(r)
     }
@@ -257,23 +300,29 @@ impl Recipe {
             return Err(field("model.seq_len", 0, "at least 1"));
         }
         if let TokenizerRecipe::Bpe { vocab_size } = self.data.tokenizer
-            && !(260..=1 << 20).contains(&vocab_size) {
-                return Err(field("data.tokenizer.vocab_size", vocab_size, "260..=1048576 (256 bytes plus merges)"));
-            }
+            && !(260..=1 << 20).contains(&vocab_size)
+        {
+            return Err(field("data.tokenizer.vocab_size", vocab_size, "260..=1048576 (256 bytes plus merges)"));
+        }
         let t = &self.train;
         if t.micro_batch == 0 {
             return Err(field("train.micro_batch", 0, "at least 1"));
         }
         if t.global_batch == 0 || !t.global_batch.is_multiple_of(t.micro_batch) {
-            return Err(field("train.global_batch", t.global_batch, format!("a positive multiple of train.micro_batch ({})", t.micro_batch)));
+            return Err(field(
+                "train.global_batch",
+                t.global_batch,
+                format!("a positive multiple of train.micro_batch ({})", t.micro_batch),
+            ));
         }
         if t.max_steps == 0 {
             return Err(field("train.max_steps", 0, "at least 1"));
         }
         if let Some(b) = t.time_budget_secs
-            && !(b.is_finite() && b > 0.0) {
-                return Err(field("train.time_budget_secs", b, "a positive number of seconds (or None)"));
-            }
+            && !(b.is_finite() && b > 0.0)
+        {
+            return Err(field("train.time_budget_secs", b, "a positive number of seconds (or None)"));
+        }
         if t.eval_sequences == 0 {
             return Err(field("train.eval_sequences", 0, "at least 1"));
         }
@@ -308,6 +357,20 @@ mod tests {
         assert_eq!(r.data, DataRecipe::default());
         assert_eq!(r.optim, OptimConfig::default());
         assert_eq!(r.model_spec().unwrap().seq_len, 64);
+    }
+
+    #[test]
+    fn the_optim_section_takes_any_subset_and_round_trips() {
+        use copus_core::goodput::LrRule;
+        let r = Recipe::parse(&GOOD.replace("train:", "optim: (lr: 2e-3, clip_norm: None, lr_rule: Linear), train:"), "r").unwrap();
+        assert_eq!(r.optim, OptimConfig::new().with_lr(2e-3).with_clip_norm(None).with_lr_rule(LrRule::Linear));
+        let r = Recipe::parse(&GOOD.replace("train:", "optim: (clip_norm: Some(0.5), warmup_steps: 3), train:"), "r").unwrap();
+        assert_eq!(r.optim, OptimConfig::new().with_clip_norm(Some(0.5)).with_warmup_steps(3));
+        // What a run writes as recipe.ron reads back the same.
+        let again = Recipe::parse(&ron::ser::to_string_pretty(&r, ron::ser::PrettyConfig::default()).unwrap(), "again").unwrap();
+        assert_eq!(again, r);
+        let e = Recipe::parse(&GOOD.replace("train:", "optim: (lrr: 1.0), train:"), "r").unwrap_err().to_string();
+        assert!(e.contains("lrr") && e.contains("warmup_steps"), "{e}");
     }
 
     #[test]

@@ -6,11 +6,11 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::progress::Progress;
 use burn::module::Module;
 use burn::tensor::Device;
 use copus_burn::{MicroBatch, StepMetrics, Trainer};
 use copus_models::{Llama, LlamaConfig};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::data::{self, PackedDataset};
@@ -111,8 +111,6 @@ pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usi
 /// Options from the command line.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// No progress bar (logs and CI).
-    pub quiet: bool,
     /// Override of the recipe's step count (smoke tests).
     pub max_steps: Option<u64>,
 }
@@ -131,55 +129,53 @@ pub struct Prepared {
 }
 
 /// Fetches the corpus, trains or loads the tokenizer, and packs both splits.
-pub fn prepare(recipe: &Recipe, quiet: bool) -> Result<Prepared, RunError> {
-    let say = |s: &str| {
-        if !quiet {
-            eprintln!("{s}");
-        }
-    };
+pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
     let mut spec = recipe.model_spec()?;
     let cache = data::cache_dir();
-    let plays = data::load_plays(&cache, quiet)?;
+    let plays = data::load_plays(&cache)?;
     let corpus = data::split(plays, &recipe.data.heldout_plays)?;
     let train_texts: Vec<&str> = corpus.train.iter().map(|p| p.text.as_str()).collect();
     let heldout_texts: Vec<&str> = corpus.heldout.iter().map(|p| p.text.as_str()).collect();
     let tokenizer = match &recipe.data.tokenizer {
         TokenizerRecipe::Bpe { vocab_size } => {
-            say(&format!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} plays (cached)", corpus.train.len()));
+            tracing::info!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} plays (cached)", corpus.train.len());
             data::bpe_tokenizer(&train_texts, *vocab_size, &cache, &corpus.checksum)?
         }
-        TokenizerRecipe::File(path) => tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| data::DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?,
+        TokenizerRecipe::File(path) => {
+            tokenizers::Tokenizer::from_file(path).map_err(|e| data::DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?
+        }
     };
     // The embedding covers the tokenizer, rounded up to a multiple of 64 for sharding.
     spec.vocab_size = tokenizer.get_vocab_size(true).div_ceil(64) * 64;
     let t = &recipe.train;
     let train = PackedDataset::new(data::encode(&tokenizer, &train_texts)?, spec.seq_len, t.seed, "training")?;
     let heldout = PackedDataset::new(data::encode(&tokenizer, &heldout_texts)?, spec.seq_len, t.seed, "held-out")?;
-    say(&format!(
+    tracing::info!(
         "data: {} training sequences, {} held-out ({}) of {} tokens",
         train.num_seqs(),
         heldout.num_seqs(),
         recipe.data.heldout_plays.join(", "),
         spec.seq_len
-    ));
+    );
     Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone() })
 }
 
 /// Runs a recipe to the end; returns the run folder and its summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
-    let say = |s: &str| {
-        if !opts.quiet {
-            eprintln!("{s}");
-        }
-    };
-    let Prepared { spec, train, heldout, checksum } = prepare(recipe, opts.quiet)?;
+    let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let t = &recipe.train;
     let device = Device::flex().autodiff();
     device.seed(t.seed);
     let model = LlamaConfig::from_spec(&spec).init(&device);
     let num_params = model.num_params() as u64;
-    say(&format!("model: {} ({:.2}M parameters), B_g {} as {} x {}", spec.name, num_params as f64 / 1e6, t.global_batch, t.global_batch / t.micro_batch, t.micro_batch));
+    tracing::info!(
+        "model: {} ({:.2}M parameters), B_g {} as {} x {}",
+        spec.name,
+        num_params as f64 / 1e6,
+        t.global_batch,
+        t.global_batch / t.micro_batch,
+        t.micro_batch
+    );
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
     let write = |name: &str, text: &str| -> Result<(), RunError> {
@@ -195,18 +191,14 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     let initial_eval = evaluate(&model, &heldout, t.eval_sequences, t.micro_batch);
     let mut trainer = Trainer::new(model, recipe.optim.clone())?;
     let mut log_eval = |step: u64, tokens: u64, secs: f64, loss: f64| -> Result<(), RunError> {
-        writeln!(evals, "{}", serde_json::json!({"step": step, "tokens": tokens, "train_secs": secs, "eval_loss": loss})).map_err(io(&eval_path))?;
+        writeln!(evals, "{}", serde_json::json!({"step": step, "tokens": tokens, "train_secs": secs, "eval_loss": loss}))
+            .map_err(io(&eval_path))?;
         evals.flush().map_err(io(&eval_path))
     };
     log_eval(0, 0, 0.0, initial_eval)?;
 
     let max_steps = opts.max_steps.unwrap_or(t.max_steps);
-    let bar = if opts.quiet { ProgressBar::hidden() } else { ProgressBar::new(max_steps) };
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let bar = Progress::new(&recipe.name, max_steps);
     let mut history: Vec<(f64, StepMetrics)> = Vec::new();
     let mut train_secs = 0.0;
     let mut sample = 0u64;
@@ -226,13 +218,13 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         writeln!(metrics, "{}", serde_json::to_string(&serde_json::json!({"train_secs": train_secs, "metrics": &m})).unwrap_or_default())
             .map_err(io(&metrics_path))?;
         metrics.flush().map_err(io(&metrics_path))?;
-        bar.set_position(m.step);
         bar.set_message(format!(
             "loss {:.3} | {:.0} tok/s | B_simple {}",
             m.loss,
             m.tokens_seen as f64 / train_secs,
             m.b_simple.map_or("-".into(), |b| format!("{b:.1}"))
         ));
+        bar.set_position(m.step);
         let step = m.step;
         history.push((train_secs, m));
         if t.eval_every > 0 && step % t.eval_every == 0 {
@@ -241,12 +233,13 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
             last_eval = (step, l);
         }
         if let Some(budget) = t.time_budget_secs
-            && train_secs >= budget {
-                stopped = format!("time budget of {budget} s after {step} steps");
-                break;
-            }
+            && train_secs >= budget
+        {
+            stopped = format!("time budget of {budget} s after {step} steps");
+            break;
+        }
     }
-    bar.finish_and_clear();
+    bar.finish();
     let steps = trainer.steps_done();
     let tokens = history.last().map_or(0, |h| h.1.tokens_seen);
     let final_eval = if last_eval.0 == steps {
@@ -279,10 +272,10 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     write("summary.md", &summary_markdown(&summary, recipe))?;
     let weights = folder.join("model.safetensors");
     if let Err(e) = copus_models::save_safetensors(trainer.model(), &weights) {
-        eprintln!("warning: weights not saved: {e}");
+        tracing::warn!("weights not saved: {e}");
     }
     if let Err(e) = plots(&folder, &history, &eval_path) {
-        eprintln!("warning: plots not written: {e}");
+        tracing::warn!("plots not written: {e}");
     }
     Ok((folder, summary))
 }
@@ -316,15 +309,9 @@ fn summary_markdown(s: &Summary, r: &Recipe) -> String {
     )
 }
 
-fn plots(folder: &Path, history: &[(f64, StepMetrics)], eval_path: &Path) -> Result<(), String> {
-    let evals: Vec<serde_json::Value> = std::fs::read_to_string(eval_path)
-        .map_err(|e| e.to_string())?
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let eval_pts = |x: &str| -> Vec<(f64, f64)> {
-        evals.iter().filter_map(|v| Some((v[x].as_f64()?, v["eval_loss"].as_f64()?))).collect()
-    };
+fn plots(folder: &Path, history: &[(f64, StepMetrics)], eval_path: &Path) -> anyhow::Result<()> {
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(eval_path)?.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let eval_pts = |x: &str| -> Vec<(f64, f64)> { evals.iter().filter_map(|v| Some((v[x].as_f64()?, v["eval_loss"].as_f64()?))).collect() };
     let train_by = |f: &dyn Fn(&(f64, StepMetrics)) -> f64| history.iter().map(|h| (f(h), h.1.loss)).collect::<Vec<_>>();
     plot::line_plot(
         &folder.join("loss_time.png"),
@@ -339,7 +326,10 @@ fn plots(folder: &Path, history: &[(f64, StepMetrics)], eval_path: &Path) -> Res
         "Loss against tokens",
         "tokens",
         "loss (nats/token)",
-        &[Series { label: "training", points: train_by(&|h| h.1.tokens_seen as f64) }, Series { label: "held-out", points: eval_pts("tokens") }],
+        &[
+            Series { label: "training", points: train_by(&|h| h.1.tokens_seen as f64) },
+            Series { label: "held-out", points: eval_pts("tokens") },
+        ],
         false,
     )?;
     let b: Vec<(f64, f64)> = history.iter().filter_map(|h| Some((h.1.step as f64, h.1.b_simple?))).collect();
@@ -375,7 +365,7 @@ mod tests {
             out.path().display()
         );
         let recipe = Recipe::parse(&text, "smoke").unwrap();
-        let (folder, s) = run(&recipe, &RunOptions { quiet: true, max_steps: None }).unwrap();
+        let (folder, s) = run(&recipe, &RunOptions { max_steps: None }).unwrap();
         assert_eq!(folder, out.path().join("smoke"));
         for f in ["metrics.jsonl", "eval.jsonl", "summary.json", "summary.md", "model.safetensors", "recipe.ron"] {
             assert!(folder.join(f).exists(), "{f} missing");
@@ -390,7 +380,7 @@ mod tests {
         assert_eq!(s.steps, 12);
         assert!(s.final_eval_loss < s.initial_eval_loss - 0.3, "held-out {} -> {}", s.initial_eval_loss, s.final_eval_loss);
         // A second run never overwrites the first.
-        let (again, _) = run(&recipe, &RunOptions { quiet: true, max_steps: Some(1) }).unwrap();
+        let (again, _) = run(&recipe, &RunOptions { max_steps: Some(1) }).unwrap();
         assert_eq!(again, out.path().join("smoke-2"));
         if plot::ensure_font().is_ok() {
             assert!(folder.join("loss_time.png").exists() && folder.join("b_simple.png").exists());

@@ -18,20 +18,33 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::time::Duration;
 
+use anyhow::anyhow;
 use copus_core::orchestrator::{MAX_FRAME, Orchestrator, ProtocolError, Request, Response, authenticate, decode, encode, frame_len};
 use copus_core::policy::{Copus, Decision, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchRule};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 /// Builds a named policy over a scorer: `copus`, `dp-only`, `merrill` or `static`.
-pub fn policy_by_name(name: &str, scorer: &Scorer, rule: SwitchRule) -> Result<Box<dyn Policy>, String> {
-    match name {
-        "copus" => Ok(Box::new(Copus::new(scorer.clone(), rule).map_err(|e| e.to_string())?)),
-        "dp-only" => Ok(Box::new(DpOnlyGoodput::new(scorer.clone(), rule).map_err(|e| e.to_string())?)),
-        "merrill" => Ok(Box::new(MerrillWarmup::new(scorer.clone()))),
-        "static" => Ok(Box::new(Static)),
-        other => Err(format!("policy {other:?}: one of copus, dp-only, merrill, static")),
-    }
+pub fn policy_by_name(name: PolicyName, scorer: &Scorer, rule: SwitchRule) -> anyhow::Result<Box<dyn Policy>> {
+    Ok(match name {
+        PolicyName::Copus => Box::new(Copus::new(scorer.clone(), rule)?),
+        PolicyName::DpOnly => Box::new(DpOnlyGoodput::new(scorer.clone(), rule)?),
+        PolicyName::Merrill => Box::new(MerrillWarmup::new(scorer.clone())),
+        PolicyName::Static => Box::new(Static),
+    })
+}
+
+/// The policies the service can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PolicyName {
+    /// Goodput over B_g, B_m and the 3D layout.
+    Copus,
+    /// Goodput over B_g on data-parallel layouts only (AdaptDL/Pollux).
+    DpOnly,
+    /// Batch warm-up in the style of Merrill et al.
+    Merrill,
+    /// The initial configuration, never changed.
+    Static,
 }
 
 async fn read_frame(stream: &mut tokio::net::TcpStream) -> Result<Option<Vec<u8>>, ProtocolError> {
@@ -81,7 +94,11 @@ async fn session(mut stream: tokio::net::TcpStream, token: String, make: std::sy
 
 /// Serves sessions on `listener` until the process ends. `make` builds each session's
 /// orchestrator.
-pub async fn serve(listener: TcpListener, token: String, make: std::sync::Arc<dyn Fn() -> Orchestrator + Send + Sync>) -> std::io::Result<()> {
+pub async fn serve(
+    listener: TcpListener,
+    token: String,
+    make: std::sync::Arc<dyn Fn() -> Orchestrator + Send + Sync>,
+) -> std::io::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         tokio::spawn(session(stream, token.clone(), make.clone()));
@@ -89,7 +106,11 @@ pub async fn serve(listener: TcpListener, token: String, make: std::sync::Arc<dy
 }
 
 /// Starts the service on a background runtime; returns the bound address (port 0 picks one).
-pub fn spawn(addr: SocketAddr, token: String, make: std::sync::Arc<dyn Fn() -> Orchestrator + Send + Sync>) -> Result<(SocketAddr, std::thread::JoinHandle<()>), String> {
+pub fn spawn(
+    addr: SocketAddr,
+    token: String,
+    make: std::sync::Arc<dyn Fn() -> Orchestrator + Send + Sync>,
+) -> anyhow::Result<(SocketAddr, std::thread::JoinHandle<()>)> {
     let (tx, rx) = channel();
     let handle = std::thread::spawn(move || {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -111,7 +132,7 @@ pub fn spawn(addr: SocketAddr, token: String, make: std::sync::Arc<dyn Fn() -> O
             }
         });
     });
-    let bound = rx.recv().map_err(|_| "the service thread ended".to_string())??;
+    let bound = rx.recv().map_err(|_| anyhow!("the service thread ended"))?.map_err(anyhow::Error::msg)?;
     Ok((bound, handle))
 }
 
@@ -131,14 +152,14 @@ pub struct Client {
 
 impl Client {
     /// Connects, authenticates and starts the background thread.
-    pub fn connect(addr: SocketAddr, token: &str, run: &str) -> Result<Self, String> {
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("orchestrator at {addr}: {e}"))?;
-        stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    pub fn connect(addr: SocketAddr, token: &str, run: &str) -> anyhow::Result<Self> {
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| anyhow!("orchestrator at {addr}: {e}"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
         let hello = Request::Hello { token: token.into(), run: run.into() };
         match exchange(&mut stream, &hello)? {
             Response::Welcome { .. } => {}
-            Response::Error(e) => return Err(format!("orchestrator at {addr} refused the session: {e}")),
-            other => return Err(format!("orchestrator at {addr}: unexpected answer {other:?}")),
+            Response::Error(e) => return Err(anyhow!("orchestrator at {addr} refused the session: {e}")),
+            other => return Err(anyhow!("orchestrator at {addr}: unexpected answer {other:?}")),
         }
         let (outgoing, rx) = channel::<Outgoing>();
         let (dtx, decisions) = channel();
@@ -159,7 +180,7 @@ impl Client {
                         return;
                     }
                     Err(e) => {
-                        let _ = ltx.send(e);
+                        let _ = ltx.send(e.to_string());
                         return;
                     }
                 }
@@ -224,20 +245,20 @@ impl Client {
 
     fn mark_lost(&mut self, why: String) {
         if self.unavailable.is_none() {
-            eprintln!("orchestrator unavailable ({why}); training continues in its current configuration");
+            tracing::warn!("orchestrator unavailable ({why}); training continues in its current configuration");
             self.unavailable = Some(why);
         }
     }
 }
 
-fn exchange(stream: &mut TcpStream, req: &Request) -> Result<Response, String> {
-    stream.write_all(&encode(req)).map_err(|e| format!("orchestrator connection lost: {e}"))?;
+fn exchange(stream: &mut TcpStream, req: &Request) -> anyhow::Result<Response> {
+    stream.write_all(&encode(req)).map_err(|e| anyhow!("orchestrator connection lost: {e}"))?;
     let mut header = [0u8; 4];
-    stream.read_exact(&mut header).map_err(|e| format!("orchestrator connection lost: {e}"))?;
-    let n = frame_len(header).map_err(|e| e.to_string())?;
+    stream.read_exact(&mut header).map_err(|e| anyhow!("orchestrator connection lost: {e}"))?;
+    let n = frame_len(header)?;
     let mut body = vec![0u8; n.min(MAX_FRAME)];
-    stream.read_exact(&mut body).map_err(|e| format!("orchestrator connection lost: {e}"))?;
-    decode::<Response>(&body).map_err(|e| e.to_string())
+    stream.read_exact(&mut body).map_err(|e| anyhow!("orchestrator connection lost: {e}"))?;
+    Ok(decode::<Response>(&body)?)
 }
 
 #[cfg(test)]
@@ -269,7 +290,7 @@ mod tests {
         Arc::new(|| {
             let s = scorer();
             let rule = SwitchRule { layout_cost: 0.0, ..SwitchRule::default() };
-            Orchestrator::new(policy_by_name("copus", &s, rule).unwrap(), s)
+            Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s)
         })
     }
 
@@ -295,7 +316,7 @@ mod tests {
     #[test]
     fn wrong_tokens_and_bad_frames_are_refused() {
         let (addr, _h) = spawn("127.0.0.1:0".parse().unwrap(), "secret".into(), make()).unwrap();
-        let e = Client::connect(addr, "guess", "test").err().unwrap();
+        let e = Client::connect(addr, "guess", "test").err().unwrap().to_string();
         assert!(e.contains("refused") && e.contains("wrong token"), "{e}");
         // An oversized frame header: error answer, connection closed.
         let mut s = TcpStream::connect(addr).unwrap();

@@ -126,7 +126,11 @@ impl CopusBatchingConfig {
             return Err(bad("micro_batch_options", "sizes of 1 or more", &self.micro_batch_options));
         }
         if !self.micro_batch_options.is_empty() && !self.micro_batch_options.contains(&self.micro_batch) {
-            return Err(bad("micro_batch_options", format!("a list that contains micro_batch = {}", self.micro_batch), &self.micro_batch_options));
+            return Err(bad(
+                "micro_batch_options",
+                format!("a list that contains micro_batch = {}", self.micro_batch),
+                &self.micro_batch_options,
+            ));
         }
         if !(0.0..1.0).contains(&self.smoothing) {
             return Err(bad("smoothing", "in [0, 1)", self.smoothing));
@@ -166,11 +170,7 @@ impl CopusBatchingConfig {
             devices: 1,
         };
         Ok(CopusBatching {
-            shared: Arc::new(Shared {
-                config: self.clone(),
-                micro_batch: AtomicUsize::new(self.micro_batch),
-                state: Mutex::new(state),
-            }),
+            shared: Arc::new(Shared { config: self.clone(), micro_batch: AtomicUsize::new(self.micro_batch), state: Mutex::new(state) }),
         })
     }
 }
@@ -448,11 +448,7 @@ impl CopusBatching {
         }
         let used_lr = s.lr_factor;
         let used_plan = s.plan;
-        let switched_to = if !cfg.frozen && s.steps.is_multiple_of(cfg.adapt_every as u64) {
-            self.decide(&mut s)
-        } else {
-            None
-        };
+        let switched_to = if !cfg.frozen && s.steps.is_multiple_of(cfg.adapt_every as u64) { self.decide(&mut s) } else { None };
         let samples_total = s.samples;
         let b_simple = s.estimator.b_simple();
         let step = s.steps;

@@ -15,6 +15,7 @@ use burn::train::{
 use copus_core::accumulation::Plan;
 
 use super::{CopusBatching, StepMeasure};
+use crate::closing::ProbeMemory;
 use crate::grads;
 
 /// burn-train's custom strategy that runs copus's adaptive batching on one device or several.
@@ -58,9 +59,8 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
         let interrupter = components.interrupter.clone();
         let mut processor = components.event_processor;
         if components.grad_accumulation.is_some() {
-            interrupter.fail(refusal(
-                "copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into(),
-            ));
+            interrupter
+                .fail(refusal("copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into()));
             return (learner.model(), processor);
         }
         let train_items = dataloader_train.num_items();
@@ -74,12 +74,10 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
         let mut early_stopping = components.early_stopping;
         // The previous step's mean gradient, kept only while steps have one micro-batch (the
         // estimator's differencing fallback needs it).
-        let mut previous: Option<GradientsParams> = None;
+        let mut previous = ProbeMemory::new();
 
         for epoch in starting_epoch..=components.num_epochs {
-            interrupter.fail_on_error(
-                processor.process_train(LearnerEvent::StartSplit { epoch_number: epoch, total_items: train_items }),
-            );
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit { epoch_number: epoch, total_items: train_items }));
             match &workers {
                 Some(w) => self.train_epoch_multi(&mut learner, &trains, w, &mut processor, &interrupter, &mut previous),
                 None => self.train_epoch(&mut learner, &trains[0], &mut processor, &interrupter, &mut previous),
@@ -89,9 +87,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
                 break;
             }
 
-            interrupter.fail_on_error(
-                processor.process_valid(LearnerEvent::StartSplit { epoch_number: epoch, total_items: valid_items }),
-            );
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit { epoch_number: epoch, total_items: valid_items }));
             valid_epoch(&learner, &valid, &mut processor, &interrupter);
             interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
             interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
@@ -121,7 +117,7 @@ impl CopusStrategy {
         loader: &TrainLoader<M>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
-        previous: &mut Option<GradientsParams>,
+        previous: &mut ProbeMemory,
     ) {
         let mut iterator = loader.iter();
         let mut iteration = 0;
@@ -176,7 +172,7 @@ impl CopusStrategy {
         workers: &MultiDevicesTrainStep<M>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
-        previous: &mut Option<GradientsParams>,
+        previous: &mut ProbeMemory,
     ) {
         let mut iterators: Vec<_> = loaders.iter().map(|l| l.iter()).collect();
         let mut iteration = 0;
@@ -240,7 +236,7 @@ impl CopusStrategy {
         open: &mut Open,
         planned: Plan,
         last: bool,
-        previous: &mut Option<GradientsParams>,
+        previous: &mut ProbeMemory,
         interrupter: &Interrupter,
     ) -> bool {
         let full = open.sizes.len() >= planned.accumulation;
@@ -261,7 +257,7 @@ impl CopusStrategy {
         &self,
         learner: &mut Learner<M>,
         open: &mut Open,
-        previous: &mut Option<GradientsParams>,
+        previous: &mut ProbeMemory,
         interrupter: &Interrupter,
     ) {
         if !open.sizes.is_empty() && !interrupter.should_stop() {
@@ -279,7 +275,7 @@ impl CopusStrategy {
         model: &M,
         open: &mut Open,
         micro_batch: usize,
-        previous: &mut Option<GradientsParams>,
+        previous: &mut ProbeMemory,
         full: bool,
     ) -> Result<(), String> {
         let overhead = Instant::now();
@@ -289,12 +285,9 @@ impl CopusStrategy {
         // sum holds sum_k (n_k / m) g_k; the mean gradient is sum_k n_k g_k / sum_k n_k.
         let mean = grads::scaled(model, &sum, micro_batch as f64 / samples as f64);
         let grad_sq_norm = grads::sq_norm(model, &mean);
-        let single = open.sizes.len() == 1;
-        let diff_sq_norm = match (single, previous.as_ref()) {
-            (true, Some(prev)) => Some(grads::diff_sq_norm(model, &mean, prev)),
-            _ => None,
-        };
-        *previous = single.then(|| grads::scaled(model, &mean, 1.0));
+        let num_micro = open.sizes.len();
+        let diff_sq_norm = previous.previous(num_micro).map(|prev| grads::diff_sq_norm(model, &mean, prev));
+        previous.remember(model, num_micro, &mean);
         learner.lr_step();
         learner.optimizer_step(mean);
         let step_seconds = open.started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
@@ -322,7 +315,15 @@ fn absorb<M: LearnerModel>(model: &M, open: &mut Open, g: GradientsParams, size:
     absorb_measured(model, open, g, sq, size, micro_batch, started);
 }
 
-fn absorb_measured<M: LearnerModel>(model: &M, open: &mut Open, g: GradientsParams, sq: f64, size: usize, micro_batch: usize, started: Instant) {
+fn absorb_measured<M: LearnerModel>(
+    model: &M,
+    open: &mut Open,
+    g: GradientsParams,
+    sq: f64,
+    size: usize,
+    micro_batch: usize,
+    started: Instant,
+) {
     let weight = size as f64 / micro_batch as f64;
     let g = if weight == 1.0 { g } else { grads::scaled(model, &g, weight) };
     open.sum = Some(grads::add(model, open.sum.take(), g));

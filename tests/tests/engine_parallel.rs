@@ -1,28 +1,24 @@
 //! The 3D-parallel engine against serial training, on 8 in-process ranks with the tiny-1m
 //! preset (4 layers, 8 heads, 4 kv heads, tied embedding).
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use copus_burn::parallel::{ShardError, ShardPlan, ShardSource};
-use copus_burn::{Engine, EngineConfig, EngineError, MicroBatch, OptimConfig, ParallelLm, StageModel, Trainer};
+use copus_burn::{Engine, EngineConfig, EngineError, MicroBatch, OptimConfig, ParallelLm, ParallelPlan, StageModel, Trainer};
 use copus_core::layout::{Coord, ParallelDims, RankGrid};
 use copus_core::model::{ModelSpec, TpSplit};
 use copus_core::schedule::ScheduleKind;
 use copus_models::{LlamaConfig, LlamaStage, full_params};
+use copus_tests::{SEQ, config, initial_of, rel, structured_batch};
 
-const SEQ: usize = 32;
 const B_G: usize = 16;
 const B_M: usize = 2;
 const STEPS: usize = 5;
-
-fn config() -> LlamaConfig {
-    let mut spec = ModelSpec::tiny_1m();
-    spec.seq_len = SEQ;
-    LlamaConfig::from_spec(&spec)
-}
 
 fn optim() -> OptimConfig {
     optim_at(1e-3)
@@ -56,18 +52,7 @@ fn batch(step: usize, vocab: usize) -> Vec<i64> {
 }
 
 fn batch_of(step: usize, vocab: usize, sequences: usize) -> Vec<i64> {
-    let mut x = 0x9e37_79b9_u64 ^ (step as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
-    let mut out = Vec::with_capacity(sequences * (SEQ + 1));
-    for _ in 0..sequences {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let mut t = (x >> 33) as usize % vocab;
-        for _ in 0..=SEQ {
-            out.push(t as i64);
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            t = if (x >> 60) < 12 { (7 * t + 3) % vocab } else { (x >> 20) as usize % vocab };
-        }
-    }
-    out
+    structured_batch(step, vocab, sequences)
 }
 
 struct Serial {
@@ -89,7 +74,7 @@ fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
         let micro: Vec<MicroBatch> = windows.chunks(setup.micro_batch).map(|w| MicroBatch::from_windows(w, &device)).collect();
         let m = trainer.step(&micro).unwrap();
         losses.push(m.loss);
-        stats.push(trainer.last_stats().unwrap().clone());
+        stats.push(*trainer.last_stats().unwrap());
         // With one micro-batch the first step has no estimate yet (differencing needs two).
         grad_sq.push(m.grad_sq.unwrap_or(f64::NAN));
         trace.push(m.trace.unwrap_or(f64::NAN));
@@ -98,18 +83,8 @@ fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
     Serial { stats, losses, grad_sq, trace, params }
 }
 
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-30)
-}
-
 fn initial_model() -> copus_models::Llama {
     initial_of(&config())
-}
-
-fn initial_of(config: &LlamaConfig) -> copus_models::Llama {
-    let device = Device::flex().autodiff();
-    device.seed(11);
-    config.init(&device)
 }
 
 #[test]
@@ -124,13 +99,7 @@ fn every_layout_of_8_ranks_matches_serial_training() {
 /// losses and noise statistics are compared as everywhere else).
 #[test]
 fn an_untied_head_matches_serial_training() {
-    let setup = Setup {
-        config: config().with_tied_embeddings(false),
-        steps: 3,
-        cancellation_floor: true,
-        lr: 1e-4,
-        ..Setup::standard()
-    };
+    let setup = Setup { config: config().with_tied_embeddings(false), steps: 3, cancellation_floor: true, lr: 1e-4, ..Setup::standard() };
     check_against_serial(&setup, &[(2, 2, 2), (1, 4, 2), (2, 1, 4)]);
 }
 
@@ -157,7 +126,12 @@ fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
             for step in 0..setup.steps {
                 let out = engine.step(batch_of(step, setup.config.vocab_size, setup.global_batch)).unwrap();
                 let m = &out.metrics;
-                assert!(rel(m.loss, reference.losses[step]) < 1e-5, "{name} step {step}: loss {} vs serial {}", m.loss, reference.losses[step]);
+                assert!(
+                    rel(m.loss, reference.losses[step]) < 1e-5,
+                    "{name} step {step}: loss {} vs serial {}",
+                    m.loss,
+                    reference.losses[step]
+                );
                 // What the probe measured: the mean micro-batch |g_k|^2 and the step's |g|^2.
                 let (want, got) = (&reference.stats[step], &out.stats);
                 assert!(rel(got.mean_micro_sq_norm, want.mean_micro_sq_norm) < 1e-5, "{name} step {step}: L {got:?} vs {want:?}");
@@ -169,7 +143,11 @@ fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
                 }
                 // |G|^2 = (n T - L) / (n - 1) cancels: where it is small next to T, compare on T's scale.
                 let floor = if setup.cancellation_floor { want.grad_sq_norm } else { 0.0 };
-                assert!((g - reference.grad_sq[step]).abs() <= 1e-4 * reference.grad_sq[step].abs().max(floor), "{name} step {step}: |G|^2 {g} vs serial {}", reference.grad_sq[step]);
+                assert!(
+                    (g - reference.grad_sq[step]).abs() <= 1e-4 * reference.grad_sq[step].abs().max(floor),
+                    "{name} step {step}: |G|^2 {g} vs serial {}",
+                    reference.grad_sq[step]
+                );
                 assert!(rel(t, reference.trace[step]) < 1e-4, "{name} step {step}: tr(Sigma) {t} vs serial {}", reference.trace[step]);
                 assert_eq!(out.stats.num_micro, setup.global_batch / setup.micro_batch);
             }
@@ -271,6 +249,9 @@ impl ParallelLm for Faulty {
     type Stage = FaultyStage;
     fn spec(&self) -> ModelSpec {
         ParallelLm::spec(&self.inner)
+    }
+    fn parallel_plan(&self) -> ParallelPlan {
+        self.inner.parallel_plan()
     }
     fn build_stage(&self, plan: &ShardPlan, src: &mut ShardSource, device: &Device) -> Result<FaultyStage, ShardError> {
         let inner = self.inner.build_stage(plan, src, device)?;

@@ -1,29 +1,20 @@
 //! Reconfiguration between layouts and batch sizes, rollback, and checkpoints, on 8 in-process
 //! ranks with tiny-1m (tied embedding, 4 layers, 8 heads, 4 kv heads).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, EngineError, OptimConfig, ReconfigPhase, TrainingState};
 use copus_core::layout::ParallelDims;
-use copus_core::model::ModelSpec;
+
 use copus_models::{LlamaConfig, full_params};
-
-const SEQ: usize = 32;
-
-fn config() -> LlamaConfig {
-    let mut spec = ModelSpec::tiny_1m();
-    spec.seq_len = SEQ;
-    LlamaConfig::from_spec(&spec)
-}
+use copus_tests::{SEQ, config, dims};
 
 fn optim() -> OptimConfig {
     OptimConfig { lr: 1e-3, warmup_steps: 2, total_steps: 20, b0: 16, ..OptimConfig::default() }
-}
-
-fn dims(dp: usize, tp: usize, pp: usize) -> ParallelDims {
-    ParallelDims::new(dp, tp, pp, dp * tp * pp).unwrap()
 }
 
 /// Step `step`'s batch of `b` sequences (a pure function of both).
@@ -90,7 +81,11 @@ fn switch_matches_staying(a: ParallelDims, b: ParallelDims, (g1, m1): (usize, us
     let before = moved.stage_state().unwrap();
     // Every parameter carries AdamW state: two moments and a step count.
     assert_eq!(before.optim.len(), before.params.len(), "{name}");
-    assert!(before.optim.values().all(|f| f.len() == 2), "{name}: {:?}", before.optim.values().next().map(|f| f.keys().collect::<Vec<_>>()));
+    assert!(
+        before.optim.values().all(|f| f.len() == 2),
+        "{name}: {:?}",
+        before.optim.values().next().map(|f| f.keys().collect::<Vec<_>>())
+    );
     assert!(before.scalars.values().all(|f| !f.is_empty()), "{name}");
     let report = moved.reconfigure(b, g2, m2).unwrap();
     assert_eq!(report.layout_changed, a != b, "{name}");

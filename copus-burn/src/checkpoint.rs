@@ -1,0 +1,131 @@
+//! Checkpoints: the whole training state and the engine configuration in one burnpack file (the
+//! format burn-store and Burn's optimizer records use), loadable into any layout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::tensor::TensorData;
+use burn_pack::Scalar;
+use copus_core::gns::GnsEstimator;
+use copus_core::model::ParamSpec;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{Engine, EngineConfig, EngineError};
+use crate::parallel::ParallelLm;
+use crate::state::TrainingState;
+
+impl TrainingState {
+    /// Writes the state, the engine configuration and `extra` (the caller's data position, RNG
+    /// seed, ...) to one burnpack file, atomically.
+    pub fn save(&self, path: &Path, specs: &[ParamSpec], cfg: &EngineConfig, extra: &BTreeMap<String, String>) -> Result<(), EngineError> {
+        let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
+        let shape_of: HashMap<&str, &[usize]> = specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
+        let tensor = |key: String, name: &str, values: &[f32]| -> Result<burn_pack::Tensor, EngineError> {
+            let shape = shape_of.get(name).ok_or_else(|| err(format!("`{name}` is not a parameter of the model")))?;
+            let (bytes, shape, dtype) = TensorData::new(values.to_vec(), shape.to_vec()).into_parts();
+            Ok(burn_pack::Tensor::new(key, dtype, shape, None, bytes))
+        };
+        let mut tensors = Vec::new();
+        for (name, v) in &self.params {
+            tensors.push(tensor(format!("param/{name}"), name, v)?);
+        }
+        for (name, fields) in &self.optim {
+            for (field, v) in fields {
+                tensors.push(tensor(format!("optim/{name}/{field}"), name, v)?);
+            }
+        }
+        for (name, v) in self.previous.iter().flatten() {
+            tensors.push(tensor(format!("previous/{name}"), name, v)?);
+        }
+        let meta = CheckpointMeta {
+            format: 1,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: self.gns.clone(),
+            has_previous: self.previous.is_some(),
+            scalars: self.scalars.iter().flat_map(|(n, f)| f.iter().map(move |(k, v)| (n.clone(), k.clone(), *v))).collect(),
+            config: cfg.clone(),
+            extra: extra.clone(),
+        };
+        let meta = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
+        let tmp = path.with_extension("tmp");
+        burn_pack::Writer::new(tensors)
+            .with_metadata(META_KEY, &meta)
+            .overwrite(true)
+            .auto_extension(false)
+            .write_to_file(&tmp)
+            .map_err(|e| err(format!("{e:?}")))?;
+        std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))
+    }
+
+    /// Reads a file written by [`TrainingState::save`].
+    pub fn load(path: &Path) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
+        let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
+        let reader = burn_pack::Reader::from_file(path).map_err(|e| err(format!("not a readable checkpoint: {e:?}")))?;
+        let meta = reader.metadata().get(META_KEY).ok_or_else(|| err("no copus metadata (not a copus checkpoint)".into()))?;
+        let meta: CheckpointMeta = serde_json::from_str(meta).map_err(|e| err(format!("metadata: {e}")))?;
+        if meta.format != 1 {
+            return Err(err(format!("format {} is not supported (this build reads format 1)", meta.format)));
+        }
+        let mut state = Self {
+            params: BTreeMap::new(),
+            optim: BTreeMap::new(),
+            scalars: BTreeMap::new(),
+            previous: meta.has_previous.then(BTreeMap::new),
+            step: meta.step,
+            tokens_seen: meta.tokens_seen,
+            gns: meta.gns,
+        };
+        for (n, f, v) in meta.scalars {
+            state.scalars.entry(n).or_default().insert(f, v);
+        }
+        for t in reader.into_tensors().map_err(|e| err(format!("{e:?}")))? {
+            let (key, dtype, shape, _, bytes) = t.into_parts().map_err(|e| err(format!("{e:?}")))?;
+            let values: Vec<f32> = TensorData::from_bytes(bytes, shape, dtype).iter::<f32>().collect();
+            if let Some(name) = key.strip_prefix("param/") {
+                state.params.insert(name.to_string(), values);
+            } else if let Some(rest) = key.strip_prefix("optim/") {
+                let (name, field) = rest.rsplit_once('/').ok_or_else(|| err(format!("unexpected tensor {key}")))?;
+                state.optim.entry(name.to_string()).or_default().insert(field.to_string(), values);
+            } else if let Some(name) = key.strip_prefix("previous/") {
+                state.previous.get_or_insert_with(BTreeMap::new).insert(name.to_string(), values);
+            } else {
+                return Err(err(format!("unexpected tensor {key}")));
+            }
+        }
+        Ok((state, meta.config, meta.extra))
+    }
+}
+
+const META_KEY: &str = "copus.checkpoint";
+
+#[derive(Serialize, Deserialize)]
+struct CheckpointMeta {
+    format: u32,
+    step: u64,
+    tokens_seen: u64,
+    gns: GnsEstimator,
+    has_previous: bool,
+    scalars: Vec<(String, String, Scalar)>,
+    config: EngineConfig,
+    extra: BTreeMap<String, String>,
+}
+
+impl<L: ParallelLm> Engine<L> {
+    /// Saves the whole training state and configuration to `path` (one file), with the caller's
+    /// `extra` entries (data position, seed, ...).
+    pub fn save_checkpoint(&mut self, path: &Path, extra: &BTreeMap<String, String>) -> Result<u64, EngineError> {
+        let state = self.stage_state()?;
+        state.save(path, self.specs(), self.config(), extra)?;
+        Ok(state.bytes())
+    }
+
+    /// Starts an engine from a checkpoint, in the saved configuration or in `cfg` (any layout of
+    /// any world size the model fits). Returns the caller's `extra` entries too.
+    pub fn resume(model: Arc<L>, path: &Path, cfg: Option<EngineConfig>) -> Result<(Self, BTreeMap<String, String>), EngineError> {
+        let (state, saved, extra) = TrainingState::load(path)?;
+        let engine = Self::from_state(model, &state, cfg.unwrap_or(saved))?;
+        Ok((engine, extra))
+    }
+}

@@ -1,0 +1,317 @@
+//! The adaptive training loop, written once: step -> observe -> decide -> validate ->
+//! reconfigure at the step boundary -> next step.
+//!
+//! A [`Driver`] owns the engine, the run's candidate space and the position in the data. Each
+//! [`Driver::step`] takes the next B_g sequences from a [`DataSource`] (by sample index, so a run
+//! is a pure function of its seed), trains one step, hands the measured noise estimate and
+//! samples/s to a [`DecisionSource`], checks the decision against the candidate space (a target
+//! outside it is refused with its reason, and training goes on unchanged), reconfigures, and
+//! reports the measured cost of the switch back to the source. The embedded orchestrator, a
+//! remote service client and a scripted list of decisions are all decision sources.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use copus_core::candidates::{Candidate, Enumeration};
+use copus_core::orchestrator::Orchestrator;
+use copus_core::policy::{Decision, StepObservation};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::engine::{Engine, EngineError, EngineStep};
+use crate::parallel::ParallelLm;
+
+/// Where the sequences come from: sequence `i` of the run's sample order, always the same.
+pub trait DataSource {
+    /// Sequences `first..first + count`, each `seq_len + 1` tokens, row-major.
+    fn sequences(&self, first: u64, count: usize) -> Vec<i64>;
+}
+
+/// Who decides the next configuration.
+pub trait DecisionSource {
+    /// For logs and reports.
+    fn name(&self) -> String;
+    /// The decision after a finished step; `samples_per_sec` is what the step measured.
+    fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision;
+    /// A decision was carried out and took `seconds` (as the run's clock counts them).
+    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool);
+}
+
+impl DecisionSource for Orchestrator {
+    fn name(&self) -> String {
+        self.policy_name()
+    }
+    fn on_step(&mut self, obs: &StepObservation, _samples_per_sec: f64) -> Decision {
+        Orchestrator::on_step(self, obs)
+    }
+    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
+        Orchestrator::on_reconfigured(self, seconds, layout_changed);
+    }
+}
+
+/// Decisions fixed in advance: after step `s` (1-based, as [`StepObservation::step`]), go to
+/// the listed configuration. For tests and replays.
+#[derive(Clone, Debug, Default)]
+pub struct Scripted {
+    plan: BTreeMap<u64, Candidate>,
+    /// Reconfiguration costs reported back, in order.
+    pub reported: Vec<(f64, bool)>,
+}
+
+impl Scripted {
+    /// Goes to `target` after each listed step.
+    pub fn new(plan: impl IntoIterator<Item = (u64, Candidate)>) -> Self {
+        Self { plan: plan.into_iter().collect(), reported: Vec::new() }
+    }
+}
+
+impl DecisionSource for Scripted {
+    fn name(&self) -> String {
+        "scripted".into()
+    }
+    fn on_step(&mut self, obs: &StepObservation, _samples_per_sec: f64) -> Decision {
+        match self.plan.get(&obs.step) {
+            Some(&t) if t != obs.current && t.dims != obs.current.dims => Decision::ChangeLayout(t),
+            Some(&t) if t != obs.current => Decision::ChangeBatch(t),
+            _ => Decision::Keep,
+        }
+    }
+    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
+        self.reported.push((seconds, layout_changed));
+    }
+}
+
+/// How the run's time is counted.
+pub enum Clock {
+    /// What this machine took.
+    Wall,
+    /// A throughput model: a step of candidate `c` takes `step_secs(c)`; switches cost the given
+    /// seconds (batch-only, layout). The training math is real either way.
+    Modelled {
+        /// Seconds per step of a candidate.
+        step_secs: Box<dyn Fn(&Candidate) -> f64>,
+        /// Seconds a batch-only change costs.
+        batch_switch_secs: f64,
+        /// Seconds a layout change costs.
+        layout_switch_secs: f64,
+    },
+}
+
+/// A decision and what became of it; one line of `decisions.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    /// The step after which it was made.
+    pub step: u64,
+    /// The configuration that ran the step.
+    pub current: Candidate,
+    /// What the source asked for.
+    pub proposed: Candidate,
+    /// Whether the run now runs `proposed`.
+    pub applied: bool,
+    /// Why not, when it was refused or failed.
+    pub refused: Option<String>,
+}
+
+/// A carried-out switch; one line of `reconfigurations.csv`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SwitchRecord {
+    /// The step after which it happened.
+    pub step: u64,
+    /// Before.
+    pub from: Candidate,
+    /// After.
+    pub to: Candidate,
+    /// Whether the layout changed (else only B_g / B_m).
+    pub layout_changed: bool,
+    /// Seconds measured on this machine.
+    pub measured_secs: f64,
+    /// Seconds charged to the run's clock.
+    pub clock_secs: f64,
+    /// Bytes of state staged.
+    pub bytes: u64,
+}
+
+/// What one driver step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DriverStep {
+    /// The engine's step.
+    pub step: EngineStep,
+    /// The configuration that ran it.
+    pub candidate: Candidate,
+    /// The run's clock after the step (and after a switch that followed it).
+    pub clock_secs: f64,
+    /// Measured samples/s of the step.
+    pub samples_per_sec: f64,
+    /// The decision that followed, unless it was to keep the configuration.
+    pub decision: Option<DecisionRecord>,
+    /// The switch that followed, if one was carried out.
+    pub switch: Option<SwitchRecord>,
+}
+
+/// Why the loop stopped.
+#[derive(Debug, Error)]
+pub enum DriverError {
+    /// The starting configuration is not one of the run's candidates.
+    #[error("the starting configuration {candidate} is not a candidate of the run: {reason}")]
+    Start {
+        /// The configuration.
+        candidate: Candidate,
+        /// Why not.
+        reason: String,
+    },
+    /// The engine failed (a failed switch that rolled back is not an error).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// The loop's state: engine, candidate space, data position, clock.
+pub struct Driver<L: ParallelLm> {
+    engine: Engine<L>,
+    space: Enumeration,
+    current: Candidate,
+    next_sample: u64,
+    clock: Clock,
+    clock_secs: f64,
+}
+
+impl<L: ParallelLm> Driver<L> {
+    /// A driver for `engine`, whose configuration must be one of `space.feasible`.
+    pub fn new(engine: Engine<L>, space: Enumeration, clock: Clock) -> Result<Self, DriverError> {
+        let c = engine.config();
+        let current = Candidate::new(c.dims, c.global_batch, c.micro_batch)
+            .map_err(|e| DriverError::Start { candidate: Candidate { dims: c.dims, global_batch: c.global_batch, micro_batch: c.micro_batch, num_micro: 0 }, reason: e.to_string() })?;
+        let driver = Self { engine, space, current, next_sample: 0, clock, clock_secs: 0.0 };
+        driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
+        Ok(driver)
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<L> {
+        &self.engine
+    }
+
+    /// The engine, mutably (checkpoints, parameters).
+    pub fn engine_mut(&mut self) -> &mut Engine<L> {
+        &mut self.engine
+    }
+
+    /// The configuration of the next step.
+    pub fn current(&self) -> Candidate {
+        self.current
+    }
+
+    /// The index of the next sequence the data source will be asked for.
+    pub fn next_sample(&self) -> u64 {
+        self.next_sample
+    }
+
+    /// The run's clock, seconds.
+    pub fn clock_secs(&self) -> f64 {
+        self.clock_secs
+    }
+
+    /// Continues from a saved position (sample index and clock) after a resume.
+    pub fn set_position(&mut self, next_sample: u64, clock_secs: f64) {
+        self.next_sample = next_sample;
+        self.clock_secs = clock_secs;
+    }
+
+    /// Whether `target` may run: one of the feasible candidates. A refusal names the reason
+    /// the enumeration gave, or why it is outside the space.
+    pub fn check(&self, target: &Candidate) -> Result<(), String> {
+        if self.space.feasible.contains(target) {
+            return Ok(());
+        }
+        let same = |r: &&copus_core::candidates::Rejected| r.dims == target.dims && r.global_batch == target.global_batch && r.micro_batch == target.micro_batch;
+        if let Some(r) = self.space.rejected.iter().find(same) {
+            return Err(r.reason.to_string());
+        }
+        let mut why = Vec::new();
+        let batches: Vec<usize> = self.space.feasible.iter().map(|c| c.global_batch).collect();
+        let micros: Vec<usize> = self.space.feasible.iter().map(|c| c.micro_batch).collect();
+        if !batches.contains(&target.global_batch) {
+            why.push(format!("B_g = {} is not in the run's global batch list", target.global_batch));
+        }
+        if !micros.contains(&target.micro_batch) {
+            why.push(format!("B_m = {} is not in the run's micro-batch list", target.micro_batch));
+        }
+        if !self.space.feasible.iter().any(|c| c.dims == target.dims) {
+            why.push(format!("layout {} is not a layout of the run", target.dims));
+        }
+        if target.num_micro * target.dims.dp * target.micro_batch != target.global_batch {
+            why.push(format!("a = {} does not give B_g = dp * B_m * a", target.num_micro));
+        }
+        if why.is_empty() {
+            why.push("not a candidate of the run".into());
+        }
+        Err(why.join("; "))
+    }
+
+    /// One step on the next B_g sequences, then the decision and, if valid, the switch.
+    pub fn step(&mut self, data: &dyn DataSource, source: &mut dyn DecisionSource) -> Result<DriverStep, DriverError> {
+        let candidate = self.current;
+        let tokens = data.sequences(self.next_sample, candidate.global_batch);
+        let started = Instant::now();
+        let step = self.engine.step(tokens)?;
+        let secs = started.elapsed().as_secs_f64();
+        self.next_sample += candidate.global_batch as u64;
+        self.clock_secs += match &self.clock {
+            Clock::Wall => secs,
+            Clock::Modelled { step_secs, .. } => step_secs(&candidate),
+        };
+        let samples_per_sec = candidate.global_batch as f64 / secs.max(1e-12);
+        let obs = StepObservation { step: step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
+        let decision = source.on_step(&obs, samples_per_sec);
+        let proposed = decision.target(candidate);
+        let mut out = DriverStep { step, candidate, clock_secs: self.clock_secs, samples_per_sec, decision: None, switch: None };
+        if proposed == candidate {
+            return Ok(out);
+        }
+        let mut record = DecisionRecord { step: obs.step, current: candidate, proposed, applied: false, refused: None };
+        if let Err(why) = self.check(&proposed) {
+            tracing::warn!("{}: refused the decision {proposed} after step {}: {why}", source.name(), obs.step);
+            record.refused = Some(why);
+            out.decision = Some(record);
+            return Ok(out);
+        }
+        let started = Instant::now();
+        match self.engine.reconfigure(proposed.dims, proposed.global_batch, proposed.micro_batch) {
+            Ok(report) => {
+                let measured_secs = started.elapsed().as_secs_f64();
+                let clock_secs = match &self.clock {
+                    Clock::Wall => measured_secs,
+                    Clock::Modelled { batch_switch_secs, layout_switch_secs, .. } => {
+                        if report.layout_changed {
+                            *layout_switch_secs
+                        } else {
+                            *batch_switch_secs
+                        }
+                    }
+                };
+                self.clock_secs += clock_secs;
+                source.on_reconfigured(clock_secs, report.layout_changed);
+                tracing::info!("step {}: {candidate} -> {proposed} in {measured_secs:.3} s", obs.step);
+                self.current = proposed;
+                record.applied = true;
+                out.clock_secs = self.clock_secs;
+                out.switch = Some(SwitchRecord {
+                    step: obs.step,
+                    from: candidate,
+                    to: proposed,
+                    layout_changed: report.layout_changed,
+                    measured_secs,
+                    clock_secs,
+                    bytes: report.bytes,
+                });
+            }
+            Err(e @ EngineError::Dead(_)) => return Err(e.into()),
+            Err(e) => {
+                // Refused before anything changed, or rolled back: the run goes on as it was.
+                tracing::warn!("step {}: the switch to {proposed} failed, continuing in {candidate}: {e}", obs.step);
+                record.refused = Some(e.to_string());
+            }
+        }
+        out.decision = Some(record);
+        Ok(out)
+    }
+}

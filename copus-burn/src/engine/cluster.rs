@@ -1,0 +1,268 @@
+//! The running ranks of one layout: a thread per rank, the commands the engine sends them and
+//! their replies, start-up with verification against the staged state, and failure handling
+//! (the first rank to fail aborts the world, so no rank waits forever on it).
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use copus_core::layout::RankGrid;
+use copus_core::model::ParamSpec;
+
+use super::config::EngineConfig;
+use super::error::{EngineError, ReconfigPhase};
+use super::fault::Fault;
+use super::rank::{RankError, RankInit, RankState};
+use super::{EngineStep, RankParams};
+use crate::collective::{Collective, CommError, ThreadComm};
+use crate::parallel::{ParallelLm, ShardPlan};
+use crate::state::{RankExport, TrainingState};
+
+/// What the engine asks of every rank.
+pub(super) enum Command {
+    Step(Arc<Vec<i64>>),
+    Params,
+    Export,
+    SetBatch { global_batch: usize, micro_batch: usize },
+    Stop,
+}
+
+/// A rank's answer.
+pub(super) enum Reply {
+    Step(Box<EngineStep>),
+    Params(RankParams),
+    Export(Box<RankExport>),
+    Done,
+}
+
+/// A rank's failure: `origin` is false when it only saw another rank's abort.
+struct RankFailure {
+    origin: bool,
+    message: String,
+}
+
+struct WorkerHandle {
+    commands: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+type Replies = Receiver<(usize, Result<Reply, RankFailure>)>;
+
+/// The running ranks of one layout.
+pub(super) struct Cluster {
+    workers: Vec<WorkerHandle>,
+    replies: Replies,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Cluster {
+    /// Starts the ranks of `cfg` from `state` and verifies what each loaded against it
+    /// (element counts and checksums of every parameter and optimizer tensor).
+    pub(super) fn launch<L: ParallelLm>(
+        model: &Arc<L>,
+        specs: &[ParamSpec],
+        state: &TrainingState,
+        cfg: &EngineConfig,
+        fault: Fault,
+    ) -> Result<Self, EngineError> {
+        let spec = model.spec();
+        let dims = cfg.dims;
+        let layout_err = |reason: String| EngineError::Layout { dims: dims.to_string(), reason };
+        let parallel = model.parallel_plan();
+        parallel.check(specs)?;
+        let parallel = Arc::new(parallel);
+        let grid = RankGrid::new(dims);
+        let world = dims.world_size();
+        let mut inits = Vec::with_capacity(world);
+        let mut expected = Vec::with_capacity(world);
+        for r in 0..world {
+            let c = grid.coord(r).map_err(|e| layout_err(e.to_string()))?;
+            let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
+            let (source, resume, hashes) = state.rank_init(specs, &plan)?;
+            expected.push(hashes);
+            let device = cfg.rank_device(r)?.autodiff();
+            // Plant a fault on the last rank only: the others must be released, not hang.
+            let fault = if r + 1 == world { fault } else { Fault::default() };
+            inits.push(RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() });
+        }
+        let (reply_tx, replies) = channel();
+        let (ready_tx, ready_rx) = channel();
+        let mut workers = Vec::with_capacity(world);
+        for ((r, comm), init) in ThreadComm::world(world).into_iter().enumerate().zip(inits) {
+            let (tx, rx) = channel::<Command>();
+            let model = model.clone();
+            let cfg = cfg.clone();
+            let specs = specs.to_vec();
+            let reply_tx = reply_tx.clone();
+            let ready_tx = ready_tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("copus-rank-{r}"))
+                .spawn(move || {
+                    let aborter = comm.abort_handle();
+                    let built = catch_unwind(AssertUnwindSafe(|| RankState::<L>::start(r, comm, init, &*model, specs, cfg)));
+                    let state = match built {
+                        Ok(Ok((s, hashes))) => {
+                            let _ = ready_tx.send((r, Ok(hashes)));
+                            s
+                        }
+                        Ok(Err(e)) => {
+                            aborter.abort(&e.to_string());
+                            let _ = ready_tx.send((r, Err(e)));
+                            return;
+                        }
+                        Err(p) => {
+                            let message = panic_message(&p);
+                            aborter.abort(&message);
+                            let _ = ready_tx.send((r, Err(EngineError::Rank { rank: r, message })));
+                            return;
+                        }
+                    };
+                    worker_loop(state, rx, reply_tx);
+                })
+                .map_err(|e| EngineError::Rank { rank: r, message: format!("could not start its thread: {e}") })?;
+            workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
+        }
+        drop(ready_tx);
+        let cluster = Cluster { workers, replies };
+        let mut first_error: Option<EngineError> = None;
+        let mut first_secondary = false;
+        let mut reported: Vec<Option<Vec<(String, u64)>>> = vec![None; world];
+        for _ in 0..world {
+            match ready_rx.recv() {
+                Ok((r, Ok(h))) => reported[r] = Some(h),
+                Ok((_, Err(e))) => {
+                    // Prefer a rank's own failure over another rank's report of the abort.
+                    let secondary =
+                        matches!(&e, EngineError::Rank { message, .. } if message.starts_with("rank ") && message.contains(" failed: "));
+                    if first_error.is_none() || (first_secondary && !secondary) {
+                        first_error = Some(e);
+                        first_secondary = secondary;
+                    }
+                }
+                Err(_) => {
+                    first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e); // dropping `cluster` stops the ranks that did start
+        }
+        for (r, (want, got)) in expected.iter_mut().zip(&reported).enumerate() {
+            let mut got = got.clone().unwrap_or_default();
+            if r + 1 == world
+                && fault.hits(ReconfigPhase::Verify)
+                && let Some(first) = got.first_mut()
+            {
+                first.1 ^= 1;
+            }
+            got.sort();
+            want.sort();
+            if &got != want {
+                let diff = want.iter().find(|w| !got.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
+                return Err(EngineError::Verify(format!("rank {r}: {diff} does not match the staged state")));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Sends every rank a command and collects the replies in rank order. A rank's own failure
+    /// is reported in preference to the other ranks' reports of its abort.
+    pub(super) fn broadcast(&self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
+        for (r, w) in self.workers.iter().enumerate() {
+            if w.commands.send(make()).is_err() {
+                return Err(EngineError::Dead(format!("rank {r} is gone")));
+            }
+        }
+        let n = self.workers.len();
+        let mut out: Vec<Option<Reply>> = (0..n).map(|_| None).collect();
+        let mut failure: Option<(usize, RankFailure)> = None;
+        for _ in 0..n {
+            match self.replies.recv() {
+                Ok((r, Ok(reply))) => out[r] = Some(reply),
+                Ok((r, Err(f))) => {
+                    let better = match &failure {
+                        None => true,
+                        Some((_, old)) => f.origin && !old.origin,
+                    };
+                    if better {
+                        failure = Some((r, f));
+                    }
+                }
+                Err(_) => {
+                    failure.get_or_insert((usize::MAX, RankFailure { origin: true, message: "a rank thread vanished".into() }));
+                    break;
+                }
+            }
+        }
+        if let Some((rank, f)) = failure {
+            return Err(EngineError::Rank { rank, message: f.message });
+        }
+        Ok(out.into_iter().map(|o| o.expect("every rank replied")).collect())
+    }
+
+    /// Stops every rank and joins its thread.
+    pub(super) fn stop(&mut self) {
+        for w in &self.workers {
+            let _ = w.commands.send(Command::Stop);
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".into()
+    }
+}
+
+fn worker_loop<L: ParallelLm>(mut state: RankState<L>, rx: Receiver<Command>, tx: Sender<(usize, Result<Reply, RankFailure>)>) {
+    let r = state.rank;
+    while let Ok(cmd) = rx.recv() {
+        let result = match cmd {
+            Command::Stop => return,
+            Command::Step(batch) => catch_unwind(AssertUnwindSafe(|| state.step(&batch).map(|s| Reply::Step(Box::new(s))))),
+            Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
+            Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
+            Command::SetBatch { global_batch, micro_batch } => {
+                state.set_batch(global_batch, micro_batch);
+                Ok(Ok(Reply::Done))
+            }
+        };
+        let out = match result {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(RankError::Comm(CommError::Aborted { rank, message }))) if rank != r => {
+                Err(RankFailure { origin: false, message: format!("rank {rank} failed: {message}") })
+            }
+            Ok(Err(e)) => {
+                let message = e.to_string();
+                state.world.abort(&message);
+                Err(RankFailure { origin: true, message })
+            }
+            Err(p) => {
+                let message = panic_message(&p);
+                state.world.abort(&message);
+                Err(RankFailure { origin: true, message })
+            }
+        };
+        let failed = out.is_err();
+        if tx.send((r, out)).is_err() || failed {
+            // After a failure the world is aborted; this rank can do nothing more.
+            return;
+        }
+    }
+}

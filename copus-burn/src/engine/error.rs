@@ -1,0 +1,78 @@
+//! What can go wrong in the engine, and where a reconfiguration can fail.
+
+use thiserror::Error;
+
+use crate::parallel::ShardError;
+use crate::trainer::TrainError;
+
+/// Why the engine could not train.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum EngineError {
+    /// The layout does not fit the model or the world.
+    #[error("layout {dims}: {reason}")]
+    Layout {
+        /// The layout asked for.
+        dims: String,
+        /// What does not fit.
+        reason: String,
+    },
+    /// Batch arithmetic or batch data.
+    #[error("batch: {0}")]
+    Batch(String),
+    /// A rank's device cannot be used by this build.
+    #[error("device: {0}")]
+    Device(String),
+    /// Building shards, or a model whose parallel plan disagrees with its parameter specs.
+    #[error("sharding: {0}")]
+    Shard(#[from] ShardError),
+    /// Optimizer settings or a non-finite loss.
+    #[error(transparent)]
+    Train(TrainError),
+    /// A rank failed (panicked or reported an error); the step did not happen.
+    #[error("rank {rank} failed: {message}")]
+    Rank {
+        /// The first failing rank.
+        rank: usize,
+        /// Its message.
+        message: String,
+    },
+    /// A rank's loaded state does not match the staged state.
+    #[error("verification failed: {0}")]
+    Verify(String),
+    /// A reconfiguration failed at `phase` and the engine went back to its old configuration.
+    #[error("reconfiguration to {target} failed at {phase:?} ({message}); rolled back to {restored}, nothing lost")]
+    RolledBack {
+        /// Where it failed.
+        phase: ReconfigPhase,
+        /// The error.
+        message: String,
+        /// The configuration asked for.
+        target: String,
+        /// The configuration running again.
+        restored: String,
+    },
+    /// Reading or writing a checkpoint.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// File.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The engine failed earlier and must be rebuilt.
+    #[error("the engine stopped after an earlier failure: {0}")]
+    Dead(String),
+}
+
+/// Where a reconfiguration can fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReconfigPhase {
+    /// After the state is staged in host memory and the old ranks are stopped.
+    AfterStaging,
+    /// While the new ranks build their process groups.
+    GroupRebuild,
+    /// While the new ranks load their shards and optimizer state.
+    Load,
+    /// When the loaded state is checked against the staged one.
+    Verify,
+}

@@ -1,0 +1,167 @@
+//! One optimizer step on one rank: the stage's pipeline schedule over its micro-batches, the
+//! tied embedding's gradient between the first and last stage, the probe's per-micro-batch
+//! norms, the bucketed dp all-reduce, and the shared step closing (estimator, clipping, LR)
+//! before the update.
+
+use std::time::Instant;
+
+use burn::optim::GradientsParams;
+use copus_core::gns::StepStats;
+use copus_core::schedule::{Action, build as build_schedule};
+
+use super::EngineStep;
+use super::grad_index::Role;
+use super::rank::{RankError, RankState};
+use super::regions::InFlight;
+use crate::collective::{Collective, ReduceOp};
+use crate::grads;
+use crate::parallel::{ParallelLm, StageModel};
+use crate::trainer::{StepMetrics, TrainError};
+
+const TAG_ACT: u32 = 1;
+const TAG_GRAD: u32 = 2;
+const TAG_TIED: u32 = 3;
+const TAG_TIED_SUM: u32 = 4;
+
+impl<L: ParallelLm> RankState<L> {
+    /// One optimizer step on `batch` (the whole step's sequences; this rank takes its share).
+    pub(super) fn step(&mut self, batch: &[i64]) -> Result<EngineStep, RankError> {
+        let start = Instant::now();
+        let dims = self.cfg.dims;
+        let a = self.cfg.num_micro_per_replica();
+        let n_total = self.cfg.global_batch / self.cfg.micro_batch;
+        let actions = build_schedule(self.cfg.schedule, dims.pp, a).map_err(|e| TrainError::Batch(e.to_string()))?;
+        let my_actions = actions[self.plan.stage].clone();
+        let ctx = self.stage().context(self.cfg.seq_len);
+        let mut flights: Vec<InFlight> = (0..a).map(|_| InFlight::default()).collect();
+        let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
+        let mut loss = 0f64;
+        let mut micro_sq = vec![0f64; n_total + 1];
+        let mut acc: Option<GradientsParams> = None;
+        let tp_rank = self.plan.tp_rank;
+        for action in my_actions {
+            match action {
+                Action::RecvActivation { mb } => flights[mb].activation_in = Some(self.pp.recv(prev, TAG_ACT)?),
+                Action::Forward { mb } => {
+                    let mut fl = std::mem::take(&mut flights[mb]);
+                    loss += self.forward(batch, mb, &mut fl, &ctx)?;
+                    flights[mb] = fl;
+                }
+                Action::SendActivation { mb } => {
+                    let v = flights[mb].activation_out.take().expect("forward before send");
+                    self.pp.send(next, TAG_ACT, v)?;
+                }
+                Action::RecvGrad { mb } => flights[mb].grad_in = Some(self.pp.recv(next, TAG_GRAD)?),
+                Action::Backward { mb } => {
+                    let mut fl = std::mem::take(&mut flights[mb]);
+                    let mut g = self.backward(&mut fl)?;
+                    flights[mb].grad_out = fl.grad_out.take();
+                    // tp-replicated parameters: sum the partial gradients over tp.
+                    if dims.tp > 1 && self.index.any(|p| p.role == Role::TpReplicated) {
+                        let mut rep = self.index.flatten(self.stage(), &g, |p| p.role == Role::TpReplicated);
+                        self.tp.all_reduce(&mut rep, ReduceOp::Sum)?;
+                        self.index.unflatten(self.stage(), &mut g, |p| p.role == Role::TpReplicated, &rep);
+                    }
+                    // A tied embedding across stages: the last stage's share goes to the first.
+                    if self.index.any(|p| p.mirror) {
+                        let share = self.index.flatten(self.stage(), &g, |p| p.mirror);
+                        let zeros = vec![0.0; share.len()];
+                        self.pp.send(0, TAG_TIED, share)?;
+                        self.index.unflatten(self.stage(), &mut g, |p| p.mirror, &zeros);
+                    }
+                    if self.index.any(|p| p.tied_owner) {
+                        let share = self.pp.recv(dims.pp - 1, TAG_TIED)?;
+                        let mut own = self.index.flatten(self.stage(), &g, |p| p.tied_owner);
+                        for (o, s) in own.iter_mut().zip(&share) {
+                            *o += s;
+                        }
+                        self.index.unflatten(self.stage(), &mut g, |p| p.tied_owner, &own);
+                    }
+                    // This micro-batch's gradient is its share of the step mean: its own mean
+                    // gradient is n_total times it (equal tokens per micro-batch).
+                    micro_sq[self.dp_rank * a + mb] =
+                        self.index.sq_norm(self.stage(), &g, None, |p| p.counted(tp_rank)) * (n_total * n_total) as f64;
+                    acc = Some(grads::add(self.stage(), acc.take(), g));
+                }
+                Action::SendGrad { mb } => {
+                    let v = flights[mb].grad_out.take().expect("backward before send");
+                    self.pp.send(prev, TAG_GRAD, v)?;
+                }
+            }
+        }
+        let mut acc = acc.unwrap_or_default();
+        // The tied embedding's summed gradient goes back to the mirror.
+        if self.index.any(|p| p.tied_owner) {
+            let full = self.index.flatten(self.stage(), &acc, |p| p.tied_owner);
+            self.pp.send(dims.pp - 1, TAG_TIED_SUM, full)?;
+        }
+        if self.index.any(|p| p.mirror) {
+            let full = self.pp.recv(0, TAG_TIED_SUM)?;
+            self.index.unflatten(self.stage(), &mut acc, |p| p.mirror, &full);
+        }
+        // Per-micro-batch norms and the loss, summed over every rank.
+        micro_sq[n_total] = if self.plan.is_last() && tp_rank == 0 { loss } else { 0.0 };
+        self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
+        let loss = micro_sq[n_total];
+        let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
+        // Data parallel: bucketed all-reduce of the flattened gradients.
+        if dims.dp > 1 {
+            let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
+            for chunk in flat.chunks_mut(self.cfg.bucket_elems) {
+                self.dp.all_reduce(chunk, ReduceOp::Sum)?;
+            }
+            self.index.unflatten(self.stage(), &mut acc, |_| true, &flat);
+        }
+        // |g|^2 of the reduced gradient and, for a one-micro-batch step, |g - g_prev|^2, each
+        // summed over the model-parallel ranks.
+        let counted = |p: &super::grad_index::ParamInfo| p.counted(tp_rank);
+        let previous = self.closer.memory().previous(n_total);
+        let mut sq = [
+            self.index.sq_norm(self.stage(), &acc, None, counted),
+            previous.map_or(0.0, |p| self.index.sq_norm(self.stage(), &acc, Some(p), counted)),
+        ];
+        let has_previous = previous.is_some();
+        self.mp.all_reduce(&mut sq, ReduceOp::Sum)?;
+        let stats = StepStats {
+            micro_batch: self.cfg.micro_batch,
+            num_micro: n_total,
+            mean_micro_sq_norm,
+            grad_sq_norm: sq[0],
+            diff_sq_norm: has_previous.then_some(sq[1]),
+        };
+        if !loss.is_finite() {
+            return Err(TrainError::NonFinite(loss, self.step).into());
+        }
+        let stage = self.stage.take().expect("stage present");
+        let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.cfg.global_batch, &stats, acc) {
+            Ok(c) => c,
+            Err(e) => {
+                self.stage = Some(stage);
+                return Err(e.into());
+            }
+        };
+        let (lr, grad_norm, est) = (closed.lr, closed.grad_norm, closed.estimate);
+        let phi = est.and_then(|e| e.b_simple());
+        self.stage = Some(self.optim.step(lr, stage, closed.grads));
+        self.step += 1;
+        self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
+        Ok(EngineStep {
+            metrics: StepMetrics {
+                step: self.step,
+                loss,
+                lr,
+                global_batch: self.cfg.global_batch,
+                micro_batch: self.cfg.micro_batch,
+                num_micro: n_total,
+                tokens_seen: self.tokens_seen,
+                step_time: start.elapsed().as_secs_f64(),
+                grad_norm,
+                grad_sq: est.map(|e| e.grad_sq),
+                trace: est.map(|e| e.trace),
+                b_simple: phi,
+                gns_biased: est.is_some_and(|e| e.biased),
+            },
+            stats,
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! What each parameter of a rank's stage is to the engine (tensor-sharded or replicated over tp,
+//! a tied embedding's mirror or owner), and gradients by a selection of parameters: flattened to
+//! one host buffer for a collective, written back, and squared norms summed on the host in f64.
+
+use std::collections::HashSet;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::grads::host_sq;
+
+/// How a parameter's gradient is counted and reduced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Role {
+    /// Split across tp: each rank owns distinct elements.
+    Sharded,
+    /// The same on every tp rank; partial gradients are summed over tp.
+    TpReplicated,
+}
+
+/// One parameter of the stage.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ParamInfo {
+    pub(super) id: ParamId,
+    pub(super) role: Role,
+    /// The tied embedding on the last stage of a pipeline: a mirror of the first stage's copy.
+    pub(super) mirror: bool,
+    /// The tied embedding on the first stage of a pipeline: receives the last stage's share.
+    pub(super) tied_owner: bool,
+}
+
+impl ParamInfo {
+    /// Counted once in a whole-model norm: not a mirror, and replicated ones on tp rank 0 only.
+    pub(super) fn counted(&self, tp_rank: usize) -> bool {
+        !self.mirror && (self.role == Role::Sharded || tp_rank == 0)
+    }
+}
+
+/// The stage's parameters in visit order.
+pub(super) struct GradIndex {
+    pub(super) params: Vec<ParamInfo>,
+    /// Where gradients written back live when a parameter had none.
+    device: Device,
+}
+
+impl GradIndex {
+    pub(super) fn new(params: Vec<ParamInfo>, device: Device) -> Self {
+        Self { params, device }
+    }
+
+    /// Whether any parameter matches.
+    pub(super) fn any(&self, select: impl Fn(&ParamInfo) -> bool) -> bool {
+        self.params.iter().any(select)
+    }
+
+    fn ids(&self, select: impl Fn(&ParamInfo) -> bool) -> HashSet<ParamId> {
+        self.params.iter().filter(|p| select(p)).map(|p| p.id).collect()
+    }
+
+    /// The selected parameters' gradients, in stage visit order, as one buffer (zeros where a
+    /// parameter has no gradient).
+    pub(super) fn flatten<S: Module>(&self, stage: &S, g: &GradientsParams, select: impl Fn(&ParamInfo) -> bool) -> Vec<f32> {
+        struct V<'a> {
+            g: &'a GradientsParams,
+            wanted: HashSet<ParamId>,
+            out: Vec<f32>,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if self.wanted.contains(&p.id) {
+                    match self.g.get::<D>(p.id) {
+                        Some(t) => self.out.extend(t.into_data().iter::<f32>()),
+                        None => self.out.extend(std::iter::repeat_n(0f32, p.val().shape().num_elements())),
+                    }
+                }
+            }
+        }
+        let mut v = V { g, wanted: self.ids(select), out: Vec::new() };
+        stage.visit(&mut v);
+        v.out
+    }
+
+    /// Writes `values` (as laid out by [`Self::flatten`]) back into `g`.
+    pub(super) fn unflatten<S: Module>(&self, stage: &S, g: &mut GradientsParams, select: impl Fn(&ParamInfo) -> bool, values: &[f32]) {
+        struct V<'a> {
+            g: &'a mut GradientsParams,
+            wanted: HashSet<ParamId>,
+            values: &'a [f32],
+            at: usize,
+            device: &'a Device,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if self.wanted.contains(&p.id) {
+                    let shape = p.val().shape();
+                    let n = shape.num_elements();
+                    let device = self.g.remove::<D>(p.id).map_or_else(|| self.device.clone(), |t| t.device());
+                    let data = TensorData::new(self.values[self.at..self.at + n].to_vec(), shape);
+                    self.g.register::<D>(p.id, Tensor::from_data(data, &device));
+                    self.at += n;
+                }
+            }
+        }
+        let device = self.device.clone().inner();
+        stage.visit(&mut V { g, wanted: self.ids(select), values, at: 0, device: &device });
+    }
+
+    /// Sum of squares of the selected parameters' gradients (of `a - b` when `b` is given).
+    pub(super) fn sq_norm<S: Module>(
+        &self,
+        stage: &S,
+        a: &GradientsParams,
+        b: Option<&GradientsParams>,
+        select: impl Fn(&ParamInfo) -> bool,
+    ) -> f64 {
+        struct V<'a> {
+            a: &'a GradientsParams,
+            b: Option<&'a GradientsParams>,
+            wanted: HashSet<ParamId>,
+            acc: f64,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if !self.wanted.contains(&p.id) {
+                    return;
+                }
+                let x = self.a.get::<D>(p.id);
+                let y = self.b.and_then(|b| b.get::<D>(p.id));
+                self.acc += match (x, y) {
+                    (Some(x), Some(y)) => host_sq(x - y),
+                    (Some(x), None) => host_sq(x),
+                    (None, Some(y)) if self.b.is_some() => host_sq(y),
+                    _ => 0.0,
+                };
+            }
+        }
+        let mut v = V { a, b, wanted: self.ids(select), acc: 0.0 };
+        stage.visit(&mut v);
+        v.acc
+    }
+}
+
+impl GradIndex {
+    /// Every parameter's gradient as a host buffer of its own (zeros where it has none), in
+    /// stage visit order.
+    pub(super) fn per_param<S: Module>(&self, stage: &S, g: &GradientsParams) -> Vec<(ParamId, Vec<f32>)> {
+        struct V<'a> {
+            g: &'a GradientsParams,
+            out: Vec<(ParamId, Vec<f32>)>,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                let values = match self.g.get::<D>(p.id) {
+                    Some(t) => t.into_data().iter::<f32>().collect(),
+                    None => vec![0f32; p.val().shape().num_elements()],
+                };
+                self.out.push((p.id, values));
+            }
+        }
+        let mut v = V { g, out: Vec::with_capacity(self.params.len()) };
+        stage.visit(&mut v);
+        v.out
+    }
+}

@@ -1,0 +1,262 @@
+//! The 3D-parallel engine: one worker thread per rank, each with its own device and its shard
+//! of the model, training in lock-step.
+//!
+//! One optimizer step with layout (dp, tp, pp), global batch B_g and micro-batch B_m:
+//! - dp replica `d` takes sequences `[d * a * B_m, (d + 1) * a * B_m)` of the step's batch as
+//!   `a = B_g / (dp * B_m)` micro-batches, in order, so global micro-batch `d * a + k` is the
+//!   same data serial training sees as its micro-batch `d * a + k`;
+//! - each stage runs copus-core's pipeline schedule (1F1B or GPipe). A micro-batch goes
+//!   through *regions* whose inputs are detached leaves: the embedding, one region per residual
+//!   branch, and the head. Between regions the engine sums partial outputs over the tp group
+//!   (forward) and partial input gradients over the tp group (backward): Megatron's f/g pair
+//!   without custom autodiff ops. Activations and their gradients cross stages by send/recv;
+//! - the loss is the vocabulary-parallel cross entropy normalised by the step's global number
+//!   of target tokens, so gradients do not depend on how B_g is split;
+//! - after the last micro-batch, gradients are all-reduced over dp in flat buckets;
+//! - the gradient-noise probe sums each micro-batch's squared gradient norm over the tp and pp
+//!   shards (tp-replicated parameters and a tied embedding counted once) and the norm of the
+//!   reduced gradient over the model-parallel ranks, so copus-core's estimator sees exactly the
+//!   numbers serial training would give it.
+//!
+//! Files: [`config`] and [`error`]; `cluster` (rank threads, their messages, start-up and
+//! verification); `rank` (one rank's state: build, resume, export); `regions` (the
+//! tensor-parallel regions and the vocabulary-parallel loss); `executor` (one step: the
+//! pipeline schedule, dp reduction, the probe, the update); `grad_index` (gradients by
+//! parameter selection); `fault` (rollback-test faults, feature `fault-injection`).
+
+mod cluster;
+pub mod config;
+pub mod error;
+mod executor;
+mod fault;
+mod grad_index;
+mod rank;
+mod regions;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use copus_core::gns::{GnsEstimator, StepStats};
+use copus_core::model::ParamSpec;
+
+pub use config::{EngineConfig, RankDevice};
+pub use error::{EngineError, ReconfigPhase};
+pub(crate) use fault::Fault;
+
+use crate::parallel::{FullParams, ParallelLm};
+use crate::state::TrainingState;
+use crate::trainer::{StepMetrics, TrainError};
+use cluster::{Cluster, Command, Reply};
+
+/// What a step reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineStep {
+    /// The usual trainer metrics.
+    pub metrics: StepMetrics,
+    /// What the probe measured this step (before smoothing).
+    pub stats: StepStats,
+}
+
+/// One rank's parameters as `(global name, shape, values)`.
+pub type RankParams = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// The parallel trainer.
+pub struct Engine<L: ParallelLm> {
+    model: Arc<L>,
+    cfg: EngineConfig,
+    specs: Vec<ParamSpec>,
+    cluster: Option<Cluster>,
+    dead: Option<String>,
+    gns: GnsEstimator,
+    steps_done: u64,
+    tokens_seen: u64,
+    fault: Fault,
+}
+
+impl EngineConfig {
+    /// Starts one worker per rank, each holding its shard of `full`.
+    pub fn init<L: ParallelLm>(self, model: Arc<L>, full: &FullParams) -> Result<Engine<L>, EngineError> {
+        Engine::new(model, full, self)
+    }
+}
+
+impl<L: ParallelLm> Engine<L> {
+    /// Starts one worker per rank of `cfg.dims`, each holding its shard of `full`.
+    pub fn new(model: Arc<L>, full: &FullParams, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let state = TrainingState::fresh(&model.spec(), full, cfg.optim.gns_theta)?;
+        Self::from_state(model, &state, cfg)
+    }
+
+    /// Starts the ranks of `cfg.dims` from a staged or loaded training state (any layout's).
+    pub fn from_state(model: Arc<L>, state: &TrainingState, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let specs = model.spec().param_specs();
+        let mut engine = Self {
+            model,
+            cfg: cfg.clone(),
+            specs,
+            cluster: None,
+            dead: None,
+            gns: state.gns.clone(),
+            steps_done: state.step,
+            tokens_seen: state.tokens_seen,
+            fault: Fault::default(),
+        };
+        engine.check_target(&cfg)?;
+        engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::default())?);
+        Ok(engine)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The model family.
+    pub fn model(&self) -> &Arc<L> {
+        &self.model
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_done(&self) -> u64 {
+        self.steps_done
+    }
+
+    /// The noise-scale estimator (identical on every rank).
+    pub fn gns(&self) -> &GnsEstimator {
+        &self.gns
+    }
+
+    /// Makes the next layout change fail at `phase` (rollback tests).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&mut self, phase: Option<ReconfigPhase>) {
+        self.fault = Fault::at_phase(phase);
+    }
+
+    fn cluster(&mut self) -> Result<&Cluster, EngineError> {
+        if let Some(d) = &self.dead {
+            return Err(EngineError::Dead(d.clone()));
+        }
+        self.cluster.as_ref().ok_or_else(|| EngineError::Dead("no ranks are running".into()))
+    }
+
+    /// Sends every rank a command and collects the replies in rank order; a failure marks the
+    /// engine dead.
+    fn broadcast(&mut self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
+        let result = self.cluster()?.broadcast(make);
+        if let Err(e) = &result {
+            self.dead = Some(e.to_string());
+        }
+        result
+    }
+
+    /// One optimizer step on `batch`: `B_g` sequences of `seq_len + 1` tokens, row-major.
+    pub fn step(&mut self, batch: Vec<i64>) -> Result<EngineStep, EngineError> {
+        let want = self.cfg.global_batch * (self.cfg.seq_len + 1);
+        if batch.len() != want {
+            return Err(EngineError::Batch(format!(
+                "expected {} sequences of {} tokens ({want} values), got {} values",
+                self.cfg.global_batch,
+                self.cfg.seq_len + 1,
+                batch.len()
+            )));
+        }
+        let vocab = self.model.spec().vocab_size as i64;
+        if let Some(t) = batch.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(EngineError::Batch(format!("token id {t} is outside the vocabulary 0..{vocab}")));
+        }
+        let batch = Arc::new(batch);
+        let replies = self.broadcast(|| Command::Step(batch.clone()))?;
+        let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
+        if !step.metrics.loss.is_finite() {
+            let e = EngineError::Train(TrainError::NonFinite(step.metrics.loss, self.steps_done));
+            self.dead = Some(e.to_string());
+            return Err(e);
+        }
+        self.gns.observe(&step.stats).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
+        self.steps_done += 1;
+        self.tokens_seen = step.metrics.tokens_seen;
+        Ok(*step)
+    }
+
+    /// Every rank's parameters, in rank order.
+    pub fn rank_params(&mut self) -> Result<Vec<RankParams>, EngineError> {
+        let replies = self.broadcast(|| Command::Params)?;
+        Ok(replies
+            .into_iter()
+            .map(|r| match r {
+                Reply::Params(p) => p,
+                _ => unreachable!("params reply"),
+            })
+            .collect())
+    }
+
+    /// Stages the whole training state in host memory (the ranks keep running).
+    pub fn stage_state(&mut self) -> Result<TrainingState, EngineError> {
+        let replies = self.broadcast(|| Command::Export)?;
+        let exports = replies
+            .into_iter()
+            .map(|r| match r {
+                Reply::Export(e) => *e,
+                _ => unreachable!("export reply"),
+            })
+            .collect();
+        TrainingState::from_exports(exports, &self.specs, self.cfg.dims, self.model.spec().num_layers)
+    }
+
+    /// The full parameters, reassembled from dp replica 0's shards (through the staging path).
+    pub fn gather(&mut self) -> Result<HashMap<String, Vec<f32>>, EngineError> {
+        Ok(self.stage_state()?.params.into_iter().collect())
+    }
+
+    // The narrow crate API that reconfiguration and checkpoints use.
+
+    /// The model's parameter specs.
+    pub(crate) fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// Checks a configuration against the model before any rank is touched.
+    pub(crate) fn check_target(&self, cfg: &EngineConfig) -> Result<(), EngineError> {
+        cfg.validate()?;
+        cfg.dims.check_model(&self.model.spec()).map_err(|e| EngineError::Layout { dims: cfg.dims.to_string(), reason: e.to_string() })
+    }
+
+    /// Changes B_g and B_m without touching the layout: only the data split, the accumulation
+    /// count and the learning rate (through the LR rule) change; weights and every optimizer
+    /// moment stay where they are.
+    pub(crate) fn set_batch(&mut self, global_batch: usize, micro_batch: usize) -> Result<(), EngineError> {
+        let cfg = EngineConfig { global_batch, micro_batch, ..self.cfg.clone() };
+        cfg.validate()?;
+        self.broadcast(|| Command::SetBatch { global_batch, micro_batch })?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
+    /// Stops the running ranks (their process groups go with them).
+    pub(crate) fn stop_ranks(&mut self) {
+        if let Some(mut c) = self.cluster.take() {
+            c.stop();
+        }
+    }
+
+    /// Stops the running ranks and starts those of `cfg` from `state`, verified. On success
+    /// the engine runs `cfg`; on failure no rank runs.
+    pub(crate) fn relaunch(&mut self, state: &TrainingState, cfg: &EngineConfig, fault: Fault) -> Result<(), EngineError> {
+        self.stop_ranks();
+        let cluster = Cluster::launch(&self.model, &self.specs, state, cfg, fault)?;
+        self.cluster = Some(cluster);
+        self.cfg = cfg.clone();
+        self.dead = None;
+        Ok(())
+    }
+
+    /// Marks the engine unusable with a reason.
+    pub(crate) fn mark_dead(&mut self, message: &str) {
+        self.dead = Some(message.to_string());
+    }
+
+    /// The planted fault, consumed.
+    pub(crate) fn take_fault(&mut self) -> Fault {
+        std::mem::take(&mut self.fault)
+    }
+}

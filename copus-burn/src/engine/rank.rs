@@ -1,0 +1,338 @@
+//! One rank's state: its process groups, its stage of the model, its optimizer and probe; how it
+//! is built from its shards (and resumed), and what it hands back for staging.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor, TensorData};
+use copus_core::layout::{Axis, RankGrid};
+use copus_core::model::{ParamSpec, Placement, TpSplit};
+use thiserror::Error;
+
+use super::RankParams;
+use super::config::EngineConfig;
+use super::error::{EngineError, ReconfigPhase};
+use super::fault::Fault;
+use super::grad_index::{GradIndex, ParamInfo, Role};
+use crate::closing::StepCloser;
+use crate::collective::{Collective, CommError, ThreadComm};
+use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
+use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, checksum};
+use crate::trainer::{TrainError, adamw_optimizer};
+
+/// Why a rank could not do what it was asked.
+#[derive(Debug, Error)]
+pub(super) enum RankError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("gradient noise scale: {0}")]
+    Gns(#[from] copus_core::gns::GnsError),
+}
+
+/// What a rank starts from.
+pub(super) struct RankInit {
+    pub(super) plan: ShardPlan,
+    pub(super) source: ShardSource,
+    pub(super) resume: RankResume,
+    pub(super) fault: Fault,
+    /// The rank's autodiff device.
+    pub(super) device: Device,
+    /// Model width (activations crossing regions are `[B_m, seq, hidden]`).
+    pub(super) hidden: usize,
+    /// The model's parallel plan.
+    pub(super) parallel: Arc<ParallelPlan>,
+}
+
+/// One rank between steps.
+pub(super) struct RankState<L: ParallelLm> {
+    pub(super) rank: usize,
+    pub(super) world: ThreadComm,
+    pub(super) tp: ThreadComm,
+    pub(super) dp: ThreadComm,
+    pub(super) pp: ThreadComm,
+    /// tp x pp ranks of this dp replica.
+    pub(super) mp: ThreadComm,
+    pub(super) plan: ShardPlan,
+    pub(super) dp_rank: usize,
+    pub(super) stage: Option<L::Stage>,
+    pub(super) index: GradIndex,
+    names: HashMap<ParamId, String>,
+    /// Each parameter's path inside the stage module.
+    paths: HashMap<ParamId, String>,
+    pub(super) optim: ModuleOptimizer,
+    pub(super) cfg: EngineConfig,
+    pub(super) closer: StepCloser,
+    pub(super) step: u64,
+    pub(super) tokens_seen: u64,
+    pub(super) device: Device,
+    pub(super) d_model: usize,
+    pub(super) vocab_start: usize,
+    pub(super) vocab_local: usize,
+}
+
+impl<L: ParallelLm> RankState<L> {
+    /// Builds this rank: process groups, the stage from its shards, the optimizer and the rest
+    /// of the training state; returns checksums of what it loaded.
+    pub(super) fn start(
+        rank: usize,
+        world: ThreadComm,
+        init: RankInit,
+        model: &L,
+        specs: Vec<ParamSpec>,
+        cfg: EngineConfig,
+    ) -> Result<(Self, Vec<(String, u64)>), EngineError> {
+        let RankInit { plan, mut source, resume, fault, device, hidden, parallel } = init;
+        let dims = cfg.dims;
+        let grid = RankGrid::new(dims);
+        let comm_err = |e: CommError| EngineError::Rank { rank, message: e.to_string() };
+        if fault.hits(ReconfigPhase::GroupRebuild) {
+            return Err(EngineError::Rank { rank, message: "injected failure while building process groups".into() });
+        }
+        let split = |axis: Axis| world.split(&grid.groups(axis));
+        let tp = split(Axis::Tp).map_err(comm_err)?;
+        let dp = split(Axis::Dp).map_err(comm_err)?;
+        let pp = split(Axis::Pp).map_err(comm_err)?;
+        let mp_groups: Vec<Vec<usize>> =
+            (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
+        let mp = world.split(&mp_groups).map_err(comm_err)?;
+        if fault.hits(ReconfigPhase::Load) {
+            return Err(EngineError::Rank { rank, message: "injected failure while loading shards".into() });
+        }
+        let stage = model.build_stage(&plan, &mut source, &device)?;
+        let left = source.remaining();
+        if !left.is_empty() {
+            return Err(EngineError::Shard(ShardError::Layout(format!("the model's stage builder did not take {left:?}"))));
+        }
+        let groups = Groups { world, tp, dp, pp, mp };
+        let mut state = Self::new(rank, groups, plan, stage, &specs, &parallel, hidden, cfg, device)?;
+        state.resume(resume)?;
+        let hashes = state.checksums()?;
+        Ok((state, hashes))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rank: usize,
+        groups: Groups,
+        plan: ShardPlan,
+        stage: L::Stage,
+        specs: &[ParamSpec],
+        parallel: &ParallelPlan,
+        hidden: usize,
+        cfg: EngineConfig,
+        device: Device,
+    ) -> Result<Self, EngineError> {
+        let dims = cfg.dims;
+        let grid = RankGrid::new(dims);
+        let dp_rank = grid.coord(rank).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?.dp;
+        let by_name: HashMap<&str, &ParamSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
+        let mut params = Vec::new();
+        let mut names = HashMap::new();
+        let mut paths = HashMap::new();
+        let mut vocab = None;
+        for (local, id, shape) in crate::parallel::param_paths(&stage) {
+            let name = stage.global_name(&local);
+            let spec = by_name
+                .get(name.as_str())
+                .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("spec for stage parameter `{name}`"))))?;
+            let role = if parallel.tp_replicated.contains(&name) { Role::TpReplicated } else { Role::Sharded };
+            let tied = matches!(spec.placement, Placement::FirstAndLast) && dims.pp > 1;
+            params.push(ParamInfo { id, role, mirror: tied && plan.is_last(), tied_owner: tied && plan.is_first() });
+            if parallel.is_vocabulary(&name) {
+                // This rank's vocabulary slice: the local extent of the split dim.
+                let rows = match spec.tp {
+                    TpSplit::Split { dim, .. } => shape[dim],
+                    TpSplit::Replicated => shape[0],
+                };
+                vocab = Some(rows);
+            }
+            paths.insert(id, local.clone());
+            names.insert(id, name);
+        }
+        let vocab_local = vocab.unwrap_or(0);
+        let optim = adamw_optimizer(&cfg.optim, &stage.no_decay_predicates());
+        let closer = StepCloser::new(cfg.optim.gns_theta).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
+        let Groups { world, tp, dp, pp, mp } = groups;
+        Ok(Self {
+            rank,
+            world,
+            tp,
+            dp,
+            pp,
+            mp,
+            dp_rank,
+            index: GradIndex::new(params, device.clone()),
+            vocab_start: plan.tp_rank * vocab_local,
+            plan,
+            stage: Some(stage),
+            names,
+            paths,
+            optim,
+            cfg,
+            closer,
+            step: 0,
+            tokens_seen: 0,
+            device,
+            d_model: hidden,
+            vocab_local,
+        })
+    }
+
+    /// Restores optimizer state, counters, the estimator and the previous gradient.
+    fn resume(&mut self, r: RankResume) -> Result<(), EngineError> {
+        self.step = r.step;
+        self.tokens_seen = r.tokens_seen;
+        if let Some(g) = r.gns {
+            self.closer.set_gns(g);
+        }
+        let ids: HashMap<String, ParamId> = self.names.iter().map(|(id, n)| (n.clone(), *id)).collect();
+        let id_of = |name: &str| {
+            ids.get(name)
+                .copied()
+                .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("optimizer state for `{name}` has no parameter here"))))
+        };
+        if !r.optim.is_empty() || !r.scalars.is_empty() {
+            let mut tensors = Vec::with_capacity(r.optim.len());
+            for (name, field, shape, values) in r.optim {
+                let id = id_of(&name)?.val();
+                let (bytes, shape, dtype) = TensorData::new(values, shape).into_parts();
+                tensors.push(burn_pack::Tensor::new(format!("{id}.{field}"), dtype, shape, Some(id), bytes));
+            }
+            let mut w = burn_pack::Writer::new(tensors);
+            for (name, field, v) in r.scalars {
+                w = w.with_scalar(&format!("{}.{field}", id_of(&name)?.val()), v);
+            }
+            for (id, path) in &self.paths {
+                w = w.with_metadata(&id.val().to_string(), path);
+            }
+            let bytes = w.into_bytes().map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e:?}") })?;
+            let fresh = adamw_optimizer(&self.cfg.optim, &self.stage().no_decay_predicates());
+            self.optim =
+                fresh.from_bytes(bytes).map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e}") })?;
+        }
+        if let Some(prev) = r.previous {
+            let mut g = GradientsParams::new();
+            for (name, values) in prev {
+                let id = id_of(&name)?;
+                self.register_named(&mut g, id, values);
+            }
+            self.closer.memory_mut().set(Some(g));
+        }
+        Ok(())
+    }
+
+    fn register_named(&self, g: &mut GradientsParams, id: ParamId, values: Vec<f32>) {
+        struct V<'a> {
+            g: &'a mut GradientsParams,
+            id: ParamId,
+            values: Option<Vec<f32>>,
+            device: Device,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if p.id == self.id
+                    && let Some(v) = self.values.take()
+                {
+                    let data = TensorData::new(v, p.val().shape());
+                    self.g.register::<D>(p.id, Tensor::from_data(data, &self.device));
+                }
+            }
+        }
+        let device = self.device.clone().inner();
+        self.stage().visit(&mut V { g, id, values: Some(values), device });
+    }
+
+    /// Optimizer state as (global name, field, shape, values) tensors and (name, field, value)
+    /// scalars.
+    fn optim_entries(&self) -> Result<(OptimTensors, OptimScalars), RankError> {
+        let fail = |e: String| RankError::Train(TrainError::Batch(format!("optimizer state: {e}")));
+        let bytes = self.optim.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| fail(format!("{e:?}")))?;
+        let name_of = |key: &str| -> Result<(String, String), RankError> {
+            let (id, field) = key.split_once('.').ok_or_else(|| fail(format!("unexpected key {key}")))?;
+            let id = ParamId::from(id.parse::<u64>().map_err(|_| fail(format!("unexpected key {key}")))?);
+            let name = self.names.get(&id).ok_or_else(|| fail(format!("state for an unknown parameter {key}")))?;
+            Ok((name.clone(), field.to_string()))
+        };
+        let mut scalars = Vec::new();
+        for (k, v) in reader.scalars() {
+            let (name, field) = name_of(k)?;
+            scalars.push((name, field, *v));
+        }
+        let mut tensors = Vec::new();
+        for t in reader.into_tensors().map_err(|e| fail(format!("{e:?}")))? {
+            let (key, dtype, shape, _, bytes) = t.into_parts().map_err(|e| fail(format!("{e:?}")))?;
+            let (name, field) = name_of(&key)?;
+            let data = TensorData::from_bytes(bytes, shape, dtype);
+            let shape = data.shape().to_vec();
+            let values: Vec<f32> = data.iter::<f32>().collect();
+            tensors.push((name, field, shape, values));
+        }
+        Ok((tensors, scalars))
+    }
+
+    /// Checksums of the loaded parameters and optimizer tensors, keyed `name` and
+    /// `name#field`.
+    fn checksums(&self) -> Result<Vec<(String, u64)>, EngineError> {
+        let mut out: Vec<(String, u64)> = self.params().into_iter().map(|(n, _, v)| (n, checksum(&v))).collect();
+        let (tensors, _) = self.optim_entries().map_err(|e| EngineError::Rank { rank: self.rank, message: e.to_string() })?;
+        out.extend(tensors.into_iter().map(|(n, f, _, v)| (format!("{n}#{f}"), checksum(&v))));
+        Ok(out)
+    }
+
+    /// This rank's state for staging (data only from dp replica 0).
+    pub(super) fn export(&self) -> Result<RankExport, RankError> {
+        let mut out = RankExport {
+            params: Vec::new(),
+            optim: Vec::new(),
+            scalars: Vec::new(),
+            previous: None,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: self.closer.gns().clone(),
+        };
+        if self.dp_rank == 0 {
+            out.params = self.params().into_iter().map(|(n, _, v)| (n, v)).collect();
+            let (tensors, scalars) = self.optim_entries()?;
+            out.optim = tensors.into_iter().map(|(n, f, _, v)| (n, f, v)).collect();
+            out.scalars = scalars;
+            if let Some(prev) = self.closer.memory().get() {
+                let v =
+                    self.index.per_param(self.stage(), prev).into_iter().map(|(id, values)| (self.names[&id].clone(), values)).collect();
+                out.previous = Some(v);
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn stage(&self) -> &L::Stage {
+        self.stage.as_ref().expect("stage present between steps")
+    }
+
+    /// This rank's parameters by global name.
+    pub(super) fn params(&self) -> RankParams {
+        crate::parallel::named_params(self.stage())
+            .into_iter()
+            .map(|(path, _, shape, values)| (self.stage().global_name(&path), shape, values))
+            .collect()
+    }
+
+    /// A new B_g and B_m for the next steps.
+    pub(super) fn set_batch(&mut self, global_batch: usize, micro_batch: usize) {
+        self.cfg.global_batch = global_batch;
+        self.cfg.micro_batch = micro_batch;
+    }
+}
+
+/// A rank's process groups.
+struct Groups {
+    world: ThreadComm,
+    tp: ThreadComm,
+    dp: ThreadComm,
+    pp: ThreadComm,
+    mp: ThreadComm,
+}

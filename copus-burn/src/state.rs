@@ -1,0 +1,212 @@
+//! The training state in host memory, independent of the layout: what a layout change stages,
+//! what a checkpoint holds, and what each rank starts from and hands back. A leaf module: the
+//! engine, reconfiguration and checkpoints all use it, and it uses none of them.
+
+use std::collections::{BTreeMap, HashMap};
+
+use burn::tensor::TensorData;
+use burn_pack::Scalar;
+use copus_core::gns::GnsEstimator;
+use copus_core::layout::{Coord, ParallelDims, RankGrid, stage_of_layer};
+use copus_core::model::{ModelSpec, ParamSpec, Placement};
+
+use crate::engine::EngineError;
+use crate::parallel::{FullParams, ShardError, ShardPlan, ShardSource, holds, shard_values, unshard};
+
+/// (global name, field, local shape, values) of optimizer state tensors.
+pub(crate) type OptimTensors = Vec<(String, String, Vec<usize>, Vec<f32>)>;
+/// (global name, field, value) of optimizer state scalars.
+pub(crate) type OptimScalars = Vec<(String, String, Scalar)>;
+
+/// Training state a rank resumes with (empty for a fresh start).
+#[derive(Default)]
+pub(crate) struct RankResume {
+    /// Optimizer state tensors of the rank's shards.
+    pub(crate) optim: OptimTensors,
+    /// Optimizer state scalars.
+    pub(crate) scalars: OptimScalars,
+    /// Local shards of the previous step's gradient (n == 1 probe).
+    pub(crate) previous: Option<HashMap<String, Vec<f32>>>,
+    pub(crate) step: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) gns: Option<GnsEstimator>,
+}
+
+/// What a rank of dp replica 0 hands back for staging (other replicas hold copies).
+pub(crate) struct RankExport {
+    pub(crate) params: Vec<(String, Vec<f32>)>,
+    pub(crate) optim: Vec<(String, String, Vec<f32>)>,
+    pub(crate) scalars: OptimScalars,
+    pub(crate) previous: Option<Vec<(String, Vec<f32>)>>,
+    pub(crate) step: u64,
+    pub(crate) tokens_seen: u64,
+    pub(crate) gns: GnsEstimator,
+}
+
+/// What a rank starts from: its shards, its resume state and the checksums it must report.
+pub(crate) type RankStart = (ShardSource, RankResume, Vec<(String, u64)>);
+
+/// A 64-bit checksum of a tensor's values (bit patterns and length).
+pub fn checksum(values: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ values.len() as u64;
+    for v in values {
+        h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5);
+    }
+    h
+}
+
+/// Everything needed to continue training, in host memory, independent of the layout.
+#[derive(Clone, Debug)]
+pub struct TrainingState {
+    /// Full parameters by global name, row-major.
+    pub params: BTreeMap<String, Vec<f32>>,
+    /// Optimizer state tensors (AdamW's two moments) by parameter and field, full shape.
+    pub optim: BTreeMap<String, BTreeMap<String, Vec<f32>>>,
+    /// Optimizer state scalars (step counts) by parameter and field.
+    pub scalars: BTreeMap<String, BTreeMap<String, Scalar>>,
+    /// The previous step's gradient (kept for the single-micro-batch probe).
+    pub previous: Option<BTreeMap<String, Vec<f32>>>,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Training tokens consumed.
+    pub tokens_seen: u64,
+    /// The noise-scale estimator.
+    pub gns: GnsEstimator,
+}
+
+impl TrainingState {
+    /// The state before the first step, from full parameters.
+    pub fn fresh(spec: &ModelSpec, full: &FullParams, gns_theta: f64) -> Result<Self, EngineError> {
+        let mut params = BTreeMap::new();
+        for p in spec.param_specs() {
+            let data = full.get(&p.name).ok_or_else(|| EngineError::Shard(ShardError::Missing(p.name.clone())))?;
+            if data.shape().to_vec() != p.shape {
+                return Err(EngineError::Shard(ShardError::Shape { name: p.name.clone(), got: data.shape().to_vec(), expected: p.shape }));
+            }
+            let values = data.iter::<f32>().collect();
+            params.insert(p.name, values);
+        }
+        if let Some(extra) = full.keys().find(|k| !params.contains_key(*k)) {
+            return Err(EngineError::Shard(ShardError::Layout(format!("parameter `{extra}` is not part of the model"))));
+        }
+        let gns = GnsEstimator::new(gns_theta).map_err(|e| EngineError::Train(crate::TrainError::Gns(e)))?;
+        Ok(Self { params, optim: BTreeMap::new(), scalars: BTreeMap::new(), previous: None, step: 0, tokens_seen: 0, gns })
+    }
+
+    /// Bytes of tensor data held.
+    pub fn bytes(&self) -> u64 {
+        let n: usize = self.params.values().map(Vec::len).sum::<usize>()
+            + self.optim.values().flat_map(|f| f.values()).map(Vec::len).sum::<usize>()
+            + self.previous.iter().flat_map(|p| p.values()).map(Vec::len).sum::<usize>();
+        4 * n as u64
+    }
+
+    /// What the rank with `plan` starts from, and the checksums it must report after loading.
+    pub(crate) fn rank_init(&self, specs: &[ParamSpec], plan: &ShardPlan) -> Result<RankStart, EngineError> {
+        let num_layers =
+            specs.iter().filter_map(|s| if let Placement::Layer(i) = s.placement { Some(i + 1) } else { None }).max().unwrap_or(0);
+        let (tp, t) = (plan.dims.tp, plan.tp_rank);
+        let mut shards = HashMap::new();
+        let mut resume =
+            RankResume { step: self.step, tokens_seen: self.tokens_seen, gns: Some(self.gns.clone()), ..RankResume::default() };
+        let mut hashes = Vec::new();
+        let mut previous = self.previous.as_ref().map(|_| HashMap::new());
+        for spec in specs {
+            if !holds(spec, plan, num_layers) {
+                continue;
+            }
+            let full = self.params.get(&spec.name).ok_or_else(|| EngineError::Shard(ShardError::Missing(spec.name.clone())))?;
+            let (shape, values) = shard_values(spec, full, tp, t)?;
+            hashes.push((spec.name.clone(), checksum(&values)));
+            shards.insert(spec.name.clone(), TensorData::new(values, shape.clone()));
+            for (field, full) in self.optim.get(&spec.name).into_iter().flatten() {
+                let (shape, values) = shard_values(spec, full, tp, t)?;
+                hashes.push((format!("{}#{field}", spec.name), checksum(&values)));
+                resume.optim.push((spec.name.clone(), field.clone(), shape, values));
+            }
+            for (field, v) in self.scalars.get(&spec.name).into_iter().flatten() {
+                resume.scalars.push((spec.name.clone(), field.clone(), *v));
+            }
+            if let (Some(prev), Some(out)) = (&self.previous, previous.as_mut())
+                && let Some(full) = prev.get(&spec.name)
+            {
+                out.insert(spec.name.clone(), shard_values(spec, full, tp, t)?.1);
+            }
+        }
+        resume.previous = previous;
+        Ok((ShardSource::new(shards), resume, hashes))
+    }
+
+    /// Reassembles the state from the ranks' exports (in rank order) of layout `dims`.
+    pub(crate) fn from_exports(
+        exports: Vec<RankExport>,
+        specs: &[ParamSpec],
+        dims: ParallelDims,
+        num_layers: usize,
+    ) -> Result<Self, EngineError> {
+        let grid = RankGrid::new(dims);
+        let first = exports.first().ok_or_else(|| EngineError::Dead("no ranks".into()))?;
+        let mut state = TrainingState {
+            params: BTreeMap::new(),
+            optim: BTreeMap::new(),
+            scalars: BTreeMap::new(),
+            previous: first.previous.as_ref().map(|_| BTreeMap::new()),
+            step: first.step,
+            tokens_seen: first.tokens_seen,
+            gns: first.gns.clone(),
+        };
+        // Index each exporting rank's tensors by name.
+        type Index<'a> = HashMap<&'a str, &'a Vec<f32>>;
+        let params: Vec<Index> = exports.iter().map(|e| e.params.iter().map(|(n, v)| (n.as_str(), v)).collect()).collect();
+        let prev: Vec<Index> = exports.iter().map(|e| e.previous.iter().flatten().map(|(n, v)| (n.as_str(), v)).collect()).collect();
+        // Per rank: parameter -> (field, values) of its optimizer state.
+        type Fields<'a> = HashMap<&'a str, Vec<(&'a str, &'a Vec<f32>)>>;
+        let mut optim: Vec<Fields> = vec![HashMap::new(); exports.len()];
+        for (r, e) in exports.iter().enumerate() {
+            for (n, f, v) in &e.optim {
+                optim[r].entry(n.as_str()).or_default().push((f.as_str(), v));
+            }
+        }
+        for spec in specs {
+            let stage = match spec.placement {
+                Placement::Layer(i) => stage_of_layer(i, num_layers, dims.pp),
+                Placement::Last => dims.pp - 1,
+                Placement::First | Placement::FirstAndLast => 0,
+            };
+            let holders: Vec<usize> = (0..dims.tp).map(|t| grid.rank(Coord { dp: 0, tp: t, pp: stage })).collect();
+            let gather = |index: &[Index], what: &str| -> Result<Option<Vec<f32>>, EngineError> {
+                let shards: Option<Vec<Vec<f32>>> =
+                    holders.iter().map(|&r| index[r].get(spec.name.as_str()).map(|v| (*v).clone())).collect();
+                match shards {
+                    Some(s) => Ok(Some(unshard(spec, &s, dims.tp)?)),
+                    None if what == "parameter" => Err(EngineError::Shard(ShardError::Missing(format!("{} on stage {stage}", spec.name)))),
+                    None => Ok(None),
+                }
+            };
+            let full = gather(&params, "parameter")?.expect("parameters are always exported");
+            state.params.insert(spec.name.clone(), full);
+            if let (Some(p), Some(full)) = (state.previous.as_mut(), gather(&prev, "previous")?) {
+                p.insert(spec.name.clone(), full);
+            }
+            if let Some(fields) = optim[holders[0]].get(spec.name.as_str()) {
+                for (field, _) in fields {
+                    let mut shards = Vec::with_capacity(holders.len());
+                    for &r in &holders {
+                        let v = optim[r]
+                            .get(spec.name.as_str())
+                            .and_then(|fs| fs.iter().find(|(f, _)| f == field))
+                            .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("{}#{field} on rank {r}", spec.name))))?;
+                        shards.push(v.1.clone());
+                    }
+                    state.optim.entry(spec.name.clone()).or_default().insert(field.to_string(), unshard(spec, &shards, dims.tp)?);
+                }
+            }
+            for (n, f, v) in &exports[holders[0]].scalars {
+                if n == &spec.name {
+                    state.scalars.entry(n.clone()).or_default().insert(f.clone(), *v);
+                }
+            }
+        }
+        Ok(state)
+    }
+}

@@ -1,0 +1,65 @@
+//! Fixtures shared by the cross-crate tests: the tiny-1m Llama at a short sequence length, its
+//! initial weights, and deterministic token batches.
+
+#![forbid(unsafe_code)]
+
+use burn::tensor::Device;
+use copus_core::layout::ParallelDims;
+use copus_core::model::ModelSpec;
+use copus_models::{Llama, LlamaConfig};
+
+/// Tokens per training sequence in these tests.
+pub const SEQ: usize = 32;
+
+/// tiny-1m (4 layers, 8 heads, 4 kv heads, tied embedding) at [`SEQ`].
+pub fn config() -> LlamaConfig {
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = SEQ;
+    LlamaConfig::from_spec(&spec)
+}
+
+/// The initial weights of `config`, the same for every test (seeded).
+pub fn initial_of(config: &LlamaConfig) -> Llama {
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    config.init(&device)
+}
+
+/// A layout of `dp * tp * pp` ranks.
+pub fn dims(dp: usize, tp: usize, pp: usize) -> ParallelDims {
+    ParallelDims::new(dp, tp, pp, dp * tp * pp).expect("a valid layout")
+}
+
+/// Step `step`'s batch of `sequences` sequences of `SEQ + 1` tokens, mostly following a
+/// learnable rule (`t -> 7t + 3`) with random jumps: a pure function of its arguments.
+pub fn structured_batch(step: usize, vocab: usize, sequences: usize) -> Vec<i64> {
+    let mut x = 0x9e37_79b9_u64 ^ (step as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut out = Vec::with_capacity(sequences * (SEQ + 1));
+    for _ in 0..sequences {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut t = (x >> 33) as usize % vocab;
+        for _ in 0..=SEQ {
+            out.push(t as i64);
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            t = if (x >> 60) < 12 { (7 * t + 3) % vocab } else { (x >> 20) as usize % vocab };
+        }
+    }
+    out
+}
+
+/// Sequence `i` is [`structured_batch`]`(i, vocab, 1)`: a pure function of its index.
+pub struct IndexedSequences {
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl copus_burn::DataSource for IndexedSequences {
+    fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
+        (first..first + count as u64).flat_map(|i| structured_batch(i as usize, self.vocab, 1)).collect()
+    }
+}
+
+/// Relative difference of `a` from `b`.
+pub fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
