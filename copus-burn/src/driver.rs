@@ -41,8 +41,8 @@ impl DecisionSource for Orchestrator {
     fn name(&self) -> String {
         self.policy_name()
     }
-    fn on_step(&mut self, obs: &StepObservation, _samples_per_sec: f64) -> Decision {
-        Orchestrator::on_step(self, obs)
+    fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
+        self.on_step_measured(obs, samples_per_sec)
     }
     fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
         Orchestrator::on_reconfigured(self, seconds, layout_changed);
@@ -138,9 +138,11 @@ pub struct DriverStep {
     pub step: EngineStep,
     /// The configuration that ran it.
     pub candidate: Candidate,
-    /// The run's clock after the step (and after a switch that followed it).
+    /// The run's clock at the end of the step.
+    pub step_clock_secs: f64,
+    /// The run's clock after the step and the switch that followed it, if any.
     pub clock_secs: f64,
-    /// Measured samples/s of the step.
+    /// Samples/s of the step on the run's clock (measured on the wall clock).
     pub samples_per_sec: f64,
     /// The decision that followed, unless it was to keep the configuration.
     pub decision: Option<DecisionRecord>,
@@ -178,8 +180,10 @@ impl<L: ParallelLm> Driver<L> {
     /// A driver for `engine`, whose configuration must be one of `space.feasible`.
     pub fn new(engine: Engine<L>, space: Enumeration, clock: Clock) -> Result<Self, DriverError> {
         let c = engine.config();
-        let current = Candidate::new(c.dims, c.global_batch, c.micro_batch)
-            .map_err(|e| DriverError::Start { candidate: Candidate { dims: c.dims, global_batch: c.global_batch, micro_batch: c.micro_batch, num_micro: 0 }, reason: e.to_string() })?;
+        let current = Candidate::new(c.dims, c.global_batch, c.micro_batch).map_err(|e| DriverError::Start {
+            candidate: Candidate { dims: c.dims, global_batch: c.global_batch, micro_batch: c.micro_batch, num_micro: 0 },
+            reason: e.to_string(),
+        })?;
         let driver = Self { engine, space, current, next_sample: 0, clock, clock_secs: 0.0 };
         driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
         Ok(driver)
@@ -222,7 +226,9 @@ impl<L: ParallelLm> Driver<L> {
         if self.space.feasible.contains(target) {
             return Ok(());
         }
-        let same = |r: &&copus_core::candidates::Rejected| r.dims == target.dims && r.global_batch == target.global_batch && r.micro_batch == target.micro_batch;
+        let same = |r: &&copus_core::candidates::Rejected| {
+            r.dims == target.dims && r.global_batch == target.global_batch && r.micro_batch == target.micro_batch
+        };
         if let Some(r) = self.space.rejected.iter().find(same) {
             return Err(r.reason.to_string());
         }
@@ -255,15 +261,25 @@ impl<L: ParallelLm> Driver<L> {
         let step = self.engine.step(tokens)?;
         let secs = started.elapsed().as_secs_f64();
         self.next_sample += candidate.global_batch as u64;
-        self.clock_secs += match &self.clock {
+        // Seconds of the step on the run's clock; the decision source sees samples/s on it too.
+        let step_secs = match &self.clock {
             Clock::Wall => secs,
             Clock::Modelled { step_secs, .. } => step_secs(&candidate),
         };
-        let samples_per_sec = candidate.global_batch as f64 / secs.max(1e-12);
+        self.clock_secs += step_secs;
+        let samples_per_sec = candidate.global_batch as f64 / step_secs.max(1e-12);
         let obs = StepObservation { step: step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
         let decision = source.on_step(&obs, samples_per_sec);
         let proposed = decision.target(candidate);
-        let mut out = DriverStep { step, candidate, clock_secs: self.clock_secs, samples_per_sec, decision: None, switch: None };
+        let mut out = DriverStep {
+            step,
+            candidate,
+            step_clock_secs: self.clock_secs,
+            clock_secs: self.clock_secs,
+            samples_per_sec,
+            decision: None,
+            switch: None,
+        };
         if proposed == candidate {
             return Ok(out);
         }

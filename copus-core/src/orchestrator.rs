@@ -133,6 +133,16 @@ impl Orchestrator {
         d
     }
 
+    /// The decision after a step that ran at `samples_per_sec` on the run's clock: the
+    /// measurement replaces the throughput model's value of that configuration
+    /// ([`Scorer::observe_throughput`]) before the policy decides. A non-positive value (not
+    /// measured) is ignored.
+    pub fn on_step_measured(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
+        self.policy.observe_throughput(&obs.current, samples_per_sec);
+        self.scorer.observe_throughput(&obs.current, samples_per_sec);
+        self.on_step(obs)
+    }
+
     /// Reports a carried-out reconfiguration (its measured cost feeds the payback test).
     pub fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
         self.policy.observe_reconfiguration(seconds, layout_changed);
@@ -142,7 +152,9 @@ impl Orchestrator {
     pub fn handle(&mut self, req: Request) -> Response {
         match req {
             Request::Hello { .. } => Response::Welcome { policy: self.policy_name() },
-            Request::Step { observation, .. } => Response::Decision { step: observation.step, decision: self.on_step(&observation) },
+            Request::Step { observation, samples_per_sec } => {
+                Response::Decision { step: observation.step, decision: self.on_step_measured(&observation, samples_per_sec) }
+            }
             Request::Reconfigured { seconds, layout_changed } => {
                 self.on_reconfigured(seconds, layout_changed);
                 Response::Ack

@@ -80,6 +80,9 @@ pub trait Policy: Send {
     fn decide(&mut self, obs: &StepObservation) -> Decision;
     /// Tells the policy what a reconfiguration really cost, in seconds on the run's clock.
     fn observe_reconfiguration(&mut self, _seconds: f64, _layout_changed: bool) {}
+    /// Tells the policy the samples/s a step of `candidate` achieved on the run's clock; a
+    /// policy with a [`Scorer`] learns from it ([`Scorer::observe_throughput`]).
+    fn observe_throughput(&mut self, _candidate: &Candidate, _samples_per_sec: f64) {}
 }
 
 /// Bad policy settings.
@@ -111,6 +114,10 @@ fn check(field: &'static str, value: f64, ok: bool, allowed: &'static str) -> Re
 #[derive(Clone)]
 pub struct Scorer {
     entries: Vec<(Candidate, f64)>,
+    /// The throughput model's value of each entry.
+    prior: Vec<f64>,
+    /// Smoothed measured samples/s of each entry the run has run.
+    measured: Vec<Option<f64>>,
     /// Reference batch B0 of statistical efficiency.
     pub b0: f64,
     objective: Arc<dyn Objective>,
@@ -145,13 +152,38 @@ impl Scorer {
         if entries.is_empty() {
             return Err(PolicyError::NoCandidates);
         }
-        Ok(Self { entries, b0, objective })
+        let prior = entries.iter().map(|e| e.1).collect();
+        let measured = vec![None; entries.len()];
+        Ok(Self { entries, prior, measured, b0, objective })
     }
 
     /// Plain Goodput with reference batch `b0`.
     pub fn plain(candidates: &[Candidate], throughput: &dyn ThroughputModel, b0: f64) -> Result<Self, PolicyError> {
         Self::new(candidates, throughput, b0, Arc::new(PlainGoodput))
     }
+
+    /// Learns throughput online from a step of `c` that ran at `samples_per_sec`. A candidate
+    /// the run has run is scored by its own measurements (an EMA with weight
+    /// [`Self::THROUGHPUT_SMOOTHING`] on the newest); every other candidate by its prior times
+    /// the geometric mean of measured / prior over the run ones, so a prior that is off by a
+    /// constant factor (another machine, the analytic model) is corrected from the first
+    /// measurement. Non-positive or non-finite measurements and non-candidates are ignored.
+    pub fn observe_throughput(&mut self, c: &Candidate, samples_per_sec: f64) {
+        if !(samples_per_sec.is_finite() && samples_per_sec > 0.0) {
+            return;
+        }
+        let Some(i) = self.entries.iter().position(|(d, _)| d == c) else { return };
+        let w = Self::THROUGHPUT_SMOOTHING;
+        self.measured[i] = Some(self.measured[i].map_or(samples_per_sec, |m| (1.0 - w) * m + w * samples_per_sec));
+        let logs: Vec<f64> = self.measured.iter().zip(&self.prior).filter_map(|(m, p)| m.map(|m| (m / p).ln())).collect();
+        let scale = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
+        for ((entry, prior), measured) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured) {
+            entry.1 = measured.unwrap_or(prior * scale);
+        }
+    }
+
+    /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA.
+    pub const THROUGHPUT_SMOOTHING: f64 = 0.5;
 
     /// The candidates with throughputs.
     pub fn candidates(&self) -> impl Iterator<Item = &(Candidate, f64)> {
@@ -244,6 +276,9 @@ impl Policy for CbsFixedLayout {
     fn name(&self) -> String {
         format!("cbs(c={}, {})", self.c, self.layout)
     }
+    fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
+        self.scorer.observe_throughput(candidate, samples_per_sec);
+    }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
         let target = (self.c * phi).max(1.0);
@@ -278,6 +313,9 @@ impl MerrillWarmup {
 impl Policy for MerrillWarmup {
     fn name(&self) -> String {
         "merrill-warmup".into()
+    }
+    fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
+        self.scorer.observe_throughput(candidate, samples_per_sec);
     }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
@@ -343,6 +381,9 @@ impl Policy for DpOnlyGoodput {
     fn name(&self) -> String {
         "dp-only-goodput".into()
     }
+    fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
+        self.scorer.observe_throughput(candidate, samples_per_sec);
+    }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
         let cur = &obs.current;
@@ -401,6 +442,10 @@ impl Policy for Copus {
             Some(s) if s.goodput > now * (1.0 + self.rule.batch_threshold) => Decision::to(&cur, s.candidate),
             _ => Decision::Keep,
         }
+    }
+
+    fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
+        self.scorer.observe_throughput(candidate, samples_per_sec);
     }
 
     fn observe_reconfiguration(&mut self, seconds: f64, layout_changed: bool) {
@@ -602,6 +647,52 @@ mod tests {
             .flat_map(|&dims| [4usize, 8, 16, 32, 64, 128].map(|b| Candidate::new(dims, b, 1).unwrap()))
             .collect();
         (Scorer::plain(&cands, &p, 4.0).unwrap(), p)
+    }
+
+    #[test]
+    fn measured_throughput_replaces_the_prior_and_rescales_the_rest() {
+        let (mut s, _) = toy();
+        let a = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let b = Candidate::new(d(2, 2, 1), 8, 1).unwrap();
+        let c = Candidate::new(d(2, 2, 1), 32, 1).unwrap();
+        let (pa, pb, pc) = (s.throughput(&a).unwrap(), s.throughput(&b).unwrap(), s.throughput(&c).unwrap());
+        // One measurement at half the prior: it replaces the prior, and every unrun candidate
+        // is halved too.
+        s.observe_throughput(&a, pa / 2.0);
+        assert_eq!(s.throughput(&a), Some(pa / 2.0));
+        assert!((s.throughput(&c).unwrap() - pc / 2.0).abs() < 1e-12 * pc);
+        // A second candidate at 4x its prior: the rest scale by the geometric mean, sqrt(0.5 * 4).
+        s.observe_throughput(&b, 4.0 * pb);
+        assert_eq!(s.throughput(&b), Some(4.0 * pb));
+        assert!((s.throughput(&c).unwrap() - pc * 2f64.sqrt()).abs() < 1e-12 * pc);
+        // A repeated measurement is smoothed: EMA with weight 0.5 on the newest.
+        s.observe_throughput(&a, pa);
+        assert!((s.throughput(&a).unwrap() - 0.75 * pa).abs() < 1e-12 * pa);
+        // Junk and non-candidates change nothing.
+        let before: Vec<f64> = s.candidates().map(|x| x.1).collect();
+        s.observe_throughput(&a, f64::NAN);
+        s.observe_throughput(&a, -1.0);
+        s.observe_throughput(&Candidate::new(d(1, 4, 1), 4, 1).unwrap(), 10.0);
+        assert_eq!(before, s.candidates().map(|x| x.1).collect::<Vec<f64>>());
+    }
+
+    #[test]
+    fn copus_acts_on_measured_throughput_not_only_on_the_prior() {
+        // Low noise, B_g = 4: the prior says tp2 (0.26 s) beats dp4 (0.6 s). Measurements say
+        // the opposite on this machine: dp4 at 20 samples/s, tp2 at 5.
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 0.0, ..SwitchRule::default() };
+        let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 1.0, biased: false });
+        let obs = |current| StepObservation { step: 10, current, noise };
+        let mut prior_only = Copus::new(s.clone(), rule).unwrap();
+        assert_eq!(prior_only.decide(&obs(dp4)), Decision::ChangeLayout(tp2), "the prior alone moves to tp2");
+        let mut learning = Copus::new(s, rule).unwrap();
+        learning.observe_throughput(&dp4, 20.0);
+        learning.observe_throughput(&tp2, 5.0);
+        assert_eq!(learning.decide(&obs(dp4)), Decision::Keep, "measured, dp4 is faster");
+        assert_eq!(learning.decide(&obs(tp2)), Decision::ChangeLayout(dp4));
     }
 
     #[test]

@@ -16,12 +16,12 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use crate::progress::Progress;
 use anyhow::{Context, anyhow};
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig};
+use copus_burn::driver::Clock as RunClock;
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
 use copus_core::candidates::{Candidate, CandidateSpace};
 use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
 use copus_core::layout::ParallelDims;
@@ -414,6 +414,9 @@ impl Policy for Named {
     fn observe_reconfiguration(&mut self, seconds: f64, layout_changed: bool) {
         self.1.observe_reconfiguration(seconds, layout_changed);
     }
+    fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
+        self.1.observe_throughput(candidate, samples_per_sec);
+    }
 }
 
 /// What a comparison produced.
@@ -581,6 +584,9 @@ impl Policy for Scaled {
     fn observe_reconfiguration(&mut self, s: f64, l: bool) {
         self.1.observe_reconfiguration(s, l);
     }
+    fn observe_throughput(&mut self, c: &Candidate, samples_per_sec: f64) {
+        self.1.observe_throughput(c, samples_per_sec);
+    }
 }
 
 fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
@@ -596,7 +602,8 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
         MemoryModel::fp32(),
         par.device_memory_gib * GIB,
     )?;
-    let feasible = space.enumerate(&spec).feasible;
+    let enumeration = space.enumerate(&spec);
+    let feasible = enumeration.feasible.clone();
     if feasible.is_empty() {
         return Err(anyhow!("no feasible candidate in the training recipe's space"));
     }
@@ -661,116 +668,83 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
     let mut runs = Vec::new();
     let mut copus_trajectory: Vec<(f64, f64)> = Vec::new();
     let mut copus_progress = 0.0;
+    let data = crate::run::TrainSequences(&prepared.train);
+    let clock_of = || match wall {
+        true => RunClock::Wall,
+        false => {
+            let s = scorer.clone();
+            RunClock::Modelled {
+                step_secs: Box::new(move |c: &Candidate| c.global_batch as f64 / s.throughput(c).unwrap_or(f64::NAN)),
+                batch_switch_secs: recipe.costs.batch,
+                layout_switch_secs: recipe.costs.layout,
+            }
+        }
+    };
     for (policy, start, baseline) in lineup.policies {
         let name = policy.name();
         let mut orch = Orchestrator::new(policy, scorer.clone());
-        let mut client = match (&r.service, baseline) {
+        let mut remote = match (&r.service, baseline) {
             (Some(addr), false) => {
                 let addr: std::net::SocketAddr = addr.parse().map_err(|e| anyhow!("recipe field `scenario.service` = {addr:?}: {e}"))?;
                 let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
-                Some(crate::service::Client::connect(addr, &token, &recipe.name)?)
+                Some(crate::service::RemoteSource::new(crate::service::Client::connect(addr, &token, &recipe.name)?))
             }
             _ => None,
         };
-        let mut cur = start;
-        let optim = train_recipe.optim.clone();
-        let ec = EngineConfig::new(cur.dims, cur.global_batch, cur.micro_batch, spec.seq_len, optim).with_schedule(par.schedule);
-        let mut engine = Engine::new(Arc::new(cfg.clone()), &full, ec)?;
+        let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, spec.seq_len, train_recipe.optim.clone())
+            .with_schedule(par.schedule);
+        let mut driver = Driver::new(Engine::new(Arc::new(cfg.clone()), &full, ec)?, enumeration.clone(), clock_of())?;
         let bar = Progress::new(&name, r.max_steps);
-        let (mut clock_s, mut ema, mut consumed) = (0.0f64, None::<f64>, 0u64);
+        let mut ema = None::<f64>;
         let mut run = PolicyRun { name: name.clone(), baseline, steps: Vec::new(), switches: Vec::new(), time_to_target: None };
         let mut progress = 0.0;
         let mut trajectory = Vec::new();
-        let mut last_change = 0u64;
-        for step in 1..=r.max_steps {
-            let b = cur.global_batch;
-            let mut tokens = Vec::with_capacity(b * (spec.seq_len + 1));
-            for i in 0..b as u64 {
-                tokens.extend(prepared.train.sample(consumed + i).iter().map(|&t| i64::from(t)));
-            }
-            consumed += b as u64;
-            let t0 = Instant::now();
-            let out = engine.step(tokens).map_err(|e| anyhow!("{name}: {e}"))?;
-            let secs = t0.elapsed().as_secs_f64();
-            let predicted = scorer.throughput(&cur).unwrap_or(f64::NAN);
-            clock_s += if wall { secs } else { b as f64 / predicted };
-            let loss = out.metrics.loss;
+        for _ in 0..r.max_steps {
+            let source: &mut dyn DecisionSource = match remote.as_mut() {
+                Some(x) => x,
+                None => &mut orch,
+            };
+            let s = driver.step(&data, source).map_err(|e| anyhow!("{name}: {e}"))?;
+            let (cur, b) = (s.candidate, s.candidate.global_batch);
+            let loss = s.step.metrics.loss;
             let smoothed = ema.map_or(loss, |e| r.loss_ema * e + (1.0 - r.loss_ema) * loss);
             ema = Some(smoothed);
-            let noise = engine.gns().estimate();
-            let phi = noise.and_then(|n| n.b_simple());
+            let phi = s.step.metrics.b_simple;
             let efficiency = phi.map_or(1.0, |p| PlainGoodput.efficiency(b as f64, b0, p));
             progress += b as f64 * efficiency;
             if let Some(p) = phi {
                 trajectory.push((progress, p));
             }
             run.steps.push(StepRecord {
-                step,
-                time: clock_s,
+                step: s.step.metrics.step,
+                time: s.step_clock_secs,
                 loss: smoothed,
                 global_batch: b,
                 micro_batch: cur.micro_batch,
                 layout: cur.dims.to_string(),
-                throughput: if wall { b as f64 / secs } else { predicted },
+                throughput: s.samples_per_sec,
                 efficiency,
                 b_simple: phi,
             });
             bar.set_message(format!("loss {smoothed:.3} B_g {b} {}", cur.dims));
             bar.inc(1);
             if smoothed <= r.target_loss {
-                run.time_to_target = Some(clock_s);
+                run.time_to_target = Some(s.step_clock_secs);
                 break;
             }
-            let obs = StepObservation { step, current: cur, noise };
-            let decision = match client.as_mut() {
-                // The service answers asynchronously; a decision is applied at the first step
-                // boundary after it arrives, unless it was made for an older configuration.
-                Some(c) => {
-                    c.observe(obs, b as f64 / secs);
-                    match c.poll() {
-                        Some((s, d)) if s >= last_change => d,
-                        _ => copus_core::policy::Decision::Keep,
-                    }
-                }
-                None => orch.on_step(&obs),
-            };
-            let target = decision.target(cur);
-            if target != cur {
-                let t0 = Instant::now();
-                match engine.reconfigure(target.dims, target.global_batch, target.micro_batch) {
-                    Ok(rep) => {
-                        let measured = t0.elapsed().as_secs_f64();
-                        let cost = if wall {
-                            measured
-                        } else if rep.layout_changed {
-                            recipe.costs.layout
-                        } else {
-                            recipe.costs.batch
-                        };
-                        run.switches.push(SwitchRecord {
-                            step,
-                            time: clock_s,
-                            from: describe(&cur),
-                            to: describe(&target),
-                            cost,
-                            layout: rep.layout_changed,
-                        });
-                        clock_s += cost;
-                        match client.as_mut() {
-                            Some(c) => c.reconfigured(cost, rep.layout_changed),
-                            None => orch.on_reconfigured(cost, rep.layout_changed),
-                        }
-                        cur = target;
-                        last_change = step + 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!("{name}: reconfiguration to {} failed, continuing in {}: {e}", describe(&target), describe(&cur));
-                    }
-                }
+            if let Some(w) = s.switch {
+                run.switches.push(SwitchRecord {
+                    step: w.step,
+                    time: s.step_clock_secs,
+                    from: describe(&w.from),
+                    to: describe(&w.to),
+                    cost: w.clock_secs,
+                    layout: w.layout_changed,
+                });
             }
         }
         bar.finish();
-        if let Some(why) = client.as_ref().and_then(|c| c.unavailable()) {
+        if let Some(why) = remote.as_ref().and_then(|c| c.unavailable()) {
             run.name = format!("{name} (orchestrator service lost: {why})");
         }
         tracing::info!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{} s", secs(t))));

@@ -108,6 +108,15 @@ pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usi
     sum / tokens as f64
 }
 
+/// The training split as the driver's data source: sequence `i` of the run's sample order.
+pub struct TrainSequences<'a>(pub &'a PackedDataset);
+
+impl copus_burn::DataSource for TrainSequences<'_> {
+    fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
+        (first..first + count as u64).flat_map(|i| self.0.sample(i).iter().map(|&t| i64::from(t))).collect()
+    }
+}
+
 /// Options from the command line.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {

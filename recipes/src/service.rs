@@ -136,6 +136,46 @@ pub fn spawn(
     Ok((bound, handle))
 }
 
+/// The service as the driver's decision source. Decisions arrive asynchronously; one is applied
+/// at the first step boundary after it arrives, unless it was made for a configuration that
+/// has changed since.
+pub struct RemoteSource {
+    client: Client,
+    /// The first step observed in the current configuration.
+    since: u64,
+    last_step: u64,
+}
+
+impl RemoteSource {
+    /// Decisions from `client`.
+    pub fn new(client: Client) -> Self {
+        Self { client, since: 0, last_step: 0 }
+    }
+
+    /// Why the service is unavailable, once it is.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.client.unavailable()
+    }
+}
+
+impl copus_burn::DecisionSource for RemoteSource {
+    fn name(&self) -> String {
+        "orchestrator service".into()
+    }
+    fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
+        self.last_step = obs.step;
+        self.client.observe(*obs, samples_per_sec);
+        match self.client.poll() {
+            Some((s, d)) if s >= self.since => d,
+            _ => Decision::Keep,
+        }
+    }
+    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
+        self.client.reconfigured(seconds, layout_changed);
+        self.since = self.last_step + 1;
+    }
+}
+
 /// Messages from the training loop to the client thread.
 enum Outgoing {
     Step(StepObservation, f64),

@@ -25,6 +25,13 @@ pub fn initial_of(config: &LlamaConfig) -> Llama {
     config.init(&device)
 }
 
+/// The initial weights of [`config`] as host data, drawn once per test binary: the device RNG
+/// is shared by the tests running in parallel, so drawing per test could interleave.
+pub fn initial_full() -> &'static copus_burn::parallel::FullParams {
+    static INIT: std::sync::OnceLock<copus_burn::parallel::FullParams> = std::sync::OnceLock::new();
+    INIT.get_or_init(|| copus_models::full_params(&initial_of(&config())))
+}
+
 /// A layout of `dp * tp * pp` ranks.
 pub fn dims(dp: usize, tp: usize, pp: usize) -> ParallelDims {
     ParallelDims::new(dp, tp, pp, dp * tp * pp).expect("a valid layout")

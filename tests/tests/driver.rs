@@ -9,8 +9,8 @@ use copus_burn::{Clock, DataSource, Driver, Engine, EngineConfig, OptimConfig, S
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::schedule::ScheduleKind;
-use copus_models::{LlamaConfig, full_params};
-use copus_tests::{IndexedSequences, SEQ, config, dims, initial_of};
+use copus_models::LlamaConfig;
+use copus_tests::{IndexedSequences, SEQ, config, dims, initial_full};
 
 fn optim() -> OptimConfig {
     OptimConfig::new().with_lr(1e-3).with_warmup_steps(1).with_total_steps(20).with_b0(8)
@@ -23,9 +23,7 @@ fn space() -> Enumeration {
 }
 
 fn engine_at(c: Candidate) -> Engine<LlamaConfig> {
-    let cfg = config();
-    let full = full_params(&initial_of(&cfg));
-    Engine::new(Arc::new(cfg), &full, EngineConfig::new(c.dims, c.global_batch, c.micro_batch, SEQ, optim())).unwrap()
+    Engine::new(Arc::new(config()), initial_full(), EngineConfig::new(c.dims, c.global_batch, c.micro_batch, SEQ, optim())).unwrap()
 }
 
 fn cand(dp: usize, tp: usize, pp: usize, b_g: usize, b_m: usize) -> Candidate {
