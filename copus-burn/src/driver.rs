@@ -8,6 +8,13 @@
 //! outside it is refused with its reason, and training goes on unchanged), reconfigures, and
 //! reports the measured cost of the switch back to the source. The embedded orchestrator, a
 //! remote service client and a scripted list of decisions are all decision sources.
+//!
+//! Divergence: a step whose loss or gradient norm is not finite changes nothing (the engine
+//! skips the update) and is counted. After [`Divergence::max_bad_steps`] such steps in a row the
+//! driver goes back to its last snapshot of the training state (taken every
+//! [`Divergence::snapshot_every`] steps, in host memory), halves the learning rate and goes on;
+//! when that has happened [`Divergence::max_restores`] times it stops with
+//! [`DriverError::Diverged`].
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -18,8 +25,9 @@ use copus_core::policy::{Decision, StepObservation};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::engine::{Engine, EngineError, EngineStep};
+use crate::engine::{Engine, EngineError, EngineStep, Fault};
 use crate::parallel::ParallelLm;
+use crate::state::TrainingState;
 
 /// Where the sequences come from: sequence `i` of the run's sample order, always the same.
 pub trait DataSource {
@@ -97,6 +105,30 @@ pub enum Clock {
     },
 }
 
+/// How the driver handles steps whose loss or gradient norm is not finite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    /// Skipped steps in a row that trigger a restore.
+    pub max_bad_steps: u32,
+    /// Steps between snapshots of the training state (in host memory).
+    pub snapshot_every: u64,
+    /// Restores before the run stops.
+    pub max_restores: u32,
+}
+
+impl Default for Divergence {
+    fn default() -> Self {
+        Self { max_bad_steps: 3, snapshot_every: 50, max_restores: 2 }
+    }
+}
+
+/// The state the driver goes back to when training diverges.
+struct Snapshot {
+    state: TrainingState,
+    candidate: Candidate,
+    next_sample: u64,
+}
+
 /// A decision and what became of it; one line of `decisions.jsonl`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DecisionRecord {
@@ -148,6 +180,9 @@ pub struct DriverStep {
     pub decision: Option<DecisionRecord>,
     /// The switch that followed, if one was carried out.
     pub switch: Option<SwitchRecord>,
+    /// After too many non-finite steps in a row: the step of the snapshot the run went back
+    /// to, with the learning rate halved.
+    pub restored: Option<u64>,
 }
 
 /// Why the loop stopped.
@@ -164,6 +199,18 @@ pub enum DriverError {
     /// The engine failed (a failed switch that rolled back is not an error).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// Training kept diverging after restores at halved learning rates.
+    #[error(
+        "training diverged: {bad} steps in a row with a non-finite loss or gradient, again after {restores} restores of the last snapshot at a halved learning rate (now {lr:e}); lower optim.lr or set optim.clip_norm"
+    )]
+    Diverged {
+        /// Bad steps in a row.
+        bad: u32,
+        /// Restores done.
+        restores: u32,
+        /// The learning rate reached.
+        lr: f64,
+    },
 }
 
 /// The loop's state: engine, candidate space, data position, clock.
@@ -174,6 +221,10 @@ pub struct Driver<L: ParallelLm> {
     next_sample: u64,
     clock: Clock,
     clock_secs: f64,
+    divergence: Divergence,
+    snapshot: Option<Snapshot>,
+    bad_in_row: u32,
+    restores: u32,
 }
 
 impl<L: ParallelLm> Driver<L> {
@@ -184,9 +235,58 @@ impl<L: ParallelLm> Driver<L> {
             candidate: Candidate { dims: c.dims, global_batch: c.global_batch, micro_batch: c.micro_batch, num_micro: 0 },
             reason: e.to_string(),
         })?;
-        let driver = Self { engine, space, current, next_sample: 0, clock, clock_secs: 0.0 };
+        let mut driver = Self {
+            engine,
+            space,
+            current,
+            next_sample: 0,
+            clock,
+            clock_secs: 0.0,
+            divergence: Divergence::default(),
+            snapshot: None,
+            bad_in_row: 0,
+            restores: 0,
+        };
         driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
+        driver.take_snapshot()?;
         Ok(driver)
+    }
+
+    /// How non-finite steps are handled.
+    pub fn with_divergence(mut self, divergence: Divergence) -> Self {
+        self.divergence = divergence;
+        self
+    }
+
+    fn take_snapshot(&mut self) -> Result<(), DriverError> {
+        let state = self.engine.stage_state()?;
+        self.snapshot = Some(Snapshot { state, candidate: self.current, next_sample: self.next_sample });
+        Ok(())
+    }
+
+    /// Goes back to the last snapshot with the learning rate halved; returns its step.
+    fn restore(&mut self) -> Result<u64, DriverError> {
+        let lr = self.engine.config().optim.lr;
+        if self.restores >= self.divergence.max_restores {
+            return Err(DriverError::Diverged { bad: self.bad_in_row, restores: self.restores, lr });
+        }
+        let snap = self.snapshot.as_ref().expect("a snapshot is taken at the start");
+        let c = snap.candidate;
+        let mut cfg = self.engine.config().clone();
+        (cfg.dims, cfg.global_batch, cfg.micro_batch) = (c.dims, c.global_batch, c.micro_batch);
+        cfg.optim.lr = lr / 2.0;
+        self.engine.relaunch(&snap.state, &cfg, Fault::default())?;
+        self.current = c;
+        self.next_sample = snap.next_sample;
+        self.restores += 1;
+        self.bad_in_row = 0;
+        tracing::warn!(
+            "training diverged; back to step {} at learning rate {:e} (restore {})",
+            snap.state.step,
+            cfg.optim.lr,
+            self.restores
+        );
+        Ok(snap.state.step)
     }
 
     /// The engine.
@@ -268,6 +368,25 @@ impl<L: ParallelLm> Driver<L> {
         };
         self.clock_secs += step_secs;
         let samples_per_sec = candidate.global_batch as f64 / step_secs.max(1e-12);
+        if step.skipped {
+            self.bad_in_row += 1;
+            let restored = if self.bad_in_row >= self.divergence.max_bad_steps { Some(self.restore()?) } else { None };
+            let clock_secs = self.clock_secs;
+            return Ok(DriverStep {
+                step,
+                candidate,
+                step_clock_secs: clock_secs,
+                clock_secs,
+                samples_per_sec,
+                decision: None,
+                switch: None,
+                restored,
+            });
+        }
+        self.bad_in_row = 0;
+        if step.metrics.step.is_multiple_of(self.divergence.snapshot_every.max(1)) {
+            self.take_snapshot()?;
+        }
         let obs = StepObservation { step: step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
         let decision = source.on_step(&obs, samples_per_sec);
         let proposed = decision.target(candidate);
@@ -279,6 +398,7 @@ impl<L: ParallelLm> Driver<L> {
             samples_per_sec,
             decision: None,
             switch: None,
+            restored: None,
         };
         if proposed == candidate {
             return Ok(out);

@@ -21,10 +21,14 @@ use crate::state::{RankExport, TrainingState};
 
 /// What the engine asks of every rank.
 pub(super) enum Command {
-    Step(Arc<Vec<i64>>),
+    /// The step's batch, and whether to poison its gradient with a NaN (fault injection).
+    Step(Arc<Vec<i64>>, bool),
     Params,
     Export,
-    SetBatch { global_batch: usize, micro_batch: usize },
+    SetBatch {
+        global_batch: usize,
+        micro_batch: usize,
+    },
     Stop,
 }
 
@@ -235,7 +239,7 @@ fn worker_loop<L: ParallelLm>(mut state: RankState<L>, rx: Receiver<Command>, tx
     while let Ok(cmd) = rx.recv() {
         let result = match cmd {
             Command::Stop => return,
-            Command::Step(batch) => catch_unwind(AssertUnwindSafe(|| state.step(&batch).map(|s| Reply::Step(Box::new(s))))),
+            Command::Step(batch, poison) => catch_unwind(AssertUnwindSafe(|| state.step(&batch, poison).map(|s| Reply::Step(Box::new(s))))),
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
             Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
             Command::SetBatch { global_batch, micro_batch } => {

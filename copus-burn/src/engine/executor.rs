@@ -25,7 +25,8 @@ const TAG_TIED_SUM: u32 = 4;
 
 impl<L: ParallelLm> RankState<L> {
     /// One optimizer step on `batch` (the whole step's sequences; this rank takes its share).
-    pub(super) fn step(&mut self, batch: &[i64]) -> Result<EngineStep, RankError> {
+    /// `poison`: world rank 0 writes a NaN into its gradient (fault injection).
+    pub(super) fn step(&mut self, batch: &[i64], poison: bool) -> Result<EngineStep, RankError> {
         let start = Instant::now();
         let dims = self.cfg.dims;
         let a = self.cfg.num_micro_per_replica();
@@ -104,6 +105,13 @@ impl<L: ParallelLm> RankState<L> {
         self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
         let loss = micro_sq[n_total];
         let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
+        if poison && self.rank == 0 {
+            if let Some(first) = self.index.params.first().map(|p| p.id) {
+                let mut g = self.index.flatten(self.stage(), &acc, |p| p.id == first);
+                g[0] = f32::NAN;
+                self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
+            }
+        }
         // Data parallel: bucketed all-reduce of the flattened gradients.
         if dims.dp > 1 {
             let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
@@ -129,8 +137,29 @@ impl<L: ParallelLm> RankState<L> {
             grad_sq_norm: sq[0],
             diff_sq_norm: has_previous.then_some(sq[1]),
         };
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite(loss, self.step).into());
+        if !(loss.is_finite() && stats.grad_sq_norm.is_finite()) {
+            // Diverged: skip the update. Weights, optimizer state, estimator, probe memory and
+            // counters stay as they were (every rank sees the same reduced loss and norm).
+            let lr = self.cfg.optim.lr_at(self.step, self.cfg.global_batch, self.closer.gns().b_simple());
+            return Ok(EngineStep {
+                metrics: StepMetrics {
+                    step: self.step,
+                    loss,
+                    lr,
+                    global_batch: self.cfg.global_batch,
+                    micro_batch: self.cfg.micro_batch,
+                    num_micro: n_total,
+                    tokens_seen: self.tokens_seen,
+                    step_time: start.elapsed().as_secs_f64(),
+                    grad_norm: stats.grad_sq_norm.sqrt(),
+                    grad_sq: None,
+                    trace: None,
+                    b_simple: None,
+                    gns_biased: false,
+                },
+                stats,
+                skipped: true,
+            });
         }
         let stage = self.stage.take().expect("stage present");
         let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.cfg.global_batch, &stats, acc) {
@@ -162,6 +191,7 @@ impl<L: ParallelLm> RankState<L> {
                 gns_biased: est.is_some_and(|e| e.biased),
             },
             stats,
+            skipped: false,
         })
     }
 }

@@ -55,6 +55,9 @@ pub struct EngineStep {
     pub metrics: StepMetrics,
     /// What the probe measured this step (before smoothing).
     pub stats: StepStats,
+    /// The loss or the gradient norm was not finite, so the update was skipped: no weight,
+    /// optimizer moment, estimator or counter changed.
+    pub skipped: bool,
 }
 
 /// One rank's parameters as `(global name, shape, values)`.
@@ -71,6 +74,8 @@ pub struct Engine<L: ParallelLm> {
     steps_done: u64,
     tokens_seen: u64,
     fault: Fault,
+    /// Fault injection: poison the gradients of `.1` steps from step `.0` on.
+    poison: (u64, u64),
 }
 
 impl EngineConfig {
@@ -100,6 +105,7 @@ impl<L: ParallelLm> Engine<L> {
             steps_done: state.step,
             tokens_seen: state.tokens_seen,
             fault: Fault::default(),
+            poison: (0, 0),
         };
         engine.check_target(&cfg)?;
         engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::default())?);
@@ -130,6 +136,13 @@ impl<L: ParallelLm> Engine<L> {
     #[cfg(feature = "fault-injection")]
     pub fn inject_fault(&mut self, phase: Option<ReconfigPhase>) {
         self.fault = Fault::at_phase(phase);
+    }
+
+    /// Writes a NaN into the gradient of the next `count` steps once `steps_done()` reaches
+    /// `from` (divergence tests).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_nan_gradients(&mut self, from: u64, count: u64) {
+        self.poison = (from, count);
     }
 
     fn cluster(&mut self) -> Result<&Cluster, EngineError> {
@@ -165,12 +178,20 @@ impl<L: ParallelLm> Engine<L> {
             return Err(EngineError::Batch(format!("token id {t} is outside the vocabulary 0..{vocab}")));
         }
         let batch = Arc::new(batch);
-        let replies = self.broadcast(|| Command::Step(batch.clone()))?;
+        let poison = self.steps_done >= self.poison.0 && self.poison.1 > 0;
+        if poison {
+            self.poison.1 -= 1;
+        }
+        let replies = self.broadcast(|| Command::Step(batch.clone(), poison))?;
         let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
-        if !step.metrics.loss.is_finite() {
-            let e = EngineError::Train(TrainError::NonFinite(step.metrics.loss, self.steps_done));
-            self.dead = Some(e.to_string());
-            return Err(e);
+        if step.skipped {
+            tracing::warn!(
+                "step {}: loss {} and gradient norm {} are not all finite; the update was skipped",
+                self.steps_done + 1,
+                step.metrics.loss,
+                step.metrics.grad_norm
+            );
+            return Ok(*step);
         }
         self.gns.observe(&step.stats).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
         self.steps_done += 1;
@@ -247,6 +268,9 @@ impl<L: ParallelLm> Engine<L> {
         self.cluster = Some(cluster);
         self.cfg = cfg.clone();
         self.dead = None;
+        self.gns = state.gns.clone();
+        self.steps_done = state.step;
+        self.tokens_seen = state.tokens_seen;
         Ok(())
     }
 
