@@ -105,12 +105,13 @@ impl<L: ParallelLm> RankState<L> {
         self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
         let loss = micro_sq[n_total];
         let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
-        if poison && self.rank == 0 {
-            if let Some(first) = self.index.params.first().map(|p| p.id) {
-                let mut g = self.index.flatten(self.stage(), &acc, |p| p.id == first);
-                g[0] = f32::NAN;
-                self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
-            }
+        if poison
+            && self.rank == 0
+            && let Some(first) = self.index.params.first().map(|p| p.id)
+        {
+            let mut g = self.index.flatten(self.stage(), &acc, |p| p.id == first);
+            g[0] = f32::NAN;
+            self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
         }
         // Data parallel: bucketed all-reduce of the flattened gradients.
         if dims.dp > 1 {
