@@ -116,6 +116,11 @@ impl Orchestrator {
         self.policy.name()
     }
 
+    /// The candidates and the throughput the orchestrator now believes (for reports).
+    pub fn scorer(&self) -> &Scorer {
+        &self.scorer
+    }
+
     /// Decisions refused so far because their target was not a feasible candidate.
     pub fn refused(&self) -> u64 {
         self.refused

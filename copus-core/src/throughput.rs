@@ -312,6 +312,27 @@ impl ClusterSpec {
         }
     }
 
+    /// `ranks` in-process ranks sharing `cores` CPU cores (fp32 on Burn's Flex backend): a
+    /// prior whose shape over layouts and batch sizes matters, not its scale (a run rescales it
+    /// to what it measures). Collectives are host copies between threads.
+    pub fn cpu_ranks(ranks: usize, cores: usize) -> Self {
+        let per_rank = cores.max(1) as f64 / ranks.max(1) as f64;
+        Self {
+            name: format!("{ranks} in-process ranks on {cores} CPU cores"),
+            gpus_per_node: ranks,
+            num_nodes: 1,
+            peak_flops: 45e9 * per_rank,
+            mfu_max: 0.6,
+            intensity_half: 8.0,
+            hbm_bandwidth: 10e9 * per_rank,
+            intra_node_bw: 4e9,
+            inter_node_bw: 4e9,
+            intra_latency: 50e-6,
+            inter_latency: 50e-6,
+            memory_bytes: 16e9,
+        }
+    }
+
     /// All GPUs.
     pub fn world_size(&self) -> usize {
         self.gpus_per_node * self.num_nodes

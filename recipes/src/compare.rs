@@ -961,6 +961,7 @@ fn report(
         "loss",
         &series(&|s| s.loss),
         &regions,
+        &[],
     ));
     plot(line_plot(
         &folder.join("batch_schedule.png"),

@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+mod adaptive;
 mod bench;
 mod compare;
 mod data;
@@ -176,7 +177,7 @@ fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
 
 fn run_recipe(path: &Path, max_steps: Option<u64>) -> anyhow::Result<()> {
     let recipe = load_recipe(path)?;
-    let (folder, s) = run::run(&recipe, &run::RunOptions { max_steps })?;
+    let (folder, s) = run::run_any(&recipe, &run::RunOptions { max_steps })?;
     println!(
         "{}: {} steps, {} tokens in {:.1} s ({:.0} tokens/s); loss {:.3} -> {:.3}; held-out {:.3} -> {:.3}; B_simple {}",
         s.name,

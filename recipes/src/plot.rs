@@ -111,6 +111,7 @@ pub fn region_plot(
     y_label: &str,
     series: &[Series<'_>],
     regions: &[(f64, f64, String)],
+    markers: &[f64],
 ) -> anyhow::Result<()> {
     ensure_font()?;
     let Some(((x0, x1), (y0, y1))) = bounds(series, false) else {
@@ -147,6 +148,16 @@ pub fn region_plot(
         let drawn = chart.draw_series(std::iter::once(Rectangle::new([(*a, y0), (*b, y1)], c.filled()))).map_err(|e| err(&e))?;
         if first {
             drawn.label(label.clone()).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], c.filled()));
+        }
+    }
+    for (k, &x) in markers.iter().enumerate() {
+        let drawn = chart
+            .draw_series(std::iter::once(PathElement::new(vec![(x, y0), (x, y1)], BLACK.mix(0.6).stroke_width(1))))
+            .map_err(|e| err(&e))?;
+        if k == 0 {
+            drawn
+                .label("batch change")
+                .legend(|(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], BLACK.mix(0.6).stroke_width(1)));
         }
     }
     let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];

@@ -208,6 +208,10 @@ pub struct Recipe {
     /// Several ranks and the candidate space (for `recipes profile`, layouts and policies).
     #[serde(default)]
     pub parallel: Option<ParallelRecipe>,
+    /// Train under Copus on the engine's ranks (needs `parallel`), or the fixed single-rank
+    /// run (`false`). Default: adaptive exactly when `parallel` is given.
+    #[serde(default)]
+    pub adaptive: Option<bool>,
 }
 
 /// The recipe's `optim` section: any subset of [`OptimConfig`]'s fields, the others at their
@@ -290,8 +294,16 @@ impl Recipe {
         Ok(spec)
     }
 
+    /// Whether `recipes run` trains under Copus.
+    pub fn is_adaptive(&self) -> bool {
+        self.adaptive.unwrap_or(self.parallel.is_some())
+    }
+
     /// Checks every value.
     pub fn validate(&self) -> Result<(), RecipeError> {
+        if self.adaptive == Some(true) && self.parallel.is_none() {
+            return Err(field("adaptive", true, "false, unless the recipe has a `parallel` section (the candidate space Copus searches)"));
+        }
         if self.name.is_empty() || self.name.contains(['/', '\\']) || self.name.starts_with('.') {
             return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));
         }

@@ -169,7 +169,14 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
     Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone() })
 }
 
-/// Runs a recipe to the end; returns the run folder and its summary.
+/// Runs a recipe to the end, under Copus when it is adaptive; returns the run folder and its
+/// summary.
+pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    if recipe.is_adaptive() { crate::adaptive::run(recipe, opts) } else { Ok(run(recipe, opts)?) }
+}
+
+/// Runs a recipe's fixed single-rank training to the end; returns the run folder and its
+/// summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let t = &recipe.train;
@@ -289,7 +296,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     Ok((folder, summary))
 }
 
-fn summary_markdown(s: &Summary, r: &Recipe) -> String {
+pub fn summary_markdown(s: &Summary, r: &Recipe) -> String {
     format!(
         "# {name}\n\nClock: {clock}.\n\n| | |\n|---|---|\n| model | {model}, {params:.2}M parameters |\n\
          | batch | B_g {bg} sequences of {seq} tokens, B_m {bm} |\n| steps | {steps} ({stopped}) |\n\
