@@ -243,20 +243,30 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>
 
 fn optim_section<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OptimConfig, D::Error> {
     let s = OptimSection::deserialize(d)?;
-    let c = OptimConfig::new();
-    let c = if let Some(v) = s.lr { c.with_lr(v) } else { c };
-    let c = if let Some(v) = s.b0 { c.with_b0(v) } else { c };
-    let c = if let Some(v) = s.lr_rule { c.with_lr_rule(v) } else { c };
-    let c = if let Some(v) = s.warmup_steps { c.with_warmup_steps(v) } else { c };
-    let c = if let Some(v) = s.total_steps { c.with_total_steps(v) } else { c };
-    let c = if let Some(v) = s.min_lr_ratio { c.with_min_lr_ratio(v) } else { c };
-    let c = if let Some(v) = s.beta1 { c.with_beta1(v) } else { c };
-    let c = if let Some(v) = s.beta2 { c.with_beta2(v) } else { c };
-    let c = if let Some(v) = s.eps { c.with_eps(v) } else { c };
-    let c = if let Some(v) = s.weight_decay { c.with_weight_decay(v) } else { c };
-    let c = if let Some(v) = s.decay_norms_and_embeddings { c.with_decay_norms_and_embeddings(v) } else { c };
-    let c = if let Some(v) = s.clip_norm { c.with_clip_norm(v) } else { c };
-    Ok(if let Some(v) = s.gns_theta { c.with_gns_theta(v) } else { c })
+    let mut c = OptimConfig::new();
+    macro_rules! given {
+        ($($field:ident),*) => {
+            $(if let Some(v) = s.$field {
+                c.$field = v;
+            })*
+        };
+    }
+    given!(
+        lr,
+        b0,
+        lr_rule,
+        warmup_steps,
+        total_steps,
+        min_lr_ratio,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decay_norms_and_embeddings,
+        clip_norm,
+        gns_theta
+    );
+    Ok(c)
 }
 
 fn default_output_dir() -> String {

@@ -138,18 +138,26 @@ pub fn spawn(
 
 /// The service as the driver's decision source. Decisions arrive asynchronously; one is applied
 /// at the first step boundary after it arrives, unless it was made for a configuration that
-/// has changed since.
+/// has changed since. In synchronous mode each step waits (up to a timeout) for its own
+/// decision, so a run decides exactly as with the embedded orchestrator.
 pub struct RemoteSource {
     client: Client,
     /// The first step observed in the current configuration.
     since: u64,
     last_step: u64,
+    /// Synchronous mode: how long a step waits for its decision.
+    wait: Option<Duration>,
 }
 
 impl RemoteSource {
-    /// Decisions from `client`.
+    /// Decisions from `client`, applied as they arrive (training never waits).
     pub fn new(client: Client) -> Self {
-        Self { client, since: 0, last_step: 0 }
+        Self { client, since: 0, last_step: 0, wait: None }
+    }
+
+    /// Decisions from `client`, each step waiting up to `timeout` for its own.
+    pub fn synchronous(client: Client, timeout: Duration) -> Self {
+        Self { wait: Some(timeout), ..Self::new(client) }
     }
 
     /// Why the service is unavailable, once it is.
@@ -165,6 +173,9 @@ impl copus_burn::DecisionSource for RemoteSource {
     fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
         self.last_step = obs.step;
         self.client.observe(*obs, samples_per_sec);
+        if let Some(timeout) = self.wait {
+            return self.client.wait_for(obs.step, timeout).unwrap_or(Decision::Keep);
+        }
         match self.client.poll() {
             Some((s, d)) if s >= self.since => d,
             _ => Decision::Keep,
@@ -351,6 +362,74 @@ mod tests {
         }
         // With a large noise scale Copus moves to the big batch on the other layout.
         assert!(matches!(embedded.on_step(&obs(4, 64.0)), Decision::ChangeLayout(c) if c.global_batch == 8));
+    }
+
+    /// A short real run through the driver, decided by the service on 127.0.0.1 and by the
+    /// embedded orchestrator: the same decisions at the same steps, the same losses.
+    #[test]
+    fn a_run_decided_by_the_service_equals_one_decided_in_process() {
+        use copus_burn::{Clock, DataSource, Driver, Engine, EngineConfig, OptimConfig};
+        use copus_core::candidates::CandidateSpace;
+        use copus_core::memory::{GIB, MemoryModel};
+        use copus_core::model::ModelSpec;
+        use copus_core::schedule::ScheduleKind;
+        use copus_models::{LlamaConfig, full_params};
+
+        struct Tokens(usize);
+        impl DataSource for Tokens {
+            fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
+                (first..first + count as u64).flat_map(|i| (0..33u64).map(move |j| ((i * 31 + j * 7) % self.0 as u64) as i64)).collect()
+            }
+        }
+        let mut spec = ModelSpec::tiny_1m();
+        spec.seq_len = 32;
+        let cfg = LlamaConfig::from_spec(&spec);
+        let device = burn::tensor::Device::flex().autodiff();
+        device.seed(3);
+        let full = full_params(&cfg.init(&device));
+        let space = CandidateSpace::new(2, vec![2, 4], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB).unwrap();
+        let enumeration = space.enumerate(&spec);
+        // A made-up profile on a modelled clock, so decisions do not depend on this machine.
+        let entries: Vec<ProfileEntry> = enumeration
+            .feasible
+            .iter()
+            .map(|c| ProfileEntry {
+                dp: c.dims.dp,
+                tp: c.dims.tp,
+                pp: c.dims.pp,
+                global_batch: c.global_batch,
+                micro_batch: c.micro_batch,
+                samples_per_sec: if c.dims.tp == 2 { 40.0 } else { 10.0 } * c.global_batch as f64 / (1.0 + c.micro_batch as f64),
+            })
+            .collect();
+        let profile = ThroughputProfile::new("t".into(), "tiny-1m".into(), entries).unwrap();
+        let scorer = Scorer::plain(&enumeration.feasible, &profile, 2.0).unwrap();
+        let rule = SwitchRule { layout_cost: 0.0, ..SwitchRule::default() };
+        let orchestrator = {
+            let s = scorer.clone();
+            move || Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s.clone())
+        };
+        let run = |source: &mut dyn copus_burn::DecisionSource| {
+            let start = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
+            let ec = EngineConfig::new(start.dims, 2, 1, 32, OptimConfig::new().with_b0(2).with_warmup_steps(1));
+            let engine = Engine::new(Arc::new(cfg.clone()), &full, ec).unwrap();
+            let p = profile.clone();
+            let clock = Clock::Modelled {
+                step_secs: Box::new(move |c: &Candidate| c.global_batch as f64 / p.samples_per_sec(c).unwrap_or(1.0)),
+                batch_switch_secs: 0.1,
+                layout_switch_secs: 1.0,
+            };
+            let mut driver = Driver::new(engine, enumeration.clone(), clock).unwrap();
+            (0..6).map(|_| driver.step(&Tokens(spec.vocab_size), source).unwrap()).map(|s| (s.step.metrics.loss, s.decision)).collect::<Vec<_>>()
+        };
+        let make: Arc<dyn Fn() -> Orchestrator + Send + Sync> = Arc::new(orchestrator.clone());
+        let (addr, _h) = spawn("127.0.0.1:0".parse().unwrap(), "secret".into(), make).unwrap();
+        let mut remote = RemoteSource::synchronous(Client::connect(addr, "secret", "test").unwrap(), Duration::from_secs(10));
+        let by_service = run(&mut remote);
+        let in_process = run(&mut orchestrator());
+        assert!(in_process.iter().any(|(_, d)| d.as_ref().is_some_and(|d| d.applied)), "the policy switched at least once");
+        assert_eq!(by_service, in_process);
+        assert!(remote.unavailable().is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use burn::optim::GradientsParams;
-use copus_core::gns::StepStats;
+use copus_core::gns::{NoiseEstimate, StepStats};
 use copus_core::schedule::{Action, build as build_schedule};
 
 use super::EngineStep;
@@ -142,25 +142,8 @@ impl<L: ParallelLm> RankState<L> {
             // Diverged: skip the update. Weights, optimizer state, estimator, probe memory and
             // counters stay as they were (every rank sees the same reduced loss and norm).
             let lr = self.cfg.optim.lr_at(self.step, self.cfg.global_batch, self.closer.gns().b_simple());
-            return Ok(EngineStep {
-                metrics: StepMetrics {
-                    step: self.step,
-                    loss,
-                    lr,
-                    global_batch: self.cfg.global_batch,
-                    micro_batch: self.cfg.micro_batch,
-                    num_micro: n_total,
-                    tokens_seen: self.tokens_seen,
-                    step_time: start.elapsed().as_secs_f64(),
-                    grad_norm: stats.grad_sq_norm.sqrt(),
-                    grad_sq: None,
-                    trace: None,
-                    b_simple: None,
-                    gns_biased: false,
-                },
-                stats,
-                skipped: true,
-            });
+            let metrics = self.metrics(loss, lr, stats.grad_sq_norm.sqrt(), None, start);
+            return Ok(EngineStep { metrics, stats, skipped: true });
         }
         let stage = self.stage.take().expect("stage present");
         let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.cfg.global_batch, &stats, acc) {
@@ -170,29 +153,29 @@ impl<L: ParallelLm> RankState<L> {
                 return Err(e.into());
             }
         };
-        let (lr, grad_norm, est) = (closed.lr, closed.grad_norm, closed.estimate);
-        let phi = est.and_then(|e| e.b_simple());
-        self.stage = Some(self.optim.step(lr, stage, closed.grads));
+        self.stage = Some(self.optim.step(closed.lr, stage, closed.grads));
         self.step += 1;
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
-        Ok(EngineStep {
-            metrics: StepMetrics {
-                step: self.step,
-                loss,
-                lr,
-                global_batch: self.cfg.global_batch,
-                micro_batch: self.cfg.micro_batch,
-                num_micro: n_total,
-                tokens_seen: self.tokens_seen,
-                step_time: start.elapsed().as_secs_f64(),
-                grad_norm,
-                grad_sq: est.map(|e| e.grad_sq),
-                trace: est.map(|e| e.trace),
-                b_simple: phi,
-                gns_biased: est.is_some_and(|e| e.biased),
-            },
-            stats,
-            skipped: false,
-        })
+        let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);
+        Ok(EngineStep { metrics, stats, skipped: false })
+    }
+
+    /// The step's metrics in the current configuration and counters.
+    fn metrics(&self, loss: f64, lr: f64, grad_norm: f64, est: Option<NoiseEstimate>, start: Instant) -> StepMetrics {
+        StepMetrics {
+            step: self.step,
+            loss,
+            lr,
+            global_batch: self.cfg.global_batch,
+            micro_batch: self.cfg.micro_batch,
+            num_micro: self.cfg.global_batch / self.cfg.micro_batch,
+            tokens_seen: self.tokens_seen,
+            step_time: start.elapsed().as_secs_f64(),
+            grad_norm,
+            grad_sq: est.map(|e| e.grad_sq),
+            trace: est.map(|e| e.trace),
+            b_simple: est.and_then(|e| e.b_simple()),
+            gns_biased: est.is_some_and(|e| e.biased),
+        }
     }
 }
