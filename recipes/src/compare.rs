@@ -179,6 +179,10 @@ pub struct Real {
     /// run instead of the embedded one; the token comes from COPUS_ORCHESTRATOR_TOKEN.
     #[serde(default)]
     pub service: Option<String>,
+    /// With `service`: wait (up to 30 s) for each step's decision, so the run decides exactly as
+    /// the embedded orchestrator would; otherwise decisions apply as they arrive.
+    #[serde(default)]
+    pub service_synchronous: bool,
 }
 
 fn default_loss_ema() -> f64 {
@@ -687,7 +691,12 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
             (Some(addr), false) => {
                 let addr: std::net::SocketAddr = addr.parse().map_err(|e| anyhow!("recipe field `scenario.service` = {addr:?}: {e}"))?;
                 let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
-                Some(crate::service::RemoteSource::new(crate::service::Client::connect(addr, &token, &recipe.name)?))
+                let client = crate::service::Client::connect(addr, &token, &recipe.name)?;
+                Some(if r.service_synchronous {
+                    crate::service::RemoteSource::synchronous(client, std::time::Duration::from_secs(30))
+                } else {
+                    crate::service::RemoteSource::new(client)
+                })
             }
             _ => None,
         };

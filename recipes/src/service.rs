@@ -270,8 +270,7 @@ impl Client {
         }
     }
 
-    /// Waits up to `timeout` for the decision about `step` (tests).
-    #[cfg(test)]
+    /// Waits up to `timeout` for the decision about `step`.
     pub fn wait_for(&mut self, step: u64, timeout: Duration) -> Option<Decision> {
         let deadline = std::time::Instant::now() + timeout;
         while std::time::Instant::now() < deadline {
@@ -378,7 +377,8 @@ mod tests {
         struct Tokens(usize);
         impl DataSource for Tokens {
             fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
-                (first..first + count as u64).flat_map(|i| (0..33u64).map(move |j| ((i * 31 + j * 7) % self.0 as u64) as i64)).collect()
+                // Every sequence counts up by 3 from a start that varies: a shared, learnable rule.
+                (first..first + count as u64).flat_map(|i| (0..33u64).map(move |j| ((i % 5 + 3 * j) % self.0 as u64) as i64)).collect()
             }
         }
         let mut spec = ModelSpec::tiny_1m();
@@ -415,19 +415,27 @@ mod tests {
             let engine = Engine::new(Arc::new(cfg.clone()), &full, ec).unwrap();
             let p = profile.clone();
             let clock = Clock::Modelled {
-                step_secs: Box::new(move |c: &Candidate| c.global_batch as f64 / p.samples_per_sec(c).unwrap_or(1.0)),
+                step_secs: Box::new(move |c: &Candidate| {
+                    c.global_batch as f64 / copus_core::throughput::ThroughputModel::samples_per_sec(&p, c).unwrap_or(1.0)
+                }),
                 batch_switch_secs: 0.1,
                 layout_switch_secs: 1.0,
             };
             let mut driver = Driver::new(engine, enumeration.clone(), clock).unwrap();
-            (0..6).map(|_| driver.step(&Tokens(spec.vocab_size), source).unwrap()).map(|s| (s.step.metrics.loss, s.decision)).collect::<Vec<_>>()
+            (0..6)
+                .map(|_| driver.step(&Tokens(spec.vocab_size), source).unwrap())
+                .map(|s| (s.step.metrics.loss, s.step.metrics.b_simple, s.decision))
+                .collect::<Vec<_>>()
         };
         let make: Arc<dyn Fn() -> Orchestrator + Send + Sync> = Arc::new(orchestrator.clone());
         let (addr, _h) = spawn("127.0.0.1:0".parse().unwrap(), "secret".into(), make).unwrap();
         let mut remote = RemoteSource::synchronous(Client::connect(addr, "secret", "test").unwrap(), Duration::from_secs(10));
         let by_service = run(&mut remote);
         let in_process = run(&mut orchestrator());
-        assert!(in_process.iter().any(|(_, d)| d.as_ref().is_some_and(|d| d.applied)), "the policy switched at least once");
+        assert!(
+            in_process.iter().any(|(_, _, d)| d.as_ref().is_some_and(|d| d.applied)),
+            "the policy switched at least once: {in_process:?}"
+        );
         assert_eq!(by_service, in_process);
         assert!(remote.unavailable().is_none());
     }
