@@ -64,7 +64,12 @@ impl TrainingState {
         let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
         let reader = burn_pack::Reader::from_file(path).map_err(|e| err(format!("not a readable checkpoint: {e:?}")))?;
         let meta = reader.metadata().get(META_KEY).ok_or_else(|| err("no copus metadata (not a copus checkpoint)".into()))?;
-        let meta: CheckpointMeta = serde_json::from_str(meta).map_err(|e| err(format!("metadata: {e}")))?;
+        // Checkpoints written before rank devices existed have no `devices`: Flex everywhere.
+        let mut meta: serde_json::Value = serde_json::from_str(meta).map_err(|e| err(format!("metadata: {e}")))?;
+        if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
+            config.entry("devices").or_insert_with(|| serde_json::json!([]));
+        }
+        let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| err(format!("metadata: {e}")))?;
         if meta.format != 1 {
             return Err(err(format!("format {} is not supported (this build reads format 1)", meta.format)));
         }

@@ -225,6 +225,9 @@ pub struct Driver<L: ParallelLm> {
     snapshot: Option<Snapshot>,
     bad_in_row: u32,
     restores: u32,
+    /// The next step is the first after a relaunch: its wall time includes warm-up, so its
+    /// samples/s are not reported as a measurement.
+    warming_up: bool,
 }
 
 impl<L: ParallelLm> Driver<L> {
@@ -246,6 +249,7 @@ impl<L: ParallelLm> Driver<L> {
             snapshot: None,
             bad_in_row: 0,
             restores: 0,
+            warming_up: false,
         };
         driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
         driver.take_snapshot()?;
@@ -258,9 +262,14 @@ impl<L: ParallelLm> Driver<L> {
         self
     }
 
+    /// Stages the state as the point to go back to; its time counts on the wall clock.
     fn take_snapshot(&mut self) -> Result<(), DriverError> {
+        let started = Instant::now();
         let state = self.engine.stage_state()?;
         self.snapshot = Some(Snapshot { state, candidate: self.current, next_sample: self.next_sample });
+        if matches!(self.clock, Clock::Wall) {
+            self.clock_secs += started.elapsed().as_secs_f64();
+        }
         Ok(())
     }
 
@@ -275,8 +284,14 @@ impl<L: ParallelLm> Driver<L> {
         let mut cfg = self.engine.config().clone();
         (cfg.dims, cfg.global_batch, cfg.micro_batch) = (c.dims, c.global_batch, c.micro_batch);
         cfg.optim.lr = lr / 2.0;
+        let started = Instant::now();
         self.engine.relaunch(&snap.state, &cfg, Fault::default())?;
+        self.clock_secs += match &self.clock {
+            Clock::Wall => started.elapsed().as_secs_f64(),
+            Clock::Modelled { layout_switch_secs, .. } => *layout_switch_secs,
+        };
         self.current = c;
+        self.warming_up = true;
         self.next_sample = snap.next_sample;
         self.restores += 1;
         self.bad_in_row = 0;
@@ -315,9 +330,11 @@ impl<L: ParallelLm> Driver<L> {
     }
 
     /// Continues from a saved position (sample index and clock) after a resume.
-    pub fn set_position(&mut self, next_sample: u64, clock_secs: f64) {
+    pub fn set_position(&mut self, next_sample: u64, clock_secs: f64) -> Result<(), DriverError> {
         self.next_sample = next_sample;
         self.clock_secs = clock_secs;
+        // A divergence restore must come back here, not to the position the driver started at.
+        self.take_snapshot()
     }
 
     /// Whether `target` may run: one of the feasible candidates. A refusal names the reason
@@ -388,7 +405,9 @@ impl<L: ParallelLm> Driver<L> {
             self.take_snapshot()?;
         }
         let obs = StepObservation { step: step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
-        let decision = source.on_step(&obs, samples_per_sec);
+        // 0: not measured (the first step after a relaunch pays for warm-up on the wall clock).
+        let warm_up = std::mem::take(&mut self.warming_up) && matches!(self.clock, Clock::Wall);
+        let decision = source.on_step(&obs, if warm_up { 0.0 } else { samples_per_sec });
         let proposed = decision.target(candidate);
         let mut out = DriverStep {
             step,
@@ -428,6 +447,7 @@ impl<L: ParallelLm> Driver<L> {
                 source.on_reconfigured(clock_secs, report.layout_changed);
                 tracing::info!("step {}: {candidate} -> {proposed} in {measured_secs:.3} s", obs.step);
                 self.current = proposed;
+                self.warming_up = report.layout_changed;
                 record.applied = true;
                 out.clock_secs = self.clock_secs;
                 out.switch = Some(SwitchRecord {
@@ -440,7 +460,7 @@ impl<L: ParallelLm> Driver<L> {
                     bytes: report.bytes,
                 });
             }
-            Err(e @ EngineError::Dead(_)) => return Err(e.into()),
+            Err(e) if self.engine.is_dead() => return Err(e.into()),
             Err(e) => {
                 // Refused before anything changed, or rolled back: the run goes on as it was.
                 tracing::warn!("step {}: the switch to {proposed} failed, continuing in {candidate}: {e}", obs.step);

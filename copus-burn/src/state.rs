@@ -1,6 +1,7 @@
 //! The training state in host memory, independent of the layout: what a layout change stages,
-//! what a checkpoint holds, and what each rank starts from and hands back. A leaf module: the
-//! engine, reconfiguration and checkpoints all use it, and it uses none of them.
+//! what a checkpoint holds, and what each rank starts from and hands back. The engine,
+//! reconfiguration and checkpoints all use it; of them it uses only the engine's error type
+//! (`engine/error.rs`, itself a leaf), so no file imports back into this one's users.
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -5,6 +5,8 @@
 //! `tr(Sigma) = 4 ((d + 1) |delta|^2 + d sigma^2)`, so
 //! `B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`: it grows as training closes in.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::batcher::Batcher;

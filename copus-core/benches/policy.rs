@@ -3,6 +3,8 @@
 //!
 //! `cargo bench -p copus-core --bench policy`
 
+#![forbid(unsafe_code)]
+
 use std::hint::black_box;
 
 use copus_core::candidates::{Candidate, CandidateSpace};

@@ -3,6 +3,8 @@
 //! `cargo run --release -p copus-core --example best_layouts -- [MODEL] [CLUSTER] [NODES]`
 //! MODEL is a preset name (default llama-3.2-3b); CLUSTER is h100, mi210 or h200.
 
+#![forbid(unsafe_code)]
+
 use copus_core::candidates::Candidate;
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;

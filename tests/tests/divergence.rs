@@ -28,15 +28,19 @@ fn space() -> Enumeration {
 
 fn assert_same(a: &TrainingState, b: &TrainingState, what: &str) {
     assert_eq!((a.step, a.tokens_seen), (b.step, b.tokens_seen), "{what}: counters");
+    let same = |x: &[f32], y: &[f32]| x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+    assert_eq!(a.params.len(), b.params.len(), "{what}");
     for (k, v) in &a.params {
-        assert!(v.iter().zip(&b.params[k]).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: parameter {k}");
+        assert!(same(v, &b.params[k]), "{what}: parameter {k}");
     }
     assert_eq!(a.optim.len(), b.optim.len(), "{what}");
     for (k, fields) in &a.optim {
         for (f, v) in fields {
-            assert!(v.iter().zip(&b.optim[k][f]).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: {k} {f}");
+            assert!(same(v, &b.optim[k][f]), "{what}: {k} {f}");
         }
     }
+    assert_eq!(a.scalars, b.scalars, "{what}: optimizer step counts");
+    assert_eq!(a.previous.is_some(), b.previous.is_some(), "{what}: probe memory");
     assert_eq!(a.gns.observations(), b.gns.observations(), "{what}: estimator");
 }
 

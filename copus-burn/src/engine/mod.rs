@@ -274,6 +274,11 @@ impl<L: ParallelLm> Engine<L> {
         Ok(())
     }
 
+    /// Whether an earlier failure left the engine unusable.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.is_some() || self.cluster.is_none()
+    }
+
     /// Marks the engine unusable with a reason.
     pub(crate) fn mark_dead(&mut self, message: &str) {
         self.dead = Some(message.to_string());
