@@ -20,7 +20,7 @@ use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, TensorData};
 use copus_burn::parallel::{ShardPlan, ShardSource};
-use copus_burn::{Clock, Driver, Engine, EngineConfig, MicroBatch, ParallelLm, StageModel, cross_entropy_sum};
+use copus_burn::{Clock, Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
 use copus_core::candidates::Candidate;
 use copus_core::goodput::{Objective, PlainGoodput};
 use copus_core::layout::ParallelDims;
@@ -34,7 +34,7 @@ use crate::data::PackedDataset;
 use crate::plot::{self, Series};
 use crate::progress::Progress;
 use crate::recipe::Recipe;
-use crate::run::{Prepared, RunOptions, Summary, TrainSequences, prepare, run_folder, summary_markdown};
+use crate::run::{Prepared, RunOptions, Summary, TrainSequences, heldout_loss, prepare, run_folder, summary_markdown};
 
 /// One step as the plots need it.
 struct Point {
@@ -252,22 +252,14 @@ fn evaluate(
     micro: usize,
 ) -> anyhow::Result<f64> {
     let stage = whole_model(cfg, params)?;
-    let device = Device::flex();
-    let count = count.min(heldout.num_seqs());
     let ctx = stage.context(heldout.seq_len());
-    let (mut sum, mut tokens) = (0.0, 0usize);
-    let idx: Vec<usize> = (0..count).collect();
-    for chunk in idx.chunks(micro.max(1)) {
-        let seqs: Vec<&[u32]> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
-        let b = MicroBatch::from_windows(&seqs, &device);
+    Ok(heldout_loss(heldout, count, micro, &Device::flex(), |b| {
         let mut h = stage.embed(b.inputs);
         for i in 0..stage.num_blocks() {
             h = h.clone() + stage.block(i, h, &ctx);
         }
-        sum += f64::from(cross_entropy_sum(stage.logits(h), b.targets).into_scalar::<f32>());
-        tokens += chunk.len() * heldout.seq_len();
-    }
-    Ok(sum / tokens.max(1) as f64)
+        f64::from(cross_entropy_sum(stage.logits(h), b.targets).into_scalar::<f32>())
+    }))
 }
 
 /// Writes the final weights under the model's global names.

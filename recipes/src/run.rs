@@ -96,16 +96,21 @@ pub fn run_folder(dir: &Path, name: &str) -> Result<PathBuf, RunError> {
 pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usize) -> f64 {
     let eval = model.valid();
     let device = eval.embed_tokens.weight.device();
+    heldout_loss(heldout, count, micro, &device, |b| f64::from(eval.loss_sum(b.inputs, b.targets).into_scalar::<f32>()))
+}
+
+/// Mean loss per token over the first `count` held-out sequences in micro-batches of `micro`,
+/// `loss_sum` giving a micro-batch's summed loss.
+pub fn heldout_loss(heldout: &PackedDataset, count: usize, micro: usize, device: &Device, loss_sum: impl Fn(MicroBatch) -> f64) -> f64 {
     let count = count.min(heldout.num_seqs());
     let (mut sum, mut tokens) = (0.0, 0usize);
     let idx: Vec<usize> = (0..count).collect();
     for chunk in idx.chunks(micro.max(1)) {
         let seqs: Vec<&[u32]> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
-        let b = MicroBatch::from_windows(&seqs, &device);
-        sum += f64::from(eval.loss_sum(b.inputs, b.targets).into_scalar::<f32>());
+        sum += loss_sum(MicroBatch::from_windows(&seqs, device));
         tokens += chunk.len() * heldout.seq_len();
     }
-    sum / tokens as f64
+    sum / tokens.max(1) as f64
 }
 
 /// The training split as the driver's data source: sequence `i` of the run's sample order.
