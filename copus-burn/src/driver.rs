@@ -12,9 +12,14 @@
 //! Divergence: a step whose loss or gradient norm is not finite changes nothing (the engine
 //! skips the update) and is counted. After [`Divergence::max_bad_steps`] such steps in a row the
 //! driver goes back to its last snapshot of the training state (taken every
-//! [`Divergence::snapshot_every`] steps, in host memory), halves the learning rate and goes on;
-//! when that has happened [`Divergence::max_restores`] times it stops with
-//! [`DriverError::Diverged`].
+//! [`Divergence::snapshot_every`] steps, in host memory, and at every whole-run checkpoint),
+//! halves the learning rate and goes on; when that has happened [`Divergence::max_restores`]
+//! times it stops with [`DriverError::Diverged`].
+//!
+//! Whole-run checkpoints ([`Driver::save_checkpoint`], [`Driver::resume`]) hold the training
+//! state in its layout, the engine configuration (with the learning rate reached), the run's
+//! [`Position`] (data, clock, divergence counters) and what the decision source learned, so a
+//! resumed run takes the same steps and decisions as one that was never stopped.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -43,6 +48,15 @@ pub trait DecisionSource {
     fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision;
     /// A decision was carried out and took `seconds` (as the run's clock counts them).
     fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool);
+    /// What the source learned so far (JSON), saved with each whole-run checkpoint; `None`
+    /// when it keeps nothing here (a scripted plan, a remote service that keeps its own).
+    fn save_state(&self) -> Option<String> {
+        None
+    }
+    /// Continues from a [`DecisionSource::save_state`].
+    fn restore_state(&mut self, _state: &str) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 impl DecisionSource for Orchestrator {
@@ -54,6 +68,13 @@ impl DecisionSource for Orchestrator {
     }
     fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
         Orchestrator::on_reconfigured(self, seconds, layout_changed);
+    }
+    fn save_state(&self) -> Option<String> {
+        serde_json::to_string(&self.state()).ok()
+    }
+    fn restore_state(&mut self, state: &str) -> Result<(), String> {
+        let state = serde_json::from_str(state).map_err(|e| format!("the saved orchestrator state does not parse: {e}"))?;
+        self.restore(&state)
     }
 }
 
@@ -121,6 +142,23 @@ impl Default for Divergence {
         Self { max_bad_steps: 3, snapshot_every: 50, max_restores: 2 }
     }
 }
+
+/// Where a run stands besides its training state; saved in each whole-run checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Position {
+    /// The index of the next sequence of the data source.
+    pub next_sample: u64,
+    /// The run's clock, seconds.
+    pub clock_secs: f64,
+    /// Divergence restores done.
+    pub restores: u32,
+    /// Non-finite steps in a row at the time of saving.
+    pub bad_in_row: u32,
+}
+
+/// Keys of the driver's entries in a checkpoint's `extra` map.
+const POSITION_KEY: &str = "copus.driver.position";
+const SOURCE_KEY: &str = "copus.driver.source";
 
 /// The state the driver goes back to when training diverges.
 struct Snapshot {
@@ -199,6 +237,14 @@ pub enum DriverError {
     /// The engine failed (a failed switch that rolled back is not an error).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// A whole-run checkpoint cannot continue this run.
+    #[error("cannot resume from {path}: {reason}")]
+    Resume {
+        /// The checkpoint.
+        path: String,
+        /// Why not.
+        reason: String,
+    },
     /// Training kept diverging after restores at halved learning rates.
     #[error(
         "training diverged: {bad} steps in a row with a non-finite loss or gradient, again after {restores} restores of the last snapshot at a halved learning rate (now {lr:e}); lower optim.lr or set optim.clip_norm"
@@ -254,6 +300,71 @@ impl<L: ParallelLm> Driver<L> {
         driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
         driver.take_snapshot()?;
         Ok(driver)
+    }
+
+    /// Writes a whole-run checkpoint to `path` (atomically): the training state in the current
+    /// layout, the engine configuration (learning rate included), the run's [`Position`], what
+    /// `source` learned, and the caller's `extra` entries. The state written is also the point
+    /// a divergence goes back to. Returns the bytes of tensor data written.
+    pub fn save_checkpoint(
+        &mut self,
+        path: &std::path::Path,
+        source: &dyn DecisionSource,
+        extra: &BTreeMap<String, String>,
+    ) -> Result<u64, DriverError> {
+        let started = Instant::now();
+        let state = self.engine.stage_state()?;
+        let mut extra = extra.clone();
+        extra.insert(POSITION_KEY.into(), serde_json::to_string(&self.position()).expect("a position serialises"));
+        if let Some(s) = source.save_state() {
+            extra.insert(SOURCE_KEY.into(), s);
+        }
+        state.save(path, self.engine.specs(), self.engine.config(), &extra)?;
+        let bytes = state.bytes();
+        self.snapshot = Some(Snapshot { state, candidate: self.current, next_sample: self.next_sample });
+        if matches!(self.clock, Clock::Wall) {
+            self.clock_secs += started.elapsed().as_secs_f64();
+        }
+        Ok(bytes)
+    }
+
+    /// Continues the run saved by [`Driver::save_checkpoint`]: the engine in the saved layout
+    /// and configuration, the position, and `source` restored to what it had learned. `space`
+    /// and `clock` are the run's (not saved). Returns the caller's `extra` entries too.
+    pub fn resume(
+        model: std::sync::Arc<L>,
+        path: &std::path::Path,
+        space: Enumeration,
+        clock: Clock,
+        source: &mut dyn DecisionSource,
+    ) -> Result<(Self, BTreeMap<String, String>), DriverError> {
+        let fail = |reason: String| DriverError::Resume { path: path.display().to_string(), reason };
+        let (state, cfg, mut extra) = TrainingState::load(path)?;
+        let position: Position = extra
+            .remove(POSITION_KEY)
+            .ok_or_else(|| fail("not a whole-run checkpoint (no driver position)".into()))
+            .and_then(|p| serde_json::from_str(&p).map_err(|e| fail(format!("driver position: {e}"))))?;
+        match extra.remove(SOURCE_KEY) {
+            Some(s) => source.restore_state(&s).map_err(fail)?,
+            None if source.save_state().is_some() => {
+                tracing::warn!("{}: the checkpoint holds no decision state; the policy starts afresh", source.name())
+            }
+            None => {}
+        }
+        let engine = Engine::from_state(model, &state, cfg)?;
+        let mut driver = Self::new(engine, space, clock)?;
+        driver.next_sample = position.next_sample;
+        driver.clock_secs = position.clock_secs;
+        driver.restores = position.restores;
+        driver.bad_in_row = position.bad_in_row;
+        driver.warming_up = true;
+        driver.snapshot = Some(Snapshot { state, candidate: driver.current, next_sample: position.next_sample });
+        Ok((driver, extra))
+    }
+
+    /// Where the run stands.
+    pub fn position(&self) -> Position {
+        Position { next_sample: self.next_sample, clock_secs: self.clock_secs, restores: self.restores, bad_in_row: self.bad_in_row }
     }
 
     /// How non-finite steps are handled.

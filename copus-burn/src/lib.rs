@@ -41,7 +41,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};
 
 pub use closing::{Closed, ProbeMemory, StepCloser};
-pub use driver::{Clock, DataSource, DecisionSource, Divergence, Driver, DriverError, DriverStep, Scripted};
+pub use driver::{Clock, DataSource, DecisionSource, Divergence, Driver, DriverError, DriverStep, Position, Scripted};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;

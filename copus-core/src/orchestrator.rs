@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::candidates::Candidate;
-use crate::policy::{Decision, Policy, Scorer, StepObservation};
+use crate::policy::{Decision, Policy, PolicyState, Scorer, StepObservation};
 
 /// Largest frame accepted, bytes.
 pub const MAX_FRAME: usize = 64 * 1024;
@@ -98,6 +98,20 @@ pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtocolEr
     serde_json::from_slice(body).map_err(|e| ProtocolError::Malformed(e.to_string()))
 }
 
+/// What an orchestrator learned during a run, for a whole-run checkpoint: the policy's state and
+/// the throughput the orchestrator measured.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OrchestratorState {
+    /// The policy's name when saved (a resume under another policy is refused).
+    pub policy: String,
+    /// What the policy learned.
+    pub learned: PolicyState,
+    /// The orchestrator's own measured throughput (for reports and the feasibility check).
+    pub measured: Vec<(Candidate, f64)>,
+    /// Decisions refused so far.
+    pub refused: u64,
+}
+
 /// The decision logic shared by both modes: a policy, and the candidates it may choose from.
 pub struct Orchestrator {
     policy: Box<dyn Policy>,
@@ -151,6 +165,27 @@ impl Orchestrator {
     /// Reports a carried-out reconfiguration (its measured cost feeds the payback test).
     pub fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
         self.policy.observe_reconfiguration(seconds, layout_changed);
+    }
+
+    /// What the orchestrator learned so far.
+    pub fn state(&self) -> OrchestratorState {
+        OrchestratorState {
+            policy: self.policy_name(),
+            learned: self.policy.learned(),
+            measured: self.scorer.measured(),
+            refused: self.refused,
+        }
+    }
+
+    /// Continues from [`Self::state`] of an orchestrator with the same policy and candidates.
+    pub fn restore(&mut self, state: &OrchestratorState) -> Result<(), String> {
+        if state.policy != self.policy_name() {
+            return Err(format!("the saved state is of policy `{}`, this run's is `{}`", state.policy, self.policy_name()));
+        }
+        self.policy.restore_learned(&state.learned);
+        self.scorer.set_measured(&state.measured);
+        self.refused = state.refused;
+        Ok(())
     }
 
     /// Answers one request of an authenticated session.
@@ -240,6 +275,37 @@ mod tests {
             s.handle(Request::Step { observation: obs, samples_per_sec: 1.0 }),
             Response::Decision { step: 3, decision: Decision::Keep }
         );
+    }
+
+    /// An orchestrator restored from another's state decides as that one does from then on.
+    #[test]
+    fn a_restored_orchestrator_continues_as_the_original() {
+        use crate::policy::{Copus, SwitchRule};
+        let d = |dp, tp| ParallelDims { dp, tp, pp: 1 };
+        let rule = SwitchRule { horizon: 100.0, layout_cost: 5.0, ..SwitchRule::default() };
+        let make = || Orchestrator::new(Box::new(Copus::new(scorer(), rule).unwrap()), scorer());
+        let (mut a, mut b) = (make(), make());
+        let noise = |phi: f64| Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false });
+        let small = Candidate::new(d(2, 1), 2, 1).unwrap();
+        // Measurements that differ from the profile, and a measured switch cost.
+        a.on_step_measured(&StepObservation { step: 1, current: small, noise: noise(1.0) }, 3.0);
+        a.on_step_measured(&StepObservation { step: 2, current: small, noise: noise(1.0) }, 5.0);
+        a.on_reconfigured(20.0, true);
+        let saved = a.state();
+        assert_eq!(saved.learned.layout_cost, Some(12.5));
+        assert_eq!(saved.measured, vec![(small, 4.0)]);
+        let text = serde_json::to_string(&saved).unwrap();
+        b.restore(&serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(b.state(), saved);
+        for (c, t) in a.scorer().candidates() {
+            assert_eq!(b.scorer().throughput(c), Some(*t), "{c}");
+        }
+        for (step, phi) in [(3, 0.5), (4, 2.0), (5, 8.0), (6, 30.0)] {
+            let obs = StepObservation { step, current: small, noise: noise(phi) };
+            assert_eq!(a.on_step_measured(&obs, 4.5), b.on_step_measured(&obs, 4.5));
+        }
+        let mut other = Orchestrator::new(Box::new(Static), scorer());
+        assert!(other.restore(&saved).unwrap_err().contains("copus"));
     }
 
     #[test]

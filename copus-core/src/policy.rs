@@ -83,6 +83,24 @@ pub trait Policy: Send {
     /// Tells the policy the samples/s a step of `candidate` achieved on the run's clock; a
     /// policy with a [`Scorer`] learns from it ([`Scorer::observe_throughput`]).
     fn observe_throughput(&mut self, _candidate: &Candidate, _samples_per_sec: f64) {}
+    /// What the policy has learned during the run (measured throughput, switch costs), for a
+    /// whole-run checkpoint. Settings given at construction are not part of it.
+    fn learned(&self) -> PolicyState {
+        PolicyState::default()
+    }
+    /// Continues from a [`Policy::learned`] of the same policy over the same candidates.
+    fn restore_learned(&mut self, _state: &PolicyState) {}
+}
+
+/// What a policy learned during a run; see [`Policy::learned`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyState {
+    /// Smoothed measured samples/s of the candidates the run has run.
+    #[serde(default)]
+    pub measured: Vec<(Candidate, f64)>,
+    /// The estimated seconds of a layout change, when the policy learns it.
+    #[serde(default)]
+    pub layout_cost: Option<f64>,
 }
 
 /// Bad policy settings.
@@ -175,8 +193,34 @@ impl Scorer {
         let Some(i) = self.entries.iter().position(|(d, _)| d == c) else { return };
         let w = Self::THROUGHPUT_SMOOTHING;
         self.measured[i] = Some(self.measured[i].map_or(samples_per_sec, |m| (1.0 - w) * m + w * samples_per_sec));
+        self.rescale();
+    }
+
+    /// The smoothed measurements of the candidates the run has run, in candidate order.
+    pub fn measured(&self) -> Vec<(Candidate, f64)> {
+        self.entries.iter().zip(&self.measured).filter_map(|((c, _), m)| m.map(|m| (*c, m))).collect()
+    }
+
+    /// Replaces the measurements by `measured` (from [`Self::measured`]) and rescales the rest,
+    /// as if they had been observed; entries that are not candidates are ignored.
+    pub fn set_measured(&mut self, measured: &[(Candidate, f64)]) {
+        self.measured = vec![None; self.entries.len()];
+        for (c, m) in measured {
+            if let Some(i) = self.entries.iter().position(|(d, _)| d == c)
+                && m.is_finite()
+                && *m > 0.0
+            {
+                self.measured[i] = Some(*m);
+            }
+        }
+        self.rescale();
+    }
+
+    /// Each entry's throughput from its measurement, else its prior times the geometric mean of
+    /// measured / prior.
+    fn rescale(&mut self) {
         let logs: Vec<f64> = self.measured.iter().zip(&self.prior).filter_map(|(m, p)| m.map(|m| (m / p).ln())).collect();
-        let scale = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
+        let scale = if logs.is_empty() { 1.0 } else { (logs.iter().sum::<f64>() / logs.len() as f64).exp() };
         for ((entry, prior), measured) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured) {
             entry.1 = measured.unwrap_or(prior * scale);
         }
@@ -279,6 +323,12 @@ impl Policy for CbsFixedLayout {
     fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
         self.scorer.observe_throughput(candidate, samples_per_sec);
     }
+    fn learned(&self) -> PolicyState {
+        PolicyState { measured: self.scorer.measured(), layout_cost: None }
+    }
+    fn restore_learned(&mut self, state: &PolicyState) {
+        self.scorer.set_measured(&state.measured);
+    }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
         let target = (self.c * phi).max(1.0);
@@ -316,6 +366,12 @@ impl Policy for MerrillWarmup {
     }
     fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
         self.scorer.observe_throughput(candidate, samples_per_sec);
+    }
+    fn learned(&self) -> PolicyState {
+        PolicyState { measured: self.scorer.measured(), layout_cost: None }
+    }
+    fn restore_learned(&mut self, state: &PolicyState) {
+        self.scorer.set_measured(&state.measured);
     }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
@@ -383,6 +439,12 @@ impl Policy for DpOnlyGoodput {
     }
     fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
         self.scorer.observe_throughput(candidate, samples_per_sec);
+    }
+    fn learned(&self) -> PolicyState {
+        PolicyState { measured: self.scorer.measured(), layout_cost: None }
+    }
+    fn restore_learned(&mut self, state: &PolicyState) {
+        self.scorer.set_measured(&state.measured);
     }
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let Some(phi) = obs.b_simple() else { return Decision::Keep };
@@ -452,6 +514,17 @@ impl Policy for Copus {
         if layout_changed && seconds.is_finite() && seconds >= 0.0 {
             let w = self.rule.cost_smoothing;
             self.rule.layout_cost = (1.0 - w) * self.rule.layout_cost + w * seconds;
+        }
+    }
+
+    fn learned(&self) -> PolicyState {
+        PolicyState { measured: self.scorer.measured(), layout_cost: Some(self.rule.layout_cost) }
+    }
+
+    fn restore_learned(&mut self, state: &PolicyState) {
+        self.scorer.set_measured(&state.measured);
+        if let Some(c) = state.layout_cost.filter(|c| c.is_finite() && *c >= 0.0) {
+            self.rule.layout_cost = c;
         }
     }
 }

@@ -10,7 +10,8 @@
 //! marked), `batch_schedule.png` (B_g against B_simple) and `goodput.png` (throughput and
 //! statistical efficiency over time).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -21,14 +22,16 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, TensorData};
 use copus_burn::parallel::{ShardPlan, ShardSource};
 use copus_burn::{Clock, Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
-use copus_core::candidates::Candidate;
+use copus_core::candidates::{Candidate, Enumeration};
 use copus_core::goodput::{Objective, PlainGoodput};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::MemoryModel;
+use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
 use copus_core::policy::{Copus, Scorer, SwitchRule};
 use copus_core::throughput::{ClusterModel, ClusterSpec};
 use copus_models::{LlamaConfig, LlamaStage, full_params};
+use serde::{Deserialize, Serialize};
 
 use crate::data::PackedDataset;
 use crate::plot::{self, Series};
@@ -36,7 +39,8 @@ use crate::progress::Progress;
 use crate::recipe::Recipe;
 use crate::run::{Prepared, RunOptions, Summary, TrainSequences, heldout_loss, prepare, run_folder, summary_markdown};
 
-/// One step as the plots need it.
+/// One step as the plots need it (kept in `metrics.jsonl` so a resumed run plots it all).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Point {
     secs: f64,
     loss: f64,
@@ -46,17 +50,24 @@ struct Point {
     efficiency: f64,
 }
 
-/// Trains `recipe` under Copus; returns the run folder and its summary.
-pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+/// What a fresh run and a resumed one share: data, model, candidate space and the policy.
+struct Setup {
+    spec: ModelSpec,
+    train: PackedDataset,
+    heldout: PackedDataset,
+    checksum: String,
+    cfg: LlamaConfig,
+    space: Enumeration,
+    b0: f64,
+    scorer: Scorer,
+    orch: Orchestrator,
+    world_size: usize,
+}
+
+fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let par = recipe.parallel.as_ref().context("an adaptive run needs the recipe's `parallel` section (the candidate space)")?;
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
-    let t = &recipe.train;
     let cfg = LlamaConfig::from_spec(&spec);
-    let device = Device::flex().autodiff();
-    device.seed(t.seed);
-    let full = full_params(&cfg.init(&device));
-    let num_params: u64 = full.values().map(|d| d.num_elements() as u64).sum();
-
     let space = par.space()?.enumerate(&spec);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let prior = ClusterModel {
@@ -66,83 +77,295 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
     };
     let b0 = recipe.optim.b0 as f64;
     let scorer = Scorer::plain(&space.feasible, &prior, b0)?;
-    let start = start_candidate(recipe, &scorer, par.initial_dims(&spec)?)?;
-    let horizon = t.time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
+    let horizon = recipe.train.time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
     let rule = SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() };
-    let mut orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer);
-    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, spec.seq_len, recipe.optim.clone())
+    let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
+    Ok(Setup { spec, train, heldout, checksum, cfg, space, b0, scorer, orch, world_size: par.world_size })
+}
+
+/// The run's output files, open for appending.
+struct Logs {
+    metrics: BufWriter<File>,
+    evals: BufWriter<File>,
+    decisions: BufWriter<File>,
+    switches: BufWriter<File>,
+}
+
+const LOG_FILES: [&str; 4] = ["metrics.jsonl", "eval.jsonl", "decisions.jsonl", "reconfigurations.csv"];
+
+impl Logs {
+    fn open(folder: &Path, fresh: bool) -> anyhow::Result<Self> {
+        let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
+            let p = folder.join(name);
+            let f = std::fs::OpenOptions::new().create(true).append(true).truncate(false).open(&p);
+            Ok(BufWriter::new(f.with_context(|| format!("cannot write {}", p.display()))?))
+        };
+        let [m, e, d, s] = LOG_FILES;
+        let mut logs = Self { metrics: open(m)?, evals: open(e)?, decisions: open(d)?, switches: open(s)? };
+        if fresh {
+            writeln!(logs.switches, "step,train_secs,from,to,layout_changed,measured_secs,bytes")?;
+        }
+        Ok(logs)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        for w in [&mut self.metrics, &mut self.evals, &mut self.decisions, &mut self.switches] {
+            w.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// What the loop carries from a fresh start or a resume: the plotted points and the evaluations.
+struct History {
+    points: Vec<Point>,
+    initial_eval: f64,
+    last_eval: (u64, f64),
+}
+
+/// Set by Ctrl-C: finish the step, save a checkpoint, stop.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// The first Ctrl-C asks the run to stop after its step with a checkpoint; a second one quits
+/// at once.
+fn catch_interrupt() {
+    let installed = ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: finishing the step and saving a checkpoint (Ctrl-C again quits at once)");
+    });
+    if let Err(e) = installed {
+        tracing::debug!("Ctrl-C handler not installed: {e}");
+    }
+}
+
+/// Trains `recipe` under Copus from the start; returns the run folder and its summary.
+pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    let mut s = setup(recipe)?;
+    let device = Device::flex().autodiff();
+    device.seed(recipe.train.seed);
+    let full = full_params(&s.cfg.init(&device));
+    let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
+    let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
+    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())
         .with_schedule(par.schedule);
-    let engine = Engine::new(Arc::new(cfg.clone()), &full, ec)?;
-    let mut driver = Driver::new(engine, space, Clock::Wall)?;
-    tracing::info!(
-        "model: {} ({:.2}M parameters) on {} in-process ranks under Copus, starting at {start}",
-        spec.name,
-        num_params as f64 / 1e6,
-        par.world_size
-    );
+    let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
+    let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
+    tracing::info!("starting at {start}");
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
-    let create = |name: &str| -> anyhow::Result<BufWriter<File>> {
-        let p = folder.join(name);
-        Ok(BufWriter::new(File::create(&p).with_context(|| format!("cannot write {}", p.display()))?))
-    };
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
-    let (mut metrics, mut evals, mut decisions, mut switches) =
-        (create("metrics.jsonl")?, create("eval.jsonl")?, create("decisions.jsonl")?, create("reconfigurations.csv")?);
-    writeln!(switches, "step,train_secs,from,to,layout_changed,measured_secs,bytes")?;
+    let mut logs = Logs::open(&folder, true)?;
+    let initial_eval = evaluate(&s.cfg, driver.engine_mut().gather()?, &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
+    writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
+    let history = History { points: Vec::new(), initial_eval, last_eval: (0, initial_eval) };
+    train(recipe, opts, &mut s, driver, folder, logs, history)
+}
 
-    let eval_now = |driver: &mut Driver<LlamaConfig>| -> anyhow::Result<f64> {
-        let params = driver.engine_mut().gather()?;
-        evaluate(&cfg, params, &heldout, t.eval_sequences, t.micro_batch)
+/// Continues the run in `run_dir` from its newest readable checkpoint. `recipe` must be the
+/// recipe the run was started with, except for when it stops (`train.max_steps`,
+/// `train.time_budget_secs`) and how often it saves (`train.checkpoint_every`).
+pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    let saved_path = run_dir.join("recipe.ron");
+    let saved = Recipe::load(&saved_path).with_context(|| format!("{} is not a run folder of a recipe", run_dir.display()))?;
+    let differs = recipe_differences(&saved, recipe);
+    if !differs.is_empty() {
+        return Err(anyhow!(
+            "{} was trained with a different recipe: {} differ{} (only train.max_steps, train.time_budget_secs and train.checkpoint_every may change on resume)",
+            run_dir.display(),
+            differs.join(", "),
+            if differs.len() == 1 { "s" } else { "" }
+        ));
+    }
+    let mut s = setup(recipe)?;
+    let checkpoints = list_checkpoints(&run_dir.join("checkpoints"));
+    if checkpoints.is_empty() {
+        return Err(anyhow!("{} has no checkpoints to resume from", run_dir.join("checkpoints").display()));
+    }
+    // The newest that loads; a damaged newest one falls back to the one before.
+    let mut resumed = None;
+    for (_, path) in checkpoints.iter().rev() {
+        match Driver::resume(Arc::new(s.cfg.clone()), path, s.space.clone(), Clock::Wall, &mut s.orch) {
+            Ok((d, _)) => {
+                resumed = Some((d, path.clone()));
+                break;
+            }
+            Err(e) => tracing::warn!("checkpoint {} not usable: {e}", path.display()),
+        }
+    }
+    let (driver, path) = resumed.with_context(|| format!("no checkpoint in {} could be loaded", run_dir.join("checkpoints").display()))?;
+    let step = driver.engine().steps_done();
+    tracing::info!("resuming {} at step {step} from {} in {}", recipe.name, path.display(), driver.current());
+    // The logs keep what happened up to the checkpoint; later lines are redone.
+    for name in LOG_FILES {
+        truncate_after(&run_dir.join(name), step)?;
+    }
+    let history = history_of(run_dir, step)?;
+    let logs = Logs::open(run_dir, false)?;
+    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history)
+}
+
+/// Names of the recipe fields in which `b` differs from `a`, where a resume needs them equal.
+fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let (ta, tb) = (&a.train, &b.train);
+    let pairs: [(&'static str, bool); 9] = [
+        ("model", a.model != b.model),
+        ("data", a.data != b.data),
+        ("optim", a.optim != b.optim),
+        ("parallel", a.parallel != b.parallel),
+        ("train.global_batch", ta.global_batch != tb.global_batch),
+        ("train.micro_batch", ta.micro_batch != tb.micro_batch),
+        ("train.seed", ta.seed != tb.seed),
+        ("train.eval_every", ta.eval_every != tb.eval_every),
+        ("train.eval_sequences", ta.eval_sequences != tb.eval_sequences),
+    ];
+    for (name, differs) in pairs {
+        if differs {
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// Checkpoint files `step-N.bpk` in `dir`, oldest first.
+fn list_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step-")?.strip_suffix(".bpk")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Writes a checkpoint of the run at its current step and keeps the newest two.
+fn checkpoint(driver: &mut Driver<LlamaConfig>, orch: &Orchestrator, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
+    logs.flush()?;
+    let dir = folder.join("checkpoints");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join(format!("step-{:08}.bpk", driver.engine().steps_done()));
+    driver.save_checkpoint(&path, orch, &BTreeMap::new())?;
+    let all = list_checkpoints(&dir);
+    for (_, old) in &all[..all.len().saturating_sub(2)] {
+        if let Err(e) = std::fs::remove_file(old) {
+            tracing::warn!("old checkpoint {} not removed: {e}", old.display());
+        }
+    }
+    tracing::debug!("checkpoint {}", path.display());
+    Ok(path)
+}
+
+/// The step a log line belongs to: a JSON line's `step` (or its `metrics.step` / `record.step`),
+/// or a CSV line's first field; `None` for a header.
+fn line_step(line: &str) -> Option<u64> {
+    if line.starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        return v["step"].as_u64().or_else(|| v["metrics"]["step"].as_u64()).or_else(|| v["record"]["step"].as_u64());
+    }
+    line.split(',').next()?.parse().ok()
+}
+
+/// Drops the lines of a log that belong to steps after `step` (atomically).
+fn truncate_after(path: &Path, step: u64) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text.lines().filter(|l| !l.is_empty() && line_step(l).is_none_or(|s| s <= step)).map(|l| format!("{l}\n")).collect();
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, kept).and_then(|()| std::fs::rename(&tmp, path)).with_context(|| format!("cannot rewrite {}", path.display()))
+}
+
+/// The plotted points and evaluations of a run folder up to `step`.
+fn history_of(folder: &Path, step: u64) -> anyhow::Result<History> {
+    let read = |name: &str| -> anyhow::Result<Vec<serde_json::Value>> {
+        let p = folder.join(name);
+        let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+        Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
     };
-    let initial_eval = eval_now(&mut driver)?;
-    writeln!(evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
+    let mut points = Vec::new();
+    for v in read("metrics.jsonl")? {
+        if let Ok(p) = serde_json::from_value::<Point>(v["point"].clone()) {
+            points.push(p);
+        }
+    }
+    let evals: Vec<(u64, f64)> =
+        read("eval.jsonl")?.iter().filter_map(|v| Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?))).filter(|e| e.0 <= step).collect();
+    let initial_eval = evals.first().filter(|e| e.0 == 0).map(|e| e.1).context("eval.jsonl has no evaluation at step 0")?;
+    let last_eval = *evals.last().expect("one evaluation at least");
+    Ok(History { points, initial_eval, last_eval })
+}
 
-    let data = TrainSequences(&train);
+/// The loop of a fresh or resumed run, to the end, a time budget or Ctrl-C.
+fn train(
+    recipe: &Recipe,
+    opts: &RunOptions,
+    s: &mut Setup,
+    mut driver: Driver<LlamaConfig>,
+    folder: PathBuf,
+    mut logs: Logs,
+    history: History,
+) -> anyhow::Result<(PathBuf, Summary)> {
+    let t = &recipe.train;
+    let (cfg, b0) = (s.cfg.clone(), s.b0);
+    let num_params: u64 = s.spec.param_specs().iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+    tracing::info!(
+        "model: {} ({:.2}M parameters) on {} in-process ranks under Copus; run folder {}",
+        s.spec.name,
+        num_params as f64 / 1e6,
+        s.world_size,
+        folder.display()
+    );
+    let (eval_sequences, eval_micro) = (t.eval_sequences, t.micro_batch);
+    let eval_now = |driver: &mut Driver<LlamaConfig>, heldout: &PackedDataset| -> anyhow::Result<f64> {
+        let params = driver.engine_mut().gather()?;
+        evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
+    };
+    catch_interrupt();
+    let History { mut points, initial_eval, mut last_eval } = history;
+    let data = TrainSequences(&s.train);
     let max_steps = opts.max_steps.unwrap_or(t.max_steps);
     let bar = Progress::new(&recipe.name, max_steps);
-    let mut points: Vec<Point> = Vec::new();
+    bar.set_position(driver.engine().steps_done());
     let mut stopped = format!("reached {max_steps} steps");
-    let mut last_eval = (0u64, initial_eval);
-    let mut tokens_seen = 0u64;
-    for _ in 0..max_steps {
-        let s = driver.step(&data, &mut orch)?;
-        let m = &s.step.metrics;
+    let mut interrupted = false;
+    let mut tokens_seen = driver.engine().tokens_seen();
+    while driver.engine().steps_done() < max_steps {
+        let st = driver.step(&data, &mut s.orch)?;
+        let m = &st.step.metrics;
         tokens_seen = m.tokens_seen;
         let phi = m.b_simple;
-        let c = s.candidate;
+        let c = st.candidate;
+        let efficiency = phi.map_or(1.0, |p| PlainGoodput.efficiency(c.global_batch as f64, b0, p));
+        let point = Point { secs: st.step_clock_secs, loss: m.loss, candidate: c, b_simple: phi, throughput: st.samples_per_sec, efficiency };
         writeln!(
-            metrics,
+            logs.metrics,
             "{}",
-            serde_json::json!({"train_secs": s.step_clock_secs, "layout": c.dims.to_string(), "skipped": s.step.skipped, "metrics": m})
+            serde_json::json!({"train_secs": st.step_clock_secs, "layout": c.dims.to_string(), "skipped": st.step.skipped, "metrics": m, "point": point})
         )?;
-        if let Some(d) = &s.decision {
+        if let Some(d) = &st.decision {
             let goodput = |c: &Candidate| {
-                let (sc, p) = (orch.scorer(), phi?);
+                let (sc, p) = (s.orch.scorer(), phi?);
                 sc.throughput(c).map(|t| sc.goodput(t, c.global_batch, p))
             };
             writeln!(
-                decisions,
+                logs.decisions,
                 "{}",
                 serde_json::json!({"record": d, "goodput_current": goodput(&d.current), "goodput_proposed": goodput(&d.proposed), "b_simple": phi})
             )?;
         }
-        if let Some(w) = &s.switch {
+        if let Some(w) = &st.switch {
             writeln!(
-                switches,
+                logs.switches,
                 "{},{},{},{},{},{},{}",
-                w.step, s.step_clock_secs, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes
+                w.step, st.step_clock_secs, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes
             )?;
         }
-        let efficiency = phi.map_or(1.0, |p| PlainGoodput.efficiency(c.global_batch as f64, b0, p));
-        points.push(Point {
-            secs: s.step_clock_secs,
-            loss: m.loss,
-            candidate: c,
-            b_simple: phi,
-            throughput: s.samples_per_sec,
-            efficiency,
-        });
+        points.push(point);
         bar.set_message(format!(
             "loss {:.3} | {} B_g {} B_m {} | B_simple {}",
             m.loss,
@@ -151,13 +374,18 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
             c.micro_batch,
             phi.map_or("-".into(), |b| format!("{b:.1}"))
         ));
-        bar.set_position(m.step);
-        let step = m.step;
-        if t.eval_every > 0 && step % t.eval_every == 0 && !s.step.skipped {
-            let l = eval_now(&mut driver)?;
-            writeln!(evals, "{}", serde_json::json!({"step": step, "tokens": m.tokens_seen, "train_secs": s.clock_secs, "eval_loss": l}))?;
-            evals.flush()?;
+        let step = driver.engine().steps_done();
+        bar.set_position(step);
+        if t.eval_every > 0 && step.is_multiple_of(t.eval_every) && !st.step.skipped {
+            let l = eval_now(&mut driver, &s.heldout)?;
+            writeln!(logs.evals, "{}", serde_json::json!({"step": step, "tokens": m.tokens_seen, "train_secs": st.clock_secs, "eval_loss": l}))?;
+            logs.evals.flush()?;
             last_eval = (step, l);
+        }
+        if INTERRUPTED.swap(false, Ordering::SeqCst) {
+            stopped = format!("interrupted (Ctrl-C) after {step} steps");
+            interrupted = true;
+            break;
         }
         if let Some(budget) = t.time_budget_secs
             && driver.clock_secs() >= budget
@@ -165,40 +393,51 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
             stopped = format!("time budget of {budget} s after {step} steps");
             break;
         }
+        if t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every) && step < max_steps {
+            checkpoint(&mut driver, &s.orch, &folder, &mut logs)?;
+        }
     }
     bar.finish();
-    for w in [&mut metrics, &mut decisions, &mut switches] {
-        w.flush()?;
-    }
+    // The run's last state, whatever stopped it: `--resume` continues from here.
+    let saved = checkpoint(&mut driver, &s.orch, &folder, &mut logs)?;
+    tracing::info!("checkpoint {}", saved.display());
     let steps = driver.engine().steps_done();
-    let tokens = tokens_seen;
     let train_secs = driver.clock_secs();
     let final_eval = if last_eval.0 == steps {
         last_eval.1
     } else {
-        let l = eval_now(&mut driver)?;
-        writeln!(evals, "{}", serde_json::json!({"step": steps, "tokens": tokens, "train_secs": train_secs, "eval_loss": l}))?;
+        let l = eval_now(&mut driver, &s.heldout)?;
+        writeln!(logs.evals, "{}", serde_json::json!({"step": steps, "tokens": tokens_seen, "train_secs": train_secs, "eval_loss": l}))?;
         l
     };
-    evals.flush()?;
-    let k = points.len().min(10);
+    logs.flush()?;
+    let k = points.len().clamp(1, 10);
     let mean = |p: &[Point]| p.iter().map(|x| x.loss).sum::<f64>() / p.len().max(1) as f64;
+    let batches: std::collections::BTreeSet<usize> = points.iter().map(|p| p.candidate.global_batch).collect();
+    let layouts: std::collections::BTreeSet<String> = points.iter().map(|p| p.candidate.dims.to_string()).collect();
     let summary = Summary {
         name: recipe.name.clone(),
         clock: "wall clock (this machine)",
-        model: spec.name.clone(),
+        model: s.spec.name.clone(),
         num_params,
-        corpus_sha256: checksum,
+        corpus_sha256: s.checksum.clone(),
         steps,
-        tokens,
+        tokens: tokens_seen,
         train_secs,
-        tokens_per_sec: tokens as f64 / train_secs.max(1e-9),
-        first_loss: mean(&points[..k]),
-        last_loss: mean(&points[points.len() - k..]),
+        tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
+        first_loss: mean(&points[..k.min(points.len())]),
+        last_loss: mean(&points[points.len().saturating_sub(k)..]),
         initial_eval_loss: initial_eval,
         final_eval_loss: final_eval,
         final_b_simple: driver.engine().gns().b_simple(),
         stopped,
+        batch: Some(format!(
+            "adaptive: B_g {} on {}; now {}",
+            batches.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+            layouts.into_iter().collect::<Vec<_>>().join(", "),
+            driver.current()
+        )),
+        interrupted,
     };
     std::fs::write(folder.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     std::fs::write(folder.join("summary.md"), summary_markdown(&summary, recipe))?;
@@ -386,5 +625,68 @@ mod tests {
         // A fixed recipe says so.
         let fixed = Recipe::parse(&text.replace("parallel:", "adaptive: Some(false), parallel:"), "fixed").unwrap();
         assert!(!fixed.is_adaptive());
+    }
+
+    /// A run stopped after 6 steps and resumed to 10 logs the same steps as a run that was
+    /// never stopped; lines logged after the last checkpoint are dropped; the newest two
+    /// checkpoints are kept; a changed recipe is refused with the field named.
+    #[test]
+    fn a_resumed_recipe_run_continues_where_it_stopped() {
+        let out = tempfile::tempdir().unwrap();
+        let text = |name: &str, seed: u64| {
+            format!(
+                r#"(
+                    name: "{name}",
+                    output_dir: "{}",
+                    model: (preset: "tiny-1m", seq_len: Some(32)),
+                    data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                    train: (global_batch: 4, micro_batch: 2, max_steps: 10, eval_every: 5, eval_sequences: 8, checkpoint_every: 2, seed: {seed}),
+                    optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 10),
+                    parallel: (world_size: 1, global_batches: [4], micro_batches: [2]),
+                )"#,
+                out.path().display()
+            )
+        };
+        let losses = |folder: &Path| -> Vec<(u64, f64)> {
+            std::fs::read_to_string(folder.join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    (v["metrics"]["step"].as_u64().unwrap(), v["metrics"]["loss"].as_f64().unwrap())
+                })
+                .collect()
+        };
+        let whole = Recipe::parse(&text("whole", 3), "whole").unwrap();
+        let (whole_dir, whole_sum) = run(&whole, &RunOptions { max_steps: None }).unwrap();
+        let parted = Recipe::parse(&text("parted", 3), "parted").unwrap();
+        let (dir, first) = run(&parted, &RunOptions { max_steps: Some(6) }).unwrap();
+        assert_eq!(first.steps, 6);
+        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        assert_eq!(kept, vec![4, 6], "the newest two");
+        // A line of a step after the checkpoint (as if the process died there) is dropped.
+        let mut m = std::fs::OpenOptions::new().append(true).open(dir.join("metrics.jsonl")).unwrap();
+        writeln!(m, r#"{{"metrics": {{"step": 7, "loss": 99.0}}}}"#).unwrap();
+        drop(m);
+        // Another seed is another run.
+        let other = Recipe::parse(&text("parted", 4), "parted").unwrap();
+        let err = resume(&other, &dir, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        assert!(err.contains("train.seed"), "{err}");
+        let (again, s) = resume(&parted, &dir, &RunOptions { max_steps: None }).unwrap();
+        assert_eq!(again, dir);
+        assert_eq!((s.steps, s.tokens), (whole_sum.steps, whole_sum.tokens));
+        let (a, b) = (losses(&dir), losses(&whole_dir));
+        assert_eq!(a.len(), 10, "{a:?}");
+        for ((sa, la), (sb, lb)) in a.iter().zip(&b) {
+            assert_eq!(sa, sb);
+            assert!((la - lb).abs() <= 1e-6, "step {sa}: {la} vs {lb}");
+        }
+        assert!((s.final_eval_loss - whole_sum.final_eval_loss).abs() <= 1e-6, "{} vs {}", s.final_eval_loss, whole_sum.final_eval_loss);
+        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        assert_eq!(kept, vec![8, 10]);
+        // The eval steps, the stopped run's final evaluation at 6, none repeated.
+        let evals = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();
+        let steps: Vec<u64> = evals.lines().map(|l| line_step(l).unwrap()).collect();
+        assert_eq!(steps, vec![0, 5, 6, 10]);
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
+//! cargo run --release -p recipes -- run recipes/shakespeare-tiny.ron --resume runs/shakespeare-tiny
 //! cargo run --release -p recipes -- bench
 //! cargo run --release -p recipes -- bench engine
 //! cargo run --release -p recipes -- bench reconfig
@@ -44,6 +45,9 @@ struct Cli {
     /// Stop after this many steps (overrides the recipe; for smoke runs).
     #[arg(long)]
     max_steps: Option<u64>,
+    /// Continue the run in this run folder from its last checkpoint.
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
     /// Warnings and errors only, no progress bars (COPUS_LOG, when set, wins).
     #[arg(long, global = true)]
     quiet: bool,
@@ -60,6 +64,10 @@ enum Cmd {
         /// Stop after this many steps (overrides the recipe).
         #[arg(long)]
         max_steps: Option<u64>,
+        /// Continue the run in this run folder from its last checkpoint (written every
+        /// `train.checkpoint_every` steps, at the end and on Ctrl-C).
+        #[arg(long, value_name = "RUN_DIR")]
+        resume: Option<PathBuf>,
     },
     /// Benchmarks, each printing a table (`step` when none is named).
     Bench {
@@ -175,9 +183,13 @@ fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_recipe(path: &Path, max_steps: Option<u64>) -> anyhow::Result<()> {
+fn run_recipe(path: &Path, max_steps: Option<u64>, resume: Option<&Path>) -> anyhow::Result<()> {
     let recipe = load_recipe(path)?;
-    let (folder, s) = run::run_any(&recipe, &run::RunOptions { max_steps })?;
+    let opts = run::RunOptions { max_steps };
+    let (folder, s) = match resume {
+        Some(dir) => run::resume_any(&recipe, dir, &opts)?,
+        None => run::run_any(&recipe, &opts)?,
+    };
     println!(
         "{}: {} steps, {} tokens in {:.1} s ({:.0} tokens/s); loss {:.3} -> {:.3}; held-out {:.3} -> {:.3}; B_simple {}",
         s.name,
@@ -192,6 +204,9 @@ fn run_recipe(path: &Path, max_steps: Option<u64>) -> anyhow::Result<()> {
         s.final_b_simple.map_or("-".into(), |b| format!("{b:.1}"))
     );
     println!("run folder: {}", folder.display());
+    if s.interrupted {
+        println!("resume with: cargo run --release -p recipes -- run {} --resume {}", path.display(), folder.display());
+    }
     Ok(())
 }
 
@@ -205,7 +220,7 @@ fn run_compare(path: &Path) -> anyhow::Result<()> {
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match (cli.command, cli.recipe) {
-        (Some(Cmd::Run { recipe, max_steps }), _) => run_recipe(&recipe, max_steps),
+        (Some(Cmd::Run { recipe, max_steps, resume }), _) => run_recipe(&recipe, max_steps, resume.as_deref()),
         (Some(Cmd::Bench { mode }), _) => {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false }) {
                 BenchMode::Step { steps, warmup, no_torch } => bench::run(steps.max(1), warmup, !no_torch),
@@ -221,7 +236,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => run_service(&recipe, &profile, policy, listen),
         (Some(Cmd::Compare { recipe }), _) => run_compare(&recipe),
-        (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps),
+        (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps, cli.resume.as_deref()),
         (None, None) => Err(Usage("give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help".into()).into()),
     }
 }

@@ -104,6 +104,14 @@ pub struct TrainRecipe {
     /// Held-out sequences per evaluation.
     #[serde(default = "default_eval_sequences")]
     pub eval_sequences: usize,
+    /// Runs on the engine (adaptive recipes) write a whole-run checkpoint every this many steps,
+    /// at the end and on Ctrl-C, keeping the newest two (0: only at the end and on Ctrl-C).
+    #[serde(default = "default_checkpoint_every")]
+    pub checkpoint_every: u64,
+}
+
+fn default_checkpoint_every() -> u64 {
+    100
 }
 
 fn default_eval_every() -> u64 {

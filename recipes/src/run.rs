@@ -50,6 +50,11 @@ pub struct Summary {
     pub final_b_simple: Option<f64>,
     /// Why training stopped.
     pub stopped: String,
+    /// The batch row of summary.md when it is not the recipe's fixed B_g (adaptive runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<String>,
+    /// Stopped by Ctrl-C; the run folder's last checkpoint continues it.
+    pub interrupted: bool,
 }
 
 /// A run that failed; what was written so far stays in the run folder.
@@ -180,6 +185,18 @@ pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, S
     if recipe.is_adaptive() { crate::adaptive::run(recipe, opts) } else { Ok(run(recipe, opts)?) }
 }
 
+/// Continues the run in `run_dir` (a run folder of `recipe` with checkpoints) to the recipe's
+/// end. Only runs on the engine (adaptive recipes) write checkpoints.
+pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    if !recipe.is_adaptive() {
+        return Err(anyhow::anyhow!(
+            "recipe `{}` trains a fixed batch on one rank, which writes no checkpoints; resume needs a run on the engine (a `parallel` section, `adaptive` not false)",
+            recipe.name
+        ));
+    }
+    crate::adaptive::resume(recipe, run_dir, opts)
+}
+
 /// Runs a recipe's fixed single-rank training to the end; returns the run folder and its
 /// summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
@@ -288,6 +305,8 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         final_eval_loss: final_eval,
         final_b_simple: trainer.gns().b_simple(),
         stopped,
+        batch: None,
+        interrupted: false,
     };
     write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
     write("summary.md", &summary_markdown(&summary, recipe))?;
@@ -304,7 +323,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
 pub fn summary_markdown(s: &Summary, r: &Recipe) -> String {
     format!(
         "# {name}\n\nClock: {clock}.\n\n| | |\n|---|---|\n| model | {model}, {params:.2}M parameters |\n\
-         | batch | B_g {bg} sequences of {seq} tokens, B_m {bm} |\n| steps | {steps} ({stopped}) |\n\
+         | batch | {batch}; sequences of {seq} tokens |\n| steps | {steps} ({stopped}) |\n\
          | tokens | {tokens} |\n| training time | {secs:.1} s |\n| throughput | {tps:.0} tokens/s |\n\
          | training loss | {fl:.3} (first 10 steps) -> {ll:.3} (last 10) |\n\
          | held-out loss | {il:.3} -> {el:.3} |\n| B_simple at the end | {bs} sequences |\n\
@@ -313,9 +332,8 @@ pub fn summary_markdown(s: &Summary, r: &Recipe) -> String {
         clock = s.clock,
         model = s.model,
         params = s.num_params as f64 / 1e6,
-        bg = r.train.global_batch,
+        batch = s.batch.clone().unwrap_or_else(|| format!("B_g {} sequences, B_m {}", r.train.global_batch, r.train.micro_batch)),
         seq = r.model_spec().map(|m| m.seq_len).unwrap_or(0),
-        bm = r.train.micro_batch,
         steps = s.steps,
         stopped = s.stopped,
         tokens = s.tokens,

@@ -127,6 +127,11 @@ impl<L: ParallelLm> Engine<L> {
         self.steps_done
     }
 
+    /// Training tokens consumed.
+    pub fn tokens_seen(&self) -> u64 {
+        self.tokens_seen
+    }
+
     /// The noise-scale estimator (identical on every rank).
     pub fn gns(&self) -> &GnsEstimator {
         &self.gns
