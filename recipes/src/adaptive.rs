@@ -51,20 +51,21 @@ struct Point {
 }
 
 /// What a fresh run and a resumed one share: data, model, candidate space and the policy.
-struct Setup {
-    spec: ModelSpec,
+pub(crate) struct Setup {
+    pub(crate) spec: ModelSpec,
     train: PackedDataset,
     heldout: PackedDataset,
     checksum: String,
     cfg: LlamaConfig,
     space: Enumeration,
     b0: f64,
-    scorer: Scorer,
-    orch: Orchestrator,
+    pub(crate) scorer: Scorer,
+    pub(crate) orch: Orchestrator,
     world_size: usize,
 }
 
-fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
+/// The data, model, candidate space and policy of an adaptive recipe.
+pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let par = recipe.parallel.as_ref().context("an adaptive run needs the recipe's `parallel` section (the candidate space)")?;
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let cfg = LlamaConfig::from_spec(&spec);
@@ -452,7 +453,7 @@ fn train(
 }
 
 /// The recipe's (B_g, B_m) on its layout, or on the layout the prior rates fastest.
-fn start_candidate(recipe: &Recipe, scorer: &Scorer, layout: Option<ParallelDims>) -> anyhow::Result<Candidate> {
+pub(crate) fn start_candidate(recipe: &Recipe, scorer: &Scorer, layout: Option<ParallelDims>) -> anyhow::Result<Candidate> {
     let (b, m) = (recipe.train.global_batch, recipe.train.micro_batch);
     let best = scorer
         .candidates()
@@ -483,7 +484,7 @@ fn whole_model(cfg: &LlamaConfig, params: HashMap<String, Vec<f32>>) -> anyhow::
 
 /// Mean held-out loss per token over the first `count` held-out sequences, through the regions
 /// the engine runs (embedding, residual branches, head).
-fn evaluate(
+pub(crate) fn evaluate(
     cfg: &LlamaConfig,
     params: HashMap<String, Vec<f32>>,
     heldout: &PackedDataset,

@@ -90,6 +90,9 @@ pub enum Scenario {
     Synthetic(Synthetic),
     /// Real training of a recipe's model on the Shakespeare text.
     Real(Real),
+    /// Time to a held-out loss target on the wall clock: the adaptive main job against a sweep
+    /// of fixed B_g over several seeds.
+    Headline(crate::headline::Headline),
 }
 
 /// A cluster of the analytic model.
@@ -274,6 +277,12 @@ impl CompareRecipe {
                     return Err(anyhow!("recipe field `scenario.estimate_error`: >= 0"));
                 }
             }
+            Scenario::Headline(h) => {
+                if self.sweeps.is_some() {
+                    return Err(anyhow!("recipe field `sweeps`: only synthetic scenarios sweep settings"));
+                }
+                h.validate()?;
+            }
             Scenario::Real(r) => {
                 if self.sweeps.is_some() {
                     return Err(anyhow!("recipe field `sweeps`: only synthetic scenarios sweep settings"));
@@ -434,9 +443,14 @@ pub struct Outcome {
 /// Runs a comparison recipe and writes its report.
 pub fn run(recipe: &CompareRecipe) -> anyhow::Result<Outcome> {
     let folder = crate::run::run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
+    if let Scenario::Headline(h) = &recipe.scenario {
+        let summary = crate::headline::run(&recipe.name, h, &folder)?;
+        return Ok(Outcome { folder, summary });
+    }
     let (runs, oracle, clock, target, sweeps) = match &recipe.scenario {
         Scenario::Synthetic(s) => synthetic(recipe, s)?,
         Scenario::Real(r) => real(recipe, r)?,
+        Scenario::Headline(_) => unreachable!("handled above"),
     };
     let summary = report(recipe, &folder, &runs, oracle, &clock, &target, sweeps.as_deref())?;
     Ok(Outcome { folder, summary })

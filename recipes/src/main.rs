@@ -21,6 +21,7 @@ mod bench;
 mod compare;
 mod data;
 mod engine_bench;
+mod headline;
 mod learner;
 mod plot;
 mod profile;
