@@ -56,7 +56,14 @@ impl TrainingState {
             .auto_extension(false)
             .write_to_file(&tmp)
             .map_err(|e| err(format!("{e:?}")))?;
-        std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))
+        // On disk before it takes the name, and the name on disk before returning.
+        std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| err(e.to_string()))?;
+        std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Directories cannot be synced everywhere; the file itself is already durable.
+            let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+        }
+        Ok(())
     }
 
     /// Reads a file written by [`TrainingState::save`].

@@ -314,6 +314,11 @@ impl<L: ParallelLm> Driver<L> {
     ) -> Result<u64, DriverError> {
         let started = Instant::now();
         let state = self.engine.stage_state()?;
+        // Staging is on the clock of the run that continues from this checkpoint too.
+        if matches!(self.clock, Clock::Wall) {
+            self.clock_secs += started.elapsed().as_secs_f64();
+        }
+        let writing = Instant::now();
         let mut extra = extra.clone();
         extra.insert(POSITION_KEY.into(), serde_json::to_string(&self.position()).expect("a position serialises"));
         if let Some(s) = source.save_state() {
@@ -323,7 +328,7 @@ impl<L: ParallelLm> Driver<L> {
         let bytes = state.bytes();
         self.snapshot = Some(Snapshot { state, candidate: self.current, next_sample: self.next_sample });
         if matches!(self.clock, Clock::Wall) {
-            self.clock_secs += started.elapsed().as_secs_f64();
+            self.clock_secs += writing.elapsed().as_secs_f64();
         }
         Ok(bytes)
     }

@@ -27,7 +27,11 @@ fn setup() -> (CandidateSpace, ClusterModel) {
 }
 
 fn observation(current: Candidate) -> StepObservation {
-    StepObservation { step: 100, current, noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 300.0, biased: false }) }
+    StepObservation {
+        step: 100,
+        current,
+        noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 300.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+    }
 }
 
 fn bench(c: &mut Criterion) {

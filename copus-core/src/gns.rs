@@ -47,6 +47,13 @@ pub struct NoiseEstimate {
     pub trace: f64,
     /// Whether the estimate came from differencing steps (biased when G drifts).
     pub biased: bool,
+    /// Standard error of `grad_sq` (0: exact or not known); for a smoothed estimate, from the
+    /// spread of the raw estimates it averages.
+    #[serde(default)]
+    pub grad_sq_se: f64,
+    /// Standard error of `trace`, likewise.
+    #[serde(default)]
+    pub trace_se: f64,
 }
 
 impl NoiseEstimate {
@@ -54,6 +61,22 @@ impl NoiseEstimate {
     /// measurement), which callers treat as "very large".
     pub fn b_simple(&self) -> Option<f64> {
         (self.grad_sq > 0.0 && self.trace >= 0.0).then(|| self.trace / self.grad_sq)
+    }
+
+    /// The range of B_simple within `z` standard errors of |G|^2 and tr(Sigma): `(low, high)`,
+    /// the smallest tr over the largest |G|^2 and the other way round. `high` is infinite while
+    /// |G|^2 may be zero; an estimate whose |G|^2 is non-positive even `z` standard errors up
+    /// bounds nothing (`None`). This is informative where the point estimate is not: at a
+    /// small batch under large noise the smoothed |G|^2 is often non-positive, yet its upper
+    /// end bounds B_simple from below.
+    pub fn b_simple_band(&self, z: f64) -> Option<(f64, f64)> {
+        let z = z.max(0.0);
+        let (g_hi, g_lo) = (self.grad_sq + z * self.grad_sq_se.max(0.0), self.grad_sq - z * self.grad_sq_se.max(0.0));
+        let (t_lo, t_hi) = ((self.trace - z * self.trace_se.max(0.0)).max(0.0), self.trace + z * self.trace_se.max(0.0));
+        if !(g_hi > 0.0 && t_hi.is_finite()) {
+            return None;
+        }
+        Some((t_lo / g_hi, if g_lo > 0.0 { t_hi / g_lo } else { f64::INFINITY }))
     }
 }
 
@@ -71,7 +94,7 @@ pub fn two_batch_estimate(b_small: f64, sq_small: f64, b_big: f64, sq_big: f64) 
     let sq_big = check_norm("sq_big", sq_big)?;
     let grad_sq = (b_big * sq_big - b_small * sq_small) / (b_big - b_small);
     let trace = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big);
-    Ok(NoiseEstimate { grad_sq, trace, biased: false })
+    Ok(NoiseEstimate { grad_sq, trace, biased: false, grad_sq_se: 0.0, trace_se: 0.0 })
 }
 
 /// What the probe measured in one optimizer step (after un-scaling, before clipping, with the
@@ -118,6 +141,10 @@ pub struct GnsEstimator {
     /// (batch, |g|^2) of the previous step, for the n == 1 fallback.
     previous: Option<(f64, f64)>,
     observations: u64,
+    /// Second moments of the raw estimates (|G|^2 squared, tr squared), for the standard
+    /// errors of the smoothed ones.
+    #[serde(default)]
+    moments: [Ema; 2],
 }
 
 impl Default for GnsEstimator {
@@ -139,6 +166,7 @@ impl GnsEstimator {
             from_differencing: Ema::default(),
             previous: None,
             observations: 0,
+            moments: [Ema::default(); 2],
         })
     }
 
@@ -159,7 +187,7 @@ impl GnsEstimator {
                 (Some((prev_batch, prev_sq)), Some(diff)) => {
                     let trace = diff / (1.0 / batch + 1.0 / prev_batch);
                     let dot = 0.5 * (t + prev_sq - diff);
-                    Some(NoiseEstimate { grad_sq: dot, trace, biased: true })
+                    Some(NoiseEstimate { grad_sq: dot, trace, biased: true, grad_sq_se: 0.0, trace_se: 0.0 })
                 }
                 _ => None,
             }
@@ -169,6 +197,9 @@ impl GnsEstimator {
             self.grad_sq.update(self.theta, e.grad_sq);
             self.trace.update(self.theta, e.trace);
             self.from_differencing.update(self.theta, if e.biased { 1.0 } else { 0.0 });
+            for (m, x) in self.moments.iter_mut().zip([e.grad_sq * e.grad_sq, e.trace * e.trace]) {
+                m.update(self.theta, x);
+            }
             self.observations += 1;
         }
         Ok(raw)
@@ -176,7 +207,24 @@ impl GnsEstimator {
 
     /// The smoothed estimate so far; biased when differenced steps carry more than 1% of it.
     pub fn estimate(&self) -> Option<NoiseEstimate> {
-        Some(NoiseEstimate { grad_sq: self.grad_sq.value()?, trace: self.trace.value()?, biased: self.from_differencing.value()? > 0.01 })
+        let (g, t) = (self.grad_sq.value()?, self.trace.value()?);
+        let (grad_sq_se, trace_se) = self.standard_errors(g, t);
+        Some(NoiseEstimate { grad_sq: g, trace: t, biased: self.from_differencing.value()? > 0.01, grad_sq_se, trace_se })
+    }
+
+    /// Standard errors of the EMA means `g`, `t` of the raw estimates: their spread over the
+    /// effective number of observations of a bias-corrected EMA of `k` of them,
+    /// `(sum w)^2 / sum w^2 = (1 + theta)(1 - theta^k) / ((1 - theta)(1 + theta^k))`. 0 before
+    /// two observations.
+    fn standard_errors(&self, g: f64, t: f64) -> (f64, f64) {
+        if self.observations < 2 {
+            return (0.0, 0.0);
+        }
+        let [gg, tt] = [self.moments[0], self.moments[1]].map(|m| m.value().unwrap_or(0.0));
+        let th = self.theta;
+        let tk = th.powf(self.observations as f64);
+        let n = if th == 0.0 { 1.0 } else { ((1.0 + th) * (1.0 - tk) / ((1.0 - th) * (1.0 + tk))).max(1.0) };
+        (((gg - g * g).max(0.0) / n).sqrt(), ((tt - t * t).max(0.0) / n).sqrt())
     }
 
     /// Smoothed B_simple.
@@ -318,7 +366,7 @@ mod tests {
         assert!(GnsEstimator::new(1.0).is_err());
         assert_eq!(est.estimate(), None);
         // Noise-dominated measurement: |G|^2 estimate <= 0 gives no B_simple.
-        assert_eq!(NoiseEstimate { grad_sq: -0.1, trace: 3.0, biased: false }.b_simple(), None);
+        assert_eq!(NoiseEstimate { grad_sq: -0.1, trace: 3.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }.b_simple(), None);
     }
 
     #[test]

@@ -282,10 +282,11 @@ mod tests {
     fn a_restored_orchestrator_continues_as_the_original() {
         use crate::policy::{Copus, SwitchRule};
         let d = |dp, tp| ParallelDims { dp, tp, pp: 1 };
-        let rule = SwitchRule { horizon: 100.0, layout_cost: 5.0, ..SwitchRule::default() };
+        // No dwell time or confirmation: every decision below can change something.
+        let rule = SwitchRule { horizon: 100.0, layout_cost: 5.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
         let make = || Orchestrator::new(Box::new(Copus::new(scorer(), rule).unwrap()), scorer());
         let (mut a, mut b) = (make(), make());
-        let noise = |phi: f64| Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false });
+        let noise = |phi: f64| Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
         let small = Candidate::new(d(2, 1), 2, 1).unwrap();
         // Measurements that differ from the profile, and a measured switch cost.
         a.on_step_measured(&StepObservation { step: 1, current: small, noise: noise(1.0) }, 3.0);

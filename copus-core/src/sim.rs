@@ -10,7 +10,11 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::candidates::Candidate;
-use crate::gns::NoiseEstimate;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{ChiSquared, Distribution, StandardNormal};
+
+use crate::gns::{GnsEstimator, NoiseEstimate, StepStats};
 use crate::goodput::Objective;
 use crate::policy::{Decision, Policy, Scorer, SwitchCosts, Trajectory};
 
@@ -54,14 +58,95 @@ pub struct SimConfig {
     pub truth: Arc<dyn Objective>,
     /// Reference batch of the truth.
     pub b0: f64,
-    /// Relative error of the noise estimate the policies see (log-normal, 0 = exact).
-    pub estimate_error: f64,
+    /// How the policies' noise estimate is made.
+    pub noise: SimNoise,
     /// Steps before the first estimate is shown (the estimator's warm-up).
     pub warmup_steps: u64,
     /// Give up after this many steps.
     pub max_steps: u64,
     /// Seed of the estimate error.
     pub seed: u64,
+    /// Keep every step in [`SimRun::steps`] (else only the last; long runs hold gigabytes).
+    pub record_steps: bool,
+}
+
+/// How a simulation makes the noise estimate the policies see.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SimNoise {
+    /// The true noise scale times an independent log-normal error each step (0: exact).
+    LogNormal {
+        /// Standard deviation of the log error.
+        error: f64,
+    },
+    /// Each step draws the probe's numbers (the mean squared micro-batch gradient norm L and
+    /// the step's T) from their sampling distribution, with micro-batch gradients `G + xi`, xi
+    /// Gaussian with isotropic covariance `tr(Sigma) / (p_eff B_m)` in `p_eff` dimensions,
+    /// |G|^2 = 1 and tr(Sigma) = the trajectory's B_simple; they feed copus-core's
+    /// [`GnsEstimator`] with EMA factor `theta`, and the policies see only its output (noise,
+    /// lag and non-positive |G|^2 estimates included).
+    Estimator {
+        /// Effective dimension of the gradient noise (smaller: noisier estimates).
+        p_eff: f64,
+        /// The estimator's EMA factor (training uses 0.95).
+        theta: f64,
+    },
+}
+
+/// The noise of a single-micro-batch step's gradient, kept for the next step's difference norm:
+/// its component along G and the squared norm of the rest.
+#[derive(Clone, Copy)]
+struct StepNoise {
+    along: f64,
+    perp_sq: f64,
+}
+
+/// A chi-squared draw with `k` degrees of freedom (0 for `k <= 0`).
+fn chi2(rng: &mut StdRng, k: f64) -> f64 {
+    if k > 0.0 { ChiSquared::new(k).map_or(k, |d| d.sample(rng)) } else { 0.0 }
+}
+
+/// Draws a step's [`StepStats`] for `c` under noise scale `phi` (|G|^2 = 1) in `p_eff`
+/// dimensions, exactly: with `s2 = phi / (p_eff B_m)` per dimension and micro-batch noise
+/// split into its component along G and the rest, `L` and `T` share the draws they share in
+/// training (the mean of the micro-batch gradients is the step's gradient). With one
+/// micro-batch the probe differences consecutive steps (G held fixed): `previous` is the last
+/// step's noise when it too had one micro-batch, and the new noise is drawn as a component
+/// along the old one's perpendicular part plus the rest, so T and the difference norm share
+/// their draws. Returns the stats and, for n == 1, this step's noise.
+fn draw_stats(rng: &mut StdRng, c: &Candidate, phi: f64, p_eff: f64, previous: Option<StepNoise>) -> (StepStats, Option<StepNoise>) {
+    let (n, bm) = (c.global_batch / c.micro_batch, c.micro_batch);
+    if n == 1 {
+        let s2 = phi / (p_eff * bm as f64);
+        let along: f64 = StandardNormal.sample(rng);
+        let along = along * s2.sqrt();
+        let (perp_sq, diff_sq_norm) = match previous {
+            Some(prev) => {
+                // Along the previous perpendicular direction, and the p_eff - 2 others.
+                let c_old: f64 = StandardNormal.sample(rng);
+                let c_old = c_old * s2.sqrt();
+                let rest = s2 * chi2(rng, p_eff - 2.0);
+                let diff = (along - prev.along).powi(2) + (c_old - prev.perp_sq.sqrt()).powi(2) + rest;
+                (c_old * c_old + rest, Some(diff))
+            }
+            None => (s2 * chi2(rng, p_eff - 1.0), None),
+        };
+        let t = 1.0 + 2.0 * along + along * along + perp_sq;
+        let stats = StepStats { micro_batch: bm, num_micro: 1, mean_micro_sq_norm: t, grad_sq_norm: t, diff_sq_norm };
+        return (stats, Some(StepNoise { along, perp_sq }));
+    }
+    let nf = n as f64;
+    let s2 = phi / (p_eff * bm as f64);
+    // Sum over micro-batches of the noise along G, and the within/between parts of the rest.
+    let along: f64 = StandardNormal.sample(rng);
+    let a = along * (nf * s2).sqrt();
+    let within_along = s2 * chi2(rng, nf - 1.0);
+    let mean_perp = s2 * chi2(rng, p_eff - 1.0);
+    let within_perp = s2 * chi2(rng, (nf - 1.0) * (p_eff - 1.0));
+    let sum_sq = a * a / nf + within_along + mean_perp + within_perp;
+    let mean_sq = (a * a / nf + mean_perp) / nf;
+    let l = 1.0 + 2.0 * a / nf + sum_sq / nf;
+    let t = 1.0 + 2.0 * a / nf + mean_sq;
+    (StepStats { micro_batch: bm, num_micro: n, mean_micro_sq_norm: l.max(0.0), grad_sq_norm: t.max(0.0), diff_sq_norm: None }, None)
 }
 
 /// One simulated step.
@@ -119,6 +204,9 @@ pub enum SimError {
     /// The starting configuration has no throughput.
     #[error("the initial configuration {0:?} is not a candidate of the scorer")]
     Initial(Candidate),
+    /// The estimator's EMA factor is out of range.
+    #[error("the estimator's theta must be in [0, 1), got {0}")]
+    Theta(f64),
 }
 
 /// The noise scale at `progress` (piecewise constant).
@@ -153,6 +241,12 @@ pub fn simulate(
         return Err(SimError::Initial(initial));
     }
     let (mut time, mut progress) = (0.0f64, 0.0f64);
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let mut estimator = match cfg.noise {
+        SimNoise::Estimator { theta, .. } => Some(GnsEstimator::new(theta).map_err(|_| SimError::Theta(theta))?),
+        SimNoise::LogNormal { .. } => None,
+    };
+    let mut previous_noise = None;
     let mut run = SimRun { policy: policy.name(), steps: Vec::new(), switches: Vec::new(), time_to_target: None, refused: 0 };
     for step in 1..=cfg.max_steps {
         let t = scorer.throughput(&cur).expect("only candidates are run");
@@ -177,11 +271,27 @@ pub fn simulate(
         }
         time += secs;
         progress += gain;
-        run.steps.push(SimStep { step, time, progress, candidate: cur, throughput: t, efficiency, b_simple: phi });
-        let noise = (step > cfg.warmup_steps).then(|| {
-            let seen = phi_at(trajectory, progress) * (cfg.estimate_error * normal(cfg.seed, step)).exp();
-            NoiseEstimate { grad_sq: 1.0, trace: seen, biased: false }
-        });
+        let s = SimStep { step, time, progress, candidate: cur, throughput: t, efficiency, b_simple: phi };
+        if cfg.record_steps || run.steps.is_empty() {
+            run.steps.push(s);
+        } else {
+            run.steps[0] = s;
+        }
+        let noise = match (cfg.noise, estimator.as_mut()) {
+            (SimNoise::Estimator { p_eff, .. }, Some(est)) => {
+                // The step's own statistics (at the noise scale it ran under).
+                let (stats, noise) = draw_stats(&mut rng, &cur, phi, p_eff, previous_noise);
+                previous_noise = noise;
+                // Draws are valid by construction (finite, non-negative).
+                let _ = est.observe(&stats);
+                est.estimate().filter(|_| step > cfg.warmup_steps)
+            }
+            (SimNoise::LogNormal { error }, _) => (step > cfg.warmup_steps).then(|| {
+                let seen = phi_at(trajectory, progress) * (error * normal(cfg.seed, step)).exp();
+                NoiseEstimate { grad_sq: 1.0, trace: seen, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }
+            }),
+            (SimNoise::Estimator { .. }, None) => unreachable!("the estimator exists in estimator mode"),
+        };
         let obs = crate::policy::StepObservation { step, current: cur, noise };
         let decision = policy.decide(&obs);
         let target = decision.target(cur);
@@ -257,7 +367,16 @@ mod tests {
     }
 
     fn config(costs: SwitchCosts) -> SimConfig {
-        SimConfig { costs, truth: Arc::new(PlainGoodput), b0: 8.0, estimate_error: 0.0, warmup_steps: 5, max_steps: 1_000_000, seed: 1 }
+        SimConfig {
+            costs,
+            truth: Arc::new(PlainGoodput),
+            b0: 8.0,
+            noise: SimNoise::LogNormal { error: 0.0 },
+            warmup_steps: 5,
+            max_steps: 1_000_000,
+            seed: 1,
+            record_steps: true,
+        }
     }
 
     fn best_layout(scorer: &Scorer, b: usize) -> Candidate {
@@ -270,6 +389,83 @@ mod tests {
         Trajectory::new(points, 8.0e5).unwrap()
     }
 
+    /// The estimator-driven noise at the calibrated effective dimension.
+    fn realistic(costs: SwitchCosts, seed: u64) -> SimConfig {
+        SimConfig { noise: SimNoise::Estimator { p_eff: 18.5, theta: 0.95 }, seed, ..config(costs) }
+    }
+
+    /// Records the B_simple estimate each step; never changes anything.
+    struct Recorder(Vec<Option<f64>>, Vec<f64>);
+    impl Policy for Recorder {
+        fn name(&self) -> String {
+            "recorder".into()
+        }
+        fn decide(&mut self, obs: &crate::policy::StepObservation) -> Decision {
+            self.0.push(obs.b_simple());
+            self.1.push(obs.noise.map_or(0.0, |n| n.grad_sq_se / n.grad_sq.abs().max(1e-12)));
+            Decision::Keep
+        }
+    }
+
+    #[test]
+    fn the_simulated_estimator_is_unbiased_on_a_flat_trajectory() {
+        let (scorer, _) = setup();
+        let traj = Trajectory::new(vec![(0.0, 32.0)], 3.0e5).unwrap();
+        // n >= 2 micro-batches (at n == 1 the ratio of smoothed differencing estimates is biased
+        // upwards at this noise level, as in training).
+        for (b, m) in [(64, 8), (16, 1), (32, 4)] {
+            let c = scorer.candidates().map(|x| x.0).find(|c| c.global_batch == b && c.micro_batch == m).unwrap();
+            let mut rec = Recorder(Vec::new(), Vec::new());
+            simulate(&mut rec, &scorer, &traj, c, &realistic(SwitchCosts { batch: 0.0, layout: 0.0 }, 7)).unwrap();
+            // After the EMA has forgotten its start (100 steps), the smoothed estimates average
+            // to the truth within 10%; they also vary (the estimator is noisy) and the
+            // estimator reports an uncertainty.
+            let seen: Vec<f64> = rec.0.iter().skip(100).map(|x| x.unwrap_or(f64::INFINITY)).collect();
+            let finite: Vec<f64> = seen.iter().copied().filter(|x| x.is_finite()).collect();
+            assert!(finite.len() * 10 >= seen.len() * 9, "{} of {} estimates are defined", finite.len(), seen.len());
+            let mean = finite.iter().sum::<f64>() / finite.len() as f64;
+            assert!((mean / 32.0 - 1.0).abs() < 0.10, "B_g {b} B_m {m}: mean estimate {mean}");
+            let spread = (finite.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / finite.len() as f64).sqrt();
+            assert!(spread > 0.01 * mean, "B_g {b} B_m {m}: the estimates do not vary ({spread})");
+            let rel = rec.1.iter().skip(100).sum::<f64>() / (rec.1.len() - 100) as f64;
+            assert!(rel > 0.0 && rel.is_finite(), "B_g {b} B_m {m}: reported relative error of |G|^2 {rel}");
+        }
+    }
+
+    #[test]
+    fn copus_does_not_oscillate_at_a_layout_crossover() {
+        let (scorer, _) = setup();
+        // The noise scale at which the best layout over all candidates changes, found by
+        // bisection on the scorer.
+        let layout_at = |phi: f64| scorer.best(phi, |_| true).unwrap().candidate.dims;
+        let (mut lo, mut hi) = (1.0f64, 256.0f64);
+        assert_ne!(layout_at(lo), layout_at(hi), "the layouts must cross over in 1..256");
+        for _ in 0..50 {
+            let mid = (lo * hi).sqrt();
+            if layout_at(mid) == layout_at(lo) { lo = mid } else { hi = mid }
+        }
+        let traj = Trajectory::new(vec![(0.0, lo)], 8.0e5).unwrap();
+        let rule = SwitchRule { horizon: 3600.0, layout_cost: 20.0, ..SwitchRule::default() };
+        for seed in 0..3 {
+            for p_eff in [6.0, 18.5] {
+                let cfg = SimConfig {
+                    noise: SimNoise::Estimator { p_eff, theta: 0.95 },
+                    seed,
+                    ..config(SwitchCosts { batch: 0.5, layout: 20.0 })
+                };
+                let mut copus = Copus::new(scorer.clone(), rule).unwrap();
+                let run = simulate(&mut copus, &scorer, &traj, best_layout(&scorer, 1), &cfg).unwrap();
+                let layouts: Vec<_> = run.switches.iter().filter(|s| s.from.dims != s.to.dims).collect();
+                assert!(layouts.len() <= 2, "seed {seed}, p_eff {p_eff}: {} layout switches at the crossover", layouts.len());
+                // Never back to a layout it left.
+                for w in layouts.windows(2) {
+                    assert_ne!(w[0].from.dims, w[1].to.dims, "seed {seed}, p_eff {p_eff}: went back and forth");
+                }
+                assert!(run.switches.len() <= 12, "seed {seed}, p_eff {p_eff}: {} switches", run.switches.len());
+            }
+        }
+    }
+
     #[test]
     fn copus_switches_layout_and_beats_every_fixed_layout_baseline() {
         let (scorer, _) = setup();
@@ -277,42 +473,60 @@ mod tests {
         let (small, large) = (best_layout(&scorer, 1), best_layout(&scorer, 256));
         assert_ne!(small.dims, large.dims, "the cluster model must make the best layout depend on B_g");
         let costs = SwitchCosts { batch: 0.5, layout: 20.0 };
-        let cfg = config(costs);
-        let traj = rising();
-        let rule = SwitchRule { horizon: 3600.0, layout_cost: costs.layout, ..SwitchRule::default() };
-        let mut copus = Copus::new(scorer.clone(), rule).unwrap();
-        let initial = best_layout(&scorer, 1);
-        let c_run = simulate(&mut copus, &scorer, &traj, initial, &cfg).unwrap();
-        assert!(c_run.switches.iter().any(|s| s.from.dims != s.to.dims), "Copus never changed layout");
-        let t_copus = c_run.time_to_target.unwrap();
-        let mut baselines: Vec<(String, f64)> = Vec::new();
-        for b in [1, 2, 4, 8, 16, 32, 64, 128, 256] {
-            let c = best_layout(&scorer, b);
-            baselines.push((format!("static {b}"), simulate(&mut Static, &scorer, &traj, c, &cfg).unwrap().time_to_target.unwrap()));
+        // Two seeds of the estimator-driven noise.
+        for seed in [1, 3] {
+            let cfg = realistic(costs, seed);
+            // Realistic noise: the estimator on simulated gradient statistics; Copus's layout cost
+            // is its own estimate from a 30 s prior, not the clock's 20 s.
+            let traj = rising();
+            let rule = SwitchRule { horizon: 3600.0, layout_cost: 30.0, ..SwitchRule::default() };
+            let mut copus = Copus::new(scorer.clone(), rule).unwrap();
+            let initial = best_layout(&scorer, 1);
+            let c_run = simulate(&mut copus, &scorer, &traj, initial, &cfg).unwrap();
+            assert!(c_run.switches.iter().any(|s| s.from.dims != s.to.dims), "Copus never changed layout");
+            assert!((copus.layout_cost() - 20.0).abs() < 10.0, "the cost estimate moved towards the clock's 20 s: {}", copus.layout_cost());
+            let t_copus = c_run.time_to_target.unwrap();
+            let mut baselines: Vec<(String, f64)> = Vec::new();
+            for b in [1, 2, 4, 8, 16, 32, 64, 128, 256] {
+                let c = best_layout(&scorer, b);
+                baselines.push((format!("static {b}"), simulate(&mut Static, &scorer, &traj, c, &cfg).unwrap().time_to_target.unwrap()));
+            }
+            let smallest_on = |layout: ParallelDims| {
+                scorer
+                    .candidates()
+                    .filter(|(c, _)| c.dims == layout)
+                    .map(|(c, _)| c.global_batch)
+                    .min()
+                    .and_then(|b| scorer.fastest(layout, b))
+                    .unwrap()
+            };
+            for (label, layout) in [("pessimistic", small.dims), ("optimistic", large.dims)] {
+                let mut p = CbsFixedLayout::new(scorer.clone(), layout, 1.0, true).unwrap();
+                baselines.push((
+                    format!("cbs {label}"),
+                    simulate(&mut p, &scorer, &traj, smallest_on(layout), &cfg).unwrap().time_to_target.unwrap(),
+                ));
+            }
+            let mut m = MerrillWarmup::new(scorer.clone());
+            baselines.push(("merrill".into(), simulate(&mut m, &scorer, &traj, initial, &cfg).unwrap().time_to_target.unwrap()));
+            // AdaptDL's batch adaptation on every fixed layout (so on the best one in hindsight).
+            let mut layouts: Vec<ParallelDims> = scorer.candidates().map(|(c, _)| c.dims).collect();
+            layouts.sort_by_key(|d| (d.dp, d.tp, d.pp));
+            layouts.dedup();
+            for l in layouts {
+                let mut a = DpOnlyGoodput::new(scorer.clone(), rule).unwrap();
+                baselines.push((
+                    format!("goodput on {l}"),
+                    simulate(&mut a, &scorer, &traj, smallest_on(l), &cfg).unwrap().time_to_target.unwrap(),
+                ));
+            }
+            for (name, t) in &baselines {
+                assert!(t_copus < *t, "seed {seed}: Copus {t_copus:.1} s is not faster than {name} {t:.1} s");
+            }
+            // And the oracle bounds it from below (within the step discretisation).
+            let oracle = hindsight_oracle(&traj, &scorer, costs, Some(initial));
+            assert!(oracle.time <= t_copus * 1.001, "oracle {} vs copus {t_copus}", oracle.time);
+            assert!(schedule_time(&traj, &oracle.per_segment, &scorer, costs, Some(initial)).is_some());
         }
-        for (label, layout) in [("pessimistic", small.dims), ("optimistic", large.dims)] {
-            let mut p = CbsFixedLayout::new(scorer.clone(), layout, 1.0, true).unwrap();
-            let start = scorer
-                .candidates()
-                .filter(|(c, _)| c.dims == layout)
-                .map(|(c, _)| c.global_batch)
-                .min()
-                .and_then(|b| scorer.fastest(layout, b))
-                .unwrap();
-            baselines.push((format!("cbs {label}"), simulate(&mut p, &scorer, &traj, start, &cfg).unwrap().time_to_target.unwrap()));
-        }
-        let mut m = MerrillWarmup::new(scorer.clone());
-        baselines.push(("merrill".into(), simulate(&mut m, &scorer, &traj, initial, &cfg).unwrap().time_to_target.unwrap()));
-        let dp = ParallelDims { dp: 8, tp: 1, pp: 1 };
-        let dp_start = scorer.fastest(dp, 8).unwrap();
-        let mut a = DpOnlyGoodput::new(scorer.clone(), rule).unwrap();
-        baselines.push(("dp-only".into(), simulate(&mut a, &scorer, &traj, dp_start, &cfg).unwrap().time_to_target.unwrap()));
-        for (name, t) in &baselines {
-            assert!(t_copus < *t, "Copus {t_copus:.1} s is not faster than {name} {t:.1} s");
-        }
-        // And the oracle bounds it from below (within the step discretisation).
-        let oracle = hindsight_oracle(&traj, &scorer, costs, Some(initial));
-        assert!(oracle.time <= t_copus * 1.001, "oracle {} vs copus {t_copus}", oracle.time);
-        assert!(schedule_time(&traj, &oracle.per_segment, &scorer, costs, Some(initial)).is_some());
     }
 }

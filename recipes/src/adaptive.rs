@@ -11,11 +11,11 @@
 //! statistical efficiency over time).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
@@ -126,12 +126,14 @@ struct History {
 
 /// Set by Ctrl-C: finish the step, save a checkpoint, stop.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Set once the training loop is over: Ctrl-C then quits at once.
+static LOOP_DONE: AtomicBool = AtomicBool::new(false);
 
-/// The first Ctrl-C asks the run to stop after its step with a checkpoint; a second one quits
-/// at once.
+/// The first Ctrl-C asks the run to stop after its step with a checkpoint; a second one, or
+/// one after the loop, quits at once.
 fn catch_interrupt() {
     let installed = ctrlc::set_handler(|| {
-        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) || LOOP_DONE.load(Ordering::SeqCst) {
             std::process::exit(130);
         }
         eprintln!("\ninterrupted: finishing the step and saving a checkpoint (Ctrl-C again quits at once)");
@@ -143,6 +145,11 @@ fn catch_interrupt() {
 
 /// Trains `recipe` under Copus from the start; returns the run folder and its summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    run_with(recipe, opts, &INTERRUPTED)
+}
+
+/// [`run`], stopping (with a checkpoint) after the first step that finds `stop` set.
+fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Result<(PathBuf, Summary)> {
     let mut s = setup(recipe)?;
     let device = Device::flex().autodiff();
     device.seed(recipe.train.seed);
@@ -161,7 +168,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
     let initial_eval = evaluate(&s.cfg, driver.engine_mut().gather()?, &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
     let history = History { points: Vec::new(), initial_eval, last_eval: (0, initial_eval) };
-    train(recipe, opts, &mut s, driver, folder, logs, history)
+    train(recipe, opts, &mut s, driver, folder, logs, history, stop)
 }
 
 /// Continues the run in `run_dir` from its newest readable checkpoint. `recipe` must be the
@@ -179,7 +186,8 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
             if differs.len() == 1 { "s" } else { "" }
         ));
     }
-    let mut s = setup(recipe)?;
+    // The policy as the run started it (its horizon follows the original time budget).
+    let mut s = setup(&saved)?;
     let checkpoints = list_checkpoints(&run_dir.join("checkpoints"));
     if checkpoints.is_empty() {
         return Err(anyhow!("{} has no checkpoints to resume from", run_dir.join("checkpoints").display()));
@@ -204,7 +212,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     }
     let history = history_of(run_dir, step)?;
     let logs = Logs::open(run_dir, false)?;
-    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history)
+    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history, &INTERRUPTED)
 }
 
 /// Names of the recipe fields in which `b` differs from `a`, where a resume needs them equal.
@@ -253,6 +261,12 @@ fn checkpoint(driver: &mut Driver<LlamaConfig>, orch: &Orchestrator, folder: &Pa
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let path = dir.join(format!("step-{:08}.bpk", driver.engine().steps_done()));
     driver.save_checkpoint(&path, orch, &BTreeMap::new())?;
+    // Left-over temporary files of a save that was cut short.
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        if e.path().extension().is_some_and(|x| x == "tmp") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
     let all = list_checkpoints(&dir);
     for (_, old) in &all[..all.len().saturating_sub(2)] {
         if let Err(e) = std::fs::remove_file(old) {
@@ -276,7 +290,16 @@ fn line_step(line: &str) -> Option<u64> {
 /// Drops the lines of a log that belong to steps after `step` (atomically).
 fn truncate_after(path: &Path, step: u64) -> anyhow::Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: String = text.lines().filter(|l| !l.is_empty() && line_step(l).is_none_or(|s| s <= step)).map(|l| format!("{l}\n")).collect();
+    // Lines of steps up to `step`, and a CSV header; a torn or unreadable line goes.
+    let kept: String = text
+        .lines()
+        .enumerate()
+        .filter(|(i, l)| match line_step(l) {
+            Some(s) => s <= step,
+            None => *i == 0 && !l.is_empty() && !l.starts_with('{'),
+        })
+        .map(|(_, l)| format!("{l}\n"))
+        .collect();
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, kept).and_then(|()| std::fs::rename(&tmp, path)).with_context(|| format!("cannot rewrite {}", path.display()))
 }
@@ -301,7 +324,8 @@ fn history_of(folder: &Path, step: u64) -> anyhow::Result<History> {
     Ok(History { points, initial_eval, last_eval })
 }
 
-/// The loop of a fresh or resumed run, to the end, a time budget or Ctrl-C.
+/// The loop of a fresh or resumed run, to the end, a time budget or `stop` (Ctrl-C).
+#[allow(clippy::too_many_arguments)]
 fn train(
     recipe: &Recipe,
     opts: &RunOptions,
@@ -310,6 +334,7 @@ fn train(
     folder: PathBuf,
     mut logs: Logs,
     history: History,
+    stop: &AtomicBool,
 ) -> anyhow::Result<(PathBuf, Summary)> {
     let t = &recipe.train;
     let (cfg, b0) = (s.cfg.clone(), s.b0);
@@ -326,6 +351,7 @@ fn train(
         let params = driver.engine_mut().gather()?;
         evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
     };
+    LOOP_DONE.store(false, Ordering::SeqCst);
     catch_interrupt();
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);
@@ -336,13 +362,20 @@ fn train(
     let mut interrupted = false;
     let mut tokens_seen = driver.engine().tokens_seen();
     while driver.engine().steps_done() < max_steps {
+        if let Some(budget) = t.time_budget_secs
+            && driver.clock_secs() >= budget
+        {
+            stopped = format!("time budget of {budget} s after {} steps", driver.engine().steps_done());
+            break;
+        }
         let st = driver.step(&data, &mut s.orch)?;
         let m = &st.step.metrics;
         tokens_seen = m.tokens_seen;
         let phi = m.b_simple;
         let c = st.candidate;
         let efficiency = phi.map_or(1.0, |p| PlainGoodput.efficiency(c.global_batch as f64, b0, p));
-        let point = Point { secs: st.step_clock_secs, loss: m.loss, candidate: c, b_simple: phi, throughput: st.samples_per_sec, efficiency };
+        let point =
+            Point { secs: st.step_clock_secs, loss: m.loss, candidate: c, b_simple: phi, throughput: st.samples_per_sec, efficiency };
         writeln!(
             logs.metrics,
             "{}",
@@ -379,11 +412,15 @@ fn train(
         bar.set_position(step);
         if t.eval_every > 0 && step.is_multiple_of(t.eval_every) && !st.step.skipped {
             let l = eval_now(&mut driver, &s.heldout)?;
-            writeln!(logs.evals, "{}", serde_json::json!({"step": step, "tokens": m.tokens_seen, "train_secs": st.clock_secs, "eval_loss": l}))?;
+            writeln!(
+                logs.evals,
+                "{}",
+                serde_json::json!({"step": step, "tokens": m.tokens_seen, "train_secs": st.clock_secs, "eval_loss": l})
+            )?;
             logs.evals.flush()?;
             last_eval = (step, l);
         }
-        if INTERRUPTED.swap(false, Ordering::SeqCst) {
+        if stop.swap(false, Ordering::SeqCst) {
             stopped = format!("interrupted (Ctrl-C) after {step} steps");
             interrupted = true;
             break;
@@ -399,6 +436,7 @@ fn train(
         }
     }
     bar.finish();
+    LOOP_DONE.store(true, Ordering::SeqCst);
     // The run's last state, whatever stopped it: `--resume` continues from here.
     let saved = checkpoint(&mut driver, &s.orch, &folder, &mut logs)?;
     tracing::info!("checkpoint {}", saved.display());
@@ -689,5 +727,39 @@ mod tests {
         let evals = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();
         let steps: Vec<u64> = evals.lines().map(|l| line_step(l).unwrap()).collect();
         assert_eq!(steps, vec![0, 5, 6, 10]);
+    }
+
+    /// Ctrl-C (here its flag, set before the run starts) lets the first step finish, writes a
+    /// checkpoint, and reports the run as interrupted; the run then resumes to its end.
+    #[test]
+    fn an_interrupted_run_saves_a_checkpoint_and_resumes() {
+        let out = tempfile::tempdir().unwrap();
+        let text = format!(
+            r#"(
+                name: "interrupted",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                train: (global_batch: 4, micro_batch: 2, max_steps: 4, eval_every: 0, eval_sequences: 8, checkpoint_every: 0),
+                optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 4),
+                parallel: (world_size: 1, global_batches: [4], micro_batches: [2]),
+            )"#,
+            out.path().display()
+        );
+        let recipe = Recipe::parse(&text, "interrupted").unwrap();
+        let stop = AtomicBool::new(true);
+        let (dir, s) = run_with(&recipe, &RunOptions { max_steps: None }, &stop).unwrap();
+        assert!(s.interrupted && s.stopped.contains("interrupted"), "{}", s.stopped);
+        assert_eq!(s.steps, 1);
+        assert!(!stop.load(Ordering::SeqCst), "the request was taken");
+        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        assert_eq!(kept, vec![1]);
+        let (_, done) = resume(&recipe, &dir, &RunOptions { max_steps: None }).unwrap();
+        assert_eq!(done.steps, 4);
+        assert!(!done.interrupted);
+        // A fixed recipe has no checkpoints to resume from, and says so.
+        let fixed = Recipe::parse(&text.replace("parallel:", "adaptive: Some(false), parallel:"), "fixed").unwrap();
+        let err = crate::run::resume_any(&fixed, &dir, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        assert!(err.contains("writes no checkpoints"), "{err}");
     }
 }

@@ -120,7 +120,10 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     let par = base.parallel.clone().with_context(|| format!("{}: the training recipe needs a `parallel` section", h.recipe))?;
     let fixed_batches = if h.fixed_batches.is_empty() { par.global_batches.clone() } else { h.fixed_batches.clone() };
     if let Some(b) = fixed_batches.iter().find(|b| !par.global_batches.contains(b)) {
-        return Err(anyhow!("recipe field `scenario.fixed_batches`: {b} is not in the training recipe's parallel.global_batches {:?}", par.global_batches));
+        return Err(anyhow!(
+            "recipe field `scenario.fixed_batches`: {b} is not in the training recipe's parallel.global_batches {:?}",
+            par.global_batches
+        ));
     }
     // The fixed arms' layouts: the fastest measured candidate of each B_g (same for every seed).
     let first = prepare(&base)?;
@@ -141,7 +144,11 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     drop(first);
 
     let mut arms: Vec<Arm> = std::iter::once(Arm { name: "copus (adaptive)".into(), adaptive: true, runs: Vec::new() })
-        .chain(fixed.iter().map(|c| Arm { name: format!("fixed B_g={} ({} B_m={})", c.global_batch, c.dims, c.micro_batch), adaptive: false, runs: Vec::new() }))
+        .chain(fixed.iter().map(|c| Arm {
+            name: format!("fixed B_g={} ({} B_m={})", c.global_batch, c.dims, c.micro_batch),
+            adaptive: false,
+            runs: Vec::new(),
+        }))
         .collect();
     for &seed in &h.seeds {
         let mut recipe = base.clone();
@@ -155,11 +162,23 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
             let run = if arm.adaptive {
                 let mut s = crate::adaptive::setup(&recipe)?;
                 let start = crate::adaptive::start_candidate(&recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
-                let mut orch = std::mem::replace(&mut s.orch, copus_core::orchestrator::Orchestrator::new(Box::new(copus_core::policy::Static), s.scorer.clone()));
+                let mut orch = std::mem::replace(
+                    &mut s.orch,
+                    copus_core::orchestrator::Orchestrator::new(Box::new(copus_core::policy::Static), s.scorer.clone()),
+                );
                 one_run(h, &recipe, &cfg, &full, &prepared, start, &mut orch, &format!("copus seed {seed}"))?
             } else {
                 let c = fixed[arms_index(&fixed, &arm.name)];
-                one_run(h, &recipe, &cfg, &full, &prepared, c, &mut Scripted::new([]), &format!("fixed B_g={} seed {seed}", c.global_batch))?
+                one_run(
+                    h,
+                    &recipe,
+                    &cfg,
+                    &full,
+                    &prepared,
+                    c,
+                    &mut Scripted::new([]),
+                    &format!("fixed B_g={} seed {seed}", c.global_batch),
+                )?
             };
             tracing::info!(
                 "{} seed {seed}: {}",
@@ -170,12 +189,22 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
         }
     }
     let report = report(name, h, &base, &arms);
-    let write = |file: &str, text: &str| std::fs::write(folder.join(file), text).with_context(|| format!("cannot write {}", folder.join(file).display()));
+    let write = |file: &str, text: &str| {
+        std::fs::write(folder.join(file), text).with_context(|| format!("cannot write {}", folder.join(file).display()))
+    };
     write("report.md", &report)?;
     write("results.json", &serde_json::to_string_pretty(&arms)?)?;
-    let curves: Vec<(String, Vec<(f64, f64)>)> = arms.iter().map(|a| (format!("{} seed {}", a.name, h.seeds[0]), a.runs[0].evals.clone())).collect();
+    let curves: Vec<(String, Vec<(f64, f64)>)> =
+        arms.iter().map(|a| (format!("{} seed {}", a.name, h.seeds[0]), a.runs[0].evals.clone())).collect();
     let series: Vec<Series> = curves.iter().map(|(l, p)| Series { label: l, points: p.clone() }).collect();
-    if let Err(e) = line_plot(&folder.join("heldout_time.png"), &format!("Held-out loss against wall-clock time (target {})", h.heldout_target), "seconds", "held-out loss (nats/token)", &series, false) {
+    if let Err(e) = line_plot(
+        &folder.join("heldout_time.png"),
+        &format!("Held-out loss against wall-clock time (target {})", h.heldout_target),
+        "seconds",
+        "held-out loss (nats/token)",
+        &series,
+        false,
+    ) {
         tracing::warn!("plot not written: {e:#}");
     }
     Ok(report)
@@ -187,7 +216,14 @@ fn arms_index(fixed: &[Candidate], name: &str) -> usize {
 
 /// The measured throughput of the fixed arms' candidates, from the profile file when it holds
 /// them all, else measured now (and written there).
-fn fixed_profile(h: &Headline, cfg: &LlamaConfig, recipe: &Recipe, swept: &[Candidate], seq: usize, steps: usize) -> anyhow::Result<ThroughputProfile> {
+fn fixed_profile(
+    h: &Headline,
+    cfg: &LlamaConfig,
+    recipe: &Recipe,
+    swept: &[Candidate],
+    seq: usize,
+    steps: usize,
+) -> anyhow::Result<ThroughputProfile> {
     let path = h.profile.as_ref().map(std::path::PathBuf::from);
     if let Some(p) = path.as_ref().filter(|p| p.exists()) {
         let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
@@ -236,14 +272,21 @@ fn one_run(
 ) -> anyhow::Result<ArmRun> {
     let par = recipe.parallel.as_ref().context("a `parallel` section")?;
     let space = par.space()?.enumerate(&p.spec);
-    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, p.spec.seq_len, recipe.optim.clone()).with_schedule(par.schedule);
+    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, p.spec.seq_len, recipe.optim.clone())
+        .with_schedule(par.schedule);
     let mut driver = Driver::new(Engine::new(Arc::new(cfg.clone()), full, ec)?, space, Clock::Wall)?;
     let data = TrainSequences(&p.train);
     let t = &recipe.train;
     let eval = |driver: &mut Driver<LlamaConfig>| -> anyhow::Result<f64> {
         crate::adaptive::evaluate(cfg, driver.engine_mut().gather()?, &p.heldout, t.eval_sequences, t.micro_batch)
     };
-    let mut run = ArmRun { seed: t.seed, time_to_target: None, steps: 0, evals: vec![(0.0, eval(&mut driver)?)], configurations: vec![start.to_string()] };
+    let mut run = ArmRun {
+        seed: t.seed,
+        time_to_target: None,
+        steps: 0,
+        evals: vec![(0.0, eval(&mut driver)?)],
+        configurations: vec![start.to_string()],
+    };
     let bar = Progress::new(label, h.max_secs.ceil() as u64);
     let mut next_eval = h.eval_every_secs;
     while driver.clock_secs() < h.max_secs {

@@ -8,6 +8,7 @@
 //! cargo run --release -p recipes -- bench reconfig
 //! cargo run --release -p recipes -- profile recipes/parallel-tiny.ron
 //! cargo run --release -p recipes -- compare recipes/compare-synthetic-3b.ron
+//! cargo run --release -p recipes -- compare --suite recipes/suite-paper.ron
 //! cargo run --release -p recipes -- learner recipes/shakespeare-tiny.ron --compare
 //! ```
 //!
@@ -29,6 +30,7 @@ mod progress;
 mod recipe;
 mod run;
 mod service;
+mod suite;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -75,10 +77,15 @@ enum Cmd {
         #[command(subcommand)]
         mode: Option<BenchMode>,
     },
-    /// Run every policy of a comparison recipe side by side and write the report.
+    /// Run every policy of a comparison recipe side by side and write the report; with
+    /// `--suite`, every scenario of a suite file over its seeds, in one table.
     Compare {
         /// The comparison recipe (RON), e.g. recipes/compare-synthetic-3b.ron.
-        recipe: PathBuf,
+        #[arg(required_unless_present = "suite", conflicts_with = "suite")]
+        recipe: Option<PathBuf>,
+        /// A suite file (RON), e.g. recipes/suite-paper.ron.
+        #[arg(long)]
+        suite: Option<PathBuf>,
     },
     /// Train the recipe's model and data with Burn's `SupervisedTraining` and copus's adaptive
     /// batching (the Learner add-on); `--fixed` for the plain Learner, `--compare` for both.
@@ -219,6 +226,14 @@ fn run_compare(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn run_suite(path: &Path) -> anyhow::Result<()> {
+    let s = suite::Suite::load(path).map_err(|e| Usage(e.to_string()))?;
+    let (folder, table) = suite::run(&s)?;
+    println!("{table}");
+    println!("report: {}", folder.display());
+    Ok(())
+}
+
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match (cli.command, cli.recipe) {
         (Some(Cmd::Run { recipe, max_steps, resume }), _) => run_recipe(&recipe, max_steps, resume.as_deref()),
@@ -236,7 +251,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => run_service(&recipe, &profile, policy, listen),
-        (Some(Cmd::Compare { recipe }), _) => run_compare(&recipe),
+        (Some(Cmd::Compare { suite: Some(suite), .. }), _) => run_suite(&suite),
+        (Some(Cmd::Compare { recipe: Some(recipe), .. }), _) => run_compare(&recipe),
+        (Some(Cmd::Compare { .. }), _) => Err(Usage("give a comparison recipe or --suite FILE".into()).into()),
         (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps, cli.resume.as_deref()),
         (None, None) => Err(Usage("give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help".into()).into()),
     }

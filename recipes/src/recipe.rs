@@ -409,7 +409,7 @@ mod tests {
         let mut n = 0;
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
-            let comparison = p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("compare-"));
+            let comparison = p.file_name().is_some_and(|n| ["compare-", "suite-"].iter().any(|s| n.to_string_lossy().starts_with(s)));
             if p.extension().is_some_and(|x| x == "ron") && !comparison {
                 Recipe::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
                 n += 1;

@@ -339,14 +339,18 @@ mod tests {
     fn make() -> Arc<dyn Fn() -> Orchestrator + Send + Sync> {
         Arc::new(|| {
             let s = scorer();
-            let rule = SwitchRule { layout_cost: 0.0, ..SwitchRule::default() };
+            let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
             Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s)
         })
     }
 
     fn obs(step: u64, phi: f64) -> StepObservation {
         let cur = Candidate::new(ParallelDims { dp: 1, tp: 2, pp: 1 }, 2, 1).unwrap();
-        StepObservation { step, current: cur, noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false }) }
+        StepObservation {
+            step,
+            current: cur,
+            noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+        }
     }
 
     #[test]
@@ -404,7 +408,7 @@ mod tests {
             .collect();
         let profile = ThroughputProfile::new("t".into(), "tiny-1m".into(), entries).unwrap();
         let scorer = Scorer::plain(&enumeration.feasible, &profile, 2.0).unwrap();
-        let rule = SwitchRule { layout_cost: 0.0, ..SwitchRule::default() };
+        let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
         let orchestrator = {
             let s = scorer.clone();
             move || Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s.clone())

@@ -105,7 +105,9 @@ fn a_resumed_run_under_copus_keeps_what_the_policy_learned() {
     let start = cand(1, 2, 2, 8, 2);
     let feasible = space().feasible;
     let scorer = Scorer::plain(&feasible, &Favours, 8.0).unwrap();
-    let rule = SwitchRule { horizon: 50.0, layout_cost: 1.0, ..SwitchRule::default() };
+    // A dwell time and confirmations short enough for a short run, long enough that the
+    // policy's dwell and confirmation state spans the stop.
+    let rule = SwitchRule { horizon: 50.0, layout_cost: 1.0, min_dwell_steps: 3, confirm_steps: 2, ..SwitchRule::default() };
     let orchestrator = || Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule).unwrap()), scorer.clone());
     // The modelled clock runs every candidate at 70% of the prior: the orchestrator learns it.
     let clock = || Clock::Modelled {
@@ -115,7 +117,7 @@ fn a_resumed_run_under_copus_keeps_what_the_policy_learned() {
     };
     let mut whole_source = orchestrator();
     let mut whole = driver_at(start, clock());
-    let whole_trace = steps(&mut whole, &mut whole_source, 10);
+    let whole_trace = steps(&mut whole, &mut whole_source, 12);
 
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("step-4.bpk");
@@ -130,11 +132,12 @@ fn a_resumed_run_under_copus_keeps_what_the_policy_learned() {
     let (mut resumed, _) = Driver::resume(Arc::new(config()), &path, space(), clock(), &mut fresh).unwrap();
     assert_eq!(fresh.state(), saved, "the policy's learned state came back");
     assert!(!saved.measured.is_empty(), "throughput was learned before the stop");
-    trace.extend(steps(&mut resumed, &mut fresh, 6));
+    assert!(saved.learned.seen.is_some(), "the dwell state was saved");
+    trace.extend(steps(&mut resumed, &mut fresh, 8));
     // Copus switched after the resume, and the run went on in the new configuration.
     let first_switch = trace.iter().position(|t| t.2).expect("Copus switched");
-    assert!(first_switch >= 4 && first_switch < 9, "switch after step {}", first_switch + 1);
-    assert_ne!(trace[9].1, start);
+    assert!((4..11).contains(&first_switch), "switch after step {}", first_switch + 1);
+    assert_ne!(trace[11].1, start);
     assert_eq!(resumed.clock_secs(), whole.clock_secs(), "the run's clock continues");
     assert_eq!(fresh.state(), whole_source.state());
     assert_same(&trace, &whole_trace, (&mut resumed, &mut whole));
