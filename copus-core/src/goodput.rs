@@ -91,6 +91,30 @@ impl Objective for LrAwareGoodput {
     }
 }
 
+/// Progress under an LR rule from a reference rate tuned at B0 for the current noise: the rate
+/// at B0 is the quadratic model's best there, `x0 = 1 / (1 + phi / B0)` (so at B0 the
+/// efficiency is 1 whatever phi), and the rule scales it to other batches. Unlike
+/// [`LrAwareGoodput`] with a fixed `x0`, the reference never overshoots as phi grows; this is
+/// the truth "training under the LR rule at the reference-tuned rate".
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrTunedGoodput {
+    /// The learning-rate rule in use.
+    pub rule: LrRule,
+}
+
+impl Objective for LrTunedGoodput {
+    fn name(&self) -> &'static str {
+        "lr-tuned"
+    }
+    fn efficiency(&self, batch: f64, b0: f64, phi: f64) -> f64 {
+        let x0 = 1.0 / (1.0 + phi.max(0.0) / b0);
+        let x = x0 * self.rule.factor(batch, b0, Some(phi));
+        let at_b0 = progress_per_step(x0, phi, b0) / b0;
+        let here = progress_per_step(x, phi, batch).max(0.0) / batch;
+        if at_b0 > 0.0 { here / at_b0 } else { 0.0 }
+    }
+}
+
 /// Which objective a recipe asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ObjectiveKind {
@@ -103,6 +127,11 @@ pub enum ObjectiveKind {
         /// Learning-rate rule.
         rule: LrRule,
     },
+    /// [`LrTunedGoodput`].
+    LrTuned {
+        /// Learning-rate rule.
+        rule: LrRule,
+    },
 }
 
 impl ObjectiveKind {
@@ -111,6 +140,7 @@ impl ObjectiveKind {
         match self {
             ObjectiveKind::Plain => Box::new(PlainGoodput),
             ObjectiveKind::LrAware { x0, rule } => Box::new(LrAwareGoodput { x0, rule }),
+            ObjectiveKind::LrTuned { rule } => Box::new(LrTunedGoodput { rule }),
         }
     }
 }
@@ -118,6 +148,22 @@ impl ObjectiveKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// At B0 the tuned rate gives efficiency 1 at any noise; with a rule that matches the
+    /// quadratic model's best rate at every batch (what plain Goodput assumes) it equals plain
+    /// Goodput; with sqrt scaling it is below plain Goodput away from B0, by hand at one point.
+    #[test]
+    fn the_tuned_reference_never_overshoots() {
+        let sqrt = LrTunedGoodput { rule: LrRule::Sqrt };
+        for phi in [1.0, 16.0, 256.0, 4096.0] {
+            assert!((sqrt.efficiency(16.0, 16.0, phi) - 1.0).abs() < 1e-12, "phi {phi}");
+            assert!(sqrt.efficiency(64.0, 16.0, phi) > 0.0, "phi {phi}");
+        }
+        // phi = 16, B0 = 16, B = 64: x0 = 1/2, x = 1; progress 2 - (1 + 1/4) = 0.75 per step,
+        // 0.75 / 64 per sample; at B0: 0.5 / 16. Ratio 0.375; plain: 32 / 80 = 0.4.
+        assert!((sqrt.efficiency(64.0, 16.0, 16.0) - 0.375).abs() < 1e-12);
+        assert!(sqrt.efficiency(64.0, 16.0, 16.0) < PlainGoodput.efficiency(64.0, 16.0, 16.0));
+    }
 
     #[test]
     fn efficiency_equals_adaptdl_gain_over_scale() {

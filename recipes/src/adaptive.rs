@@ -152,8 +152,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
 fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Result<(PathBuf, Summary)> {
     let mut s = setup(recipe)?;
     let device = Device::flex().autodiff();
-    device.seed(recipe.train.seed);
-    let full = full_params(&s.cfg.init(&device));
+    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device)));
     let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
     let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
     let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())

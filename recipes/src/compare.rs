@@ -754,8 +754,7 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
     }
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
-    device.seed(train_recipe.train.seed);
-    let full = full_params(&cfg.init(&device));
+    let full = crate::run::seeded(&device, train_recipe.train.seed, || full_params(&cfg.init(&device)));
     // The throughput the policies believe, and the clock.
     let (model, clock): (Box<dyn ThroughputModel>, String) = match &r.clock {
         Clock::Wall { profile } => {

@@ -155,8 +155,7 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
         recipe.train.seed = seed;
         let prepared = prepare(&recipe)?;
         let device = Device::flex().autodiff();
-        device.seed(seed);
-        let full = full_params(&cfg.init(&device));
+        let full = crate::run::seeded(&device, seed, || full_params(&cfg.init(&device)));
         warm_up(&cfg, &full, &prepared, fixed[0], &recipe)?;
         for arm in &mut arms {
             let run = if arm.adaptive {
@@ -234,8 +233,7 @@ fn fixed_profile(
         tracing::info!("profile {} lacks some candidates; measuring again", p.display());
     }
     let device = Device::flex().autodiff();
-    device.seed(recipe.train.seed);
-    let full = full_params(&cfg.init(&device));
+    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
     let entries = crate::profile::measure(cfg, &full, swept, seq, steps)?;
     let profile = ThroughputProfile::new("this machine (in-process ranks)".into(), recipe.name.clone(), entries)?;
     if let Some(p) = &path {

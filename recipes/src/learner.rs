@@ -127,12 +127,11 @@ pub struct LearnerRun {
 fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize>, folder: &Path) -> anyhow::Result<LearnerRun> {
     let t = &recipe.train;
     let device = Device::flex().autodiff();
-    device.seed(t.seed);
     let (train, heldout) = (data.train.clone(), data.heldout.clone());
     // The same data budget as the recipe: max_steps at its global batch.
     let samples = max_samples.unwrap_or(t.max_steps as usize * t.global_batch);
     let eval = t.eval_sequences.min(heldout.num_seqs());
-    let llama = LlamaConfig::from_spec(&data.spec).init(&device);
+    let llama = crate::run::seeded(&device, t.seed, || LlamaConfig::from_spec(&data.spec).init(&device));
     let no_decay = llama.no_decay_predicates();
     let model = LanguageModel { llama };
     let optim = adamw_optimizer(&recipe.optim, &no_decay);

@@ -99,8 +99,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     }
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
-    device.seed(recipe.train.seed);
-    let full = full_params(&cfg.init(&device));
+    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
     let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} in-process ranks (Flex)", par.world_size);

@@ -179,6 +179,16 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
     Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone() })
 }
 
+/// Seeds `device` and runs `f` (an initialisation) while no other caller in the process does
+/// the same: the device's random generator is shared, so two initialisations at once (tests
+/// run in parallel; a comparison starts several runs) would interleave their draws.
+pub fn seeded<T>(device: &burn::tensor::Device, seed: u64, f: impl FnOnce() -> T) -> T {
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = INIT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    device.seed(seed);
+    f()
+}
+
 /// Runs a recipe to the end, under Copus when it is adaptive; returns the run folder and its
 /// summary.
 pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
@@ -203,8 +213,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let t = &recipe.train;
     let device = Device::flex().autodiff();
-    device.seed(t.seed);
-    let model = LlamaConfig::from_spec(&spec).init(&device);
+    let model = seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device));
     let num_params = model.num_params() as u64;
     tracing::info!(
         "model: {} ({:.2}M parameters), B_g {} as {} x {}",

@@ -389,8 +389,7 @@ mod tests {
         spec.seq_len = 32;
         let cfg = LlamaConfig::from_spec(&spec);
         let device = burn::tensor::Device::flex().autodiff();
-        device.seed(3);
-        let full = full_params(&cfg.init(&device));
+        let full = crate::run::seeded(&device, 3, || full_params(&cfg.init(&device)));
         let space = CandidateSpace::new(2, vec![2, 4], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB).unwrap();
         let enumeration = space.enumerate(&spec);
         // A made-up profile on a modelled clock, so decisions do not depend on this machine.
