@@ -70,6 +70,15 @@ pub struct CompareRecipe {
     pub sweeps: Option<Sweeps>,
 }
 
+/// Reads a RON file (`Some` implicit); errors name the file.
+pub(crate) fn read_ron<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
+    ron::Options::default()
+        .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
+        .from_str(&text)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
 /// The Goodput policies' rule when a recipe gives none: a layout change is assumed to cost 30 s
 /// until one is measured, and must repay within an hour.
 pub(crate) fn default_rule() -> SwitchRule {
@@ -297,11 +306,7 @@ fn positive(x: f64) -> bool {
 impl CompareRecipe {
     /// Reads and checks a comparison recipe.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-        let r: Self = ron::Options::default()
-            .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
-            .from_str(&text)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let r: Self = read_ron(path)?;
         r.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok(r)
     }
@@ -927,7 +932,8 @@ fn oracle_from(points: &[(f64, f64)], end: f64, scorer: &Scorer, costs: SwitchCo
     Some(hindsight_oracle(&traj, scorer, costs, Some(start)).time)
 }
 
-fn measure_profile(
+/// Measures the throughput of `feasible` on this machine and writes the profile to `out`.
+pub(crate) fn measure_profile(
     cfg: &LlamaConfig,
     full: &copus_burn::parallel::FullParams,
     feasible: &[Candidate],

@@ -97,8 +97,8 @@ pub struct ArmRun {
 pub struct Arm {
     /// `copus` or `fixed B_g=N`.
     pub name: String,
-    /// Whether the arm adapts.
-    pub adaptive: bool,
+    /// The fixed arm's configuration; `None` for the adaptive arm.
+    pub fixed: Option<Candidate>,
     /// Its runs, one per seed.
     pub runs: Vec<ArmRun>,
 }
@@ -143,10 +143,10 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     }
     drop(first);
 
-    let mut arms: Vec<Arm> = std::iter::once(Arm { name: "copus (adaptive)".into(), adaptive: true, runs: Vec::new() })
+    let mut arms: Vec<Arm> = std::iter::once(Arm { name: "copus (adaptive)".into(), fixed: None, runs: Vec::new() })
         .chain(fixed.iter().map(|c| Arm {
             name: format!("fixed B_g={} ({} B_m={})", c.global_batch, c.dims, c.micro_batch),
-            adaptive: false,
+            fixed: Some(*c),
             runs: Vec::new(),
         }))
         .collect();
@@ -158,16 +158,7 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
         let full = crate::run::seeded(&device, seed, || full_params(&cfg.init(&device)));
         warm_up(&cfg, &full, &prepared, fixed[0], &recipe)?;
         for arm in &mut arms {
-            let run = if arm.adaptive {
-                let mut s = crate::adaptive::setup(&recipe)?;
-                let start = crate::adaptive::start_candidate(&recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
-                let mut orch = std::mem::replace(
-                    &mut s.orch,
-                    copus_core::orchestrator::Orchestrator::new(Box::new(copus_core::policy::Static), s.scorer.clone()),
-                );
-                one_run(h, &recipe, &cfg, &full, &prepared, start, &mut orch, &format!("copus seed {seed}"))?
-            } else {
-                let c = fixed[arms_index(&fixed, &arm.name)];
+            let run = if let Some(c) = arm.fixed {
                 one_run(
                     h,
                     &recipe,
@@ -178,6 +169,11 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
                     &mut Scripted::new([]),
                     &format!("fixed B_g={} seed {seed}", c.global_batch),
                 )?
+            } else {
+                let s = crate::adaptive::setup(&recipe)?;
+                let start = crate::adaptive::start_candidate(&recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
+                let mut orch = s.orch;
+                one_run(h, &recipe, &cfg, &full, &prepared, start, &mut orch, &format!("copus seed {seed}"))?
             };
             tracing::info!(
                 "{} seed {seed}: {}",
@@ -209,10 +205,6 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     Ok(report)
 }
 
-fn arms_index(fixed: &[Candidate], name: &str) -> usize {
-    fixed.iter().position(|c| name.starts_with(&format!("fixed B_g={} ", c.global_batch))).expect("an arm of each fixed candidate")
-}
-
 /// The measured throughput of the fixed arms' candidates, from the profile file when it holds
 /// them all, else measured now (and written there).
 fn fixed_profile(
@@ -234,15 +226,7 @@ fn fixed_profile(
     }
     let device = Device::flex().autodiff();
     let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    let entries = crate::profile::measure(cfg, &full, swept, seq, steps)?;
-    let profile = ThroughputProfile::new("this machine (in-process ranks)".into(), recipe.name.clone(), entries)?;
-    if let Some(p) = &path {
-        if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
-        }
-        std::fs::write(p, profile.to_ron()).with_context(|| format!("cannot write {}", p.display()))?;
-    }
-    Ok(profile)
+    crate::compare::measure_profile(cfg, &full, swept, seq, steps, path.as_deref())
 }
 
 /// A few untimed steps so the first arm is not charged for thread pools and allocators.
@@ -331,8 +315,9 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm]) -> String {
         let configs = a.runs.first().map_or(String::new(), |r| r.configurations.join(" -> "));
         md.push_str(&format!("| {} | {} | {mean} | {spread} | {} | {configs} |\n", a.name, per.join(", "), steps.join(", ")));
     }
-    let copus = arms.iter().find(|a| a.adaptive).and_then(Arm::stats);
-    let best = arms.iter().filter(|a| !a.adaptive).filter_map(|a| Some((a.stats()?.0, a.name.clone()))).min_by(|x, y| x.0.total_cmp(&y.0));
+    let copus = arms.iter().find(|a| a.fixed.is_none()).and_then(Arm::stats);
+    let best =
+        arms.iter().filter(|a| a.fixed.is_some()).filter_map(|a| Some((a.stats()?.0, a.name.clone()))).min_by(|x, y| x.0.total_cmp(&y.0));
     md.push('\n');
     match (copus, best) {
         (Some((c, ..)), Some((b, bname))) => md.push_str(&format!(

@@ -76,11 +76,7 @@ fn default_c() -> f64 {
 impl Suite {
     /// Reads and checks a suite file.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let s: Self = ron::Options::default()
-            .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
-            .from_str(&text)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let s: Self = crate::compare::read_ron(path)?;
         s.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok(s)
     }
