@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use burn::tensor::TensorData;
 use burn_pack::Scalar;
 use copus_core::gns::GnsEstimator;
 use copus_core::model::ParamSpec;
@@ -14,48 +13,16 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::parallel::ParallelLm;
 use crate::state::TrainingState;
+use crate::wire;
 
 impl TrainingState {
     /// Writes the state, the engine configuration and `extra` (the caller's data position, RNG
     /// seed, ...) to one burnpack file, atomically.
     pub fn save(&self, path: &Path, specs: &[ParamSpec], cfg: &EngineConfig, extra: &BTreeMap<String, String>) -> Result<(), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
-        let shape_of: HashMap<&str, &[usize]> = specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
-        let tensor = |key: String, name: &str, values: &[f32]| -> Result<burn_pack::Tensor, EngineError> {
-            let shape = shape_of.get(name).ok_or_else(|| err(format!("`{name}` is not a parameter of the model")))?;
-            let (bytes, shape, dtype) = TensorData::new(values.to_vec(), shape.to_vec()).into_parts();
-            Ok(burn_pack::Tensor::new(key, dtype, shape, None, bytes))
-        };
-        let mut tensors = Vec::new();
-        for (name, v) in &self.params {
-            tensors.push(tensor(format!("param/{name}"), name, v)?);
-        }
-        for (name, fields) in &self.optim {
-            for (field, v) in fields {
-                tensors.push(tensor(format!("optim/{name}/{field}"), name, v)?);
-            }
-        }
-        for (name, v) in self.previous.iter().flatten() {
-            tensors.push(tensor(format!("previous/{name}"), name, v)?);
-        }
-        let meta = CheckpointMeta {
-            format: 1,
-            step: self.step,
-            tokens_seen: self.tokens_seen,
-            gns: self.gns.clone(),
-            has_previous: self.previous.is_some(),
-            scalars: self.scalars.iter().flat_map(|(n, f)| f.iter().map(move |(k, v)| (n.clone(), k.clone(), *v))).collect(),
-            config: cfg.clone(),
-            extra: extra.clone(),
-        };
-        let meta = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
+        let bytes = self.to_bytes(specs, cfg, extra).map_err(|e| err(checkpoint_message(e)))?;
         let tmp = path.with_extension("tmp");
-        burn_pack::Writer::new(tensors)
-            .with_metadata(META_KEY, &meta)
-            .overwrite(true)
-            .auto_extension(false)
-            .write_to_file(&tmp)
-            .map_err(|e| err(format!("{e:?}")))?;
+        std::fs::write(&tmp, bytes).map_err(|e| err(e.to_string()))?;
         // On disk before it takes the name, and the name on disk before returning.
         std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| err(e.to_string()))?;
         std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))?;
@@ -69,10 +36,57 @@ impl TrainingState {
     /// Reads a file written by [`TrainingState::save`].
     pub fn load(path: &Path) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
-        let reader = burn_pack::Reader::from_file(path).map_err(|e| err(format!("not a readable checkpoint: {e:?}")))?;
-        let meta = reader.metadata().get(META_KEY).ok_or_else(|| err("no copus metadata (not a copus checkpoint)".into()))?;
+        let bytes = std::fs::read(path).map_err(|e| err(format!("not a readable checkpoint: {e}")))?;
+        Self::from_bytes(bytes).map_err(|e| err(checkpoint_message(e)))
+    }
+
+    /// The checkpoint file's bytes, in memory (what a multi-process run sends its processes).
+    pub fn to_bytes(&self, specs: &[ParamSpec], cfg: &EngineConfig, extra: &BTreeMap<String, String>) -> Result<Vec<u8>, EngineError> {
+        let err = |m: String| EngineError::Checkpoint { path: "(in memory)".into(), message: m };
+        let shape_of: HashMap<&str, &[usize]> = specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
+        let mut tensors = Vec::new();
+        let mut add = |key: String, name: &str, values: &[f32]| -> Result<(), EngineError> {
+            let shape = shape_of.get(name).ok_or_else(|| err(format!("`{name}` is not a parameter of the model")))?;
+            tensors.push((key, shape.to_vec(), values.to_vec()));
+            Ok(())
+        };
+        for (name, v) in &self.params {
+            add(format!("param/{name}"), name, v)?;
+        }
+        for (name, fields) in &self.optim {
+            for (field, v) in fields {
+                add(format!("optim/{name}/{field}"), name, v)?;
+            }
+        }
+        for (name, v) in self.previous.iter().flatten() {
+            add(format!("previous/{name}"), name, v)?;
+        }
+        let meta = CheckpointMeta {
+            format: 1,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: self.gns.clone(),
+            has_previous: self.previous.is_some(),
+            scalars: self.scalars.iter().flat_map(|(n, f)| f.iter().map(move |(k, v)| (n.clone(), k.clone(), *v))).collect(),
+            config: cfg.clone(),
+            extra: extra.clone(),
+        };
+        let meta = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
+        wire::pack(META_KEY, &meta, tensors).map_err(err)
+    }
+
+    /// Reads what [`TrainingState::to_bytes`] wrote.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
+        let err = |m: String| EngineError::Checkpoint { path: "(in memory)".into(), message: m };
+        let (meta, tensors) = wire::unpack(META_KEY, bytes).map_err(|e| {
+            if e.starts_with("no `") {
+                err("no copus metadata (not a copus checkpoint)".into())
+            } else {
+                err(format!("not a readable checkpoint: {e}"))
+            }
+        })?;
         // Checkpoints written before rank devices existed have no `devices`: Flex everywhere.
-        let mut meta: serde_json::Value = serde_json::from_str(meta).map_err(|e| err(format!("metadata: {e}")))?;
+        let mut meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| err(format!("metadata: {e}")))?;
         if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
             config.entry("devices").or_insert_with(|| serde_json::json!([]));
         }
@@ -92,9 +106,7 @@ impl TrainingState {
         for (n, f, v) in meta.scalars {
             state.scalars.entry(n).or_default().insert(f, v);
         }
-        for t in reader.into_tensors().map_err(|e| err(format!("{e:?}")))? {
-            let (key, dtype, shape, _, bytes) = t.into_parts().map_err(|e| err(format!("{e:?}")))?;
-            let values: Vec<f32> = TensorData::from_bytes(bytes, shape, dtype).iter::<f32>().collect();
+        for (key, _, values) in tensors {
             if let Some(name) = key.strip_prefix("param/") {
                 state.params.insert(name.to_string(), values);
             } else if let Some(rest) = key.strip_prefix("optim/") {
@@ -107,6 +119,14 @@ impl TrainingState {
             }
         }
         Ok((state, meta.config, meta.extra))
+    }
+}
+
+/// The message of an in-memory error, for a file's error.
+fn checkpoint_message(e: EngineError) -> String {
+    match e {
+        EngineError::Checkpoint { message, .. } => message,
+        other => other.to_string(),
     }
 }
 

@@ -108,7 +108,13 @@ pub trait Collective: Send + Sized {
     fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError>;
     /// Marks the whole world failed with this rank's message; wakes every waiting rank.
     fn abort(&self, message: &str);
+    /// Aborts this world later, after the communicator itself has moved away (into a rank's
+    /// state that then failed to build).
+    fn aborter(&self) -> Aborter;
 }
+
+/// Aborts a world with a rank's message; see [`Collective::aborter`].
+pub type Aborter = Box<dyn Fn(&str) + Send>;
 
 /// Chunk `i` of `n` near-equal chunks of `len` elements.
 pub fn chunk_range(len: usize, n: usize, i: usize) -> Range<usize> {
@@ -578,6 +584,11 @@ impl Collective for ThreadComm {
             ex.cv.notify_all();
         }
         self.exchange.cv.notify_all();
+    }
+
+    fn aborter(&self) -> Aborter {
+        let handle = self.abort_handle();
+        Box::new(move |m| handle.abort(m))
     }
 }
 

@@ -32,10 +32,13 @@ pub mod engine;
 pub mod grads;
 #[cfg(feature = "learner")]
 pub mod learner;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod parallel;
 pub mod reconfig;
 pub mod state;
 pub mod trainer;
+mod wire;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor};

@@ -156,6 +156,12 @@ pub trait ParallelLm: Send + Sync + 'static {
     /// Builds the stage of `plan` on `device`, taking each parameter's local shard from
     /// `shards` (global name -> data of the local shape).
     fn build_stage(&self, plan: &ShardPlan, shards: &mut ShardSource, device: &Device) -> Result<Self::Stage, ShardError>;
+    /// The model's description for the other processes of a multi-process run (its
+    /// configuration as JSON, read back by the closure given to `process::serve`); `None`: the
+    /// model runs on in-process ranks only.
+    fn describe(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A parameter's id from its global name, the same under every layout (so optimizer state keyed

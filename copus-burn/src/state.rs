@@ -44,6 +44,69 @@ pub(crate) struct RankExport {
     pub(crate) gns: GnsEstimator,
 }
 
+#[cfg(feature = "mpi")]
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ExportMeta {
+    scalars: OptimScalars,
+    has_previous: bool,
+    step: u64,
+    tokens_seen: u64,
+    gns: GnsEstimator,
+}
+
+#[cfg(feature = "mpi")]
+impl RankExport {
+    const KEY: &'static str = "copus.rank-export";
+
+    /// The export as bytes, for the process that stages it.
+    pub(crate) fn to_bytes(&self) -> Result<Vec<u8>, String> {
+        let meta = ExportMeta {
+            scalars: self.scalars.clone(),
+            has_previous: self.previous.is_some(),
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: self.gns.clone(),
+        };
+        let meta = serde_json::to_string(&meta).map_err(|e| e.to_string())?;
+        let flat = |key: String, v: &Vec<f32>| (key, vec![v.len()], v.clone());
+        let tensors = self
+            .params
+            .iter()
+            .map(|(n, v)| flat(format!("param/{n}"), v))
+            .chain(self.optim.iter().map(|(n, f, v)| flat(format!("optim/{n}/{f}"), v)))
+            .chain(self.previous.iter().flatten().map(|(n, v)| flat(format!("previous/{n}"), v)));
+        crate::wire::pack(Self::KEY, &meta, tensors)
+    }
+
+    /// Reads what [`RankExport::to_bytes`] wrote.
+    pub(crate) fn from_bytes(bytes: Vec<u8>) -> Result<Self, String> {
+        let (meta, tensors) = crate::wire::unpack(Self::KEY, bytes)?;
+        let meta: ExportMeta = serde_json::from_str(&meta).map_err(|e| e.to_string())?;
+        let mut out = RankExport {
+            params: Vec::new(),
+            optim: Vec::new(),
+            scalars: meta.scalars,
+            previous: meta.has_previous.then(Vec::new),
+            step: meta.step,
+            tokens_seen: meta.tokens_seen,
+            gns: meta.gns,
+        };
+        for (key, _, v) in tensors {
+            if let Some(n) = key.strip_prefix("param/") {
+                out.params.push((n.to_string(), v));
+            } else if let Some(rest) = key.strip_prefix("optim/") {
+                let (n, f) = rest.rsplit_once('/').ok_or_else(|| format!("unexpected tensor {key}"))?;
+                out.optim.push((n.to_string(), f.to_string(), v));
+            } else if let Some(n) = key.strip_prefix("previous/") {
+                out.previous.get_or_insert_with(Vec::new).push((n.to_string(), v));
+            } else {
+                return Err(format!("unexpected tensor {key}"));
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// What a rank starts from: its shards, its resume state and the checksums it must report.
 pub(crate) type RankStart = (ShardSource, RankResume, Vec<(String, u64)>);
 

@@ -87,6 +87,10 @@ impl ParallelLm for LlamaConfig {
         LlamaConfig::spec(self, "llama")
     }
 
+    fn describe(&self) -> Option<String> {
+        Some(burn::config::config_to_json(self))
+    }
+
     fn parallel_plan(&self) -> ParallelPlan {
         let mut tp_replicated: Vec<String> =
             (0..self.num_layers).flat_map(|i| [format!("layers.{i}.attn_norm.weight"), format!("layers.{i}.mlp_norm.weight")]).collect();

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, TensorData};
+use copus_burn::driver::{DecisionSource, Scripted};
 use copus_burn::parallel::{ShardPlan, ShardSource};
 use copus_burn::{Clock, Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
 use copus_core::candidates::{Candidate, Enumeration};
@@ -61,12 +62,34 @@ pub(crate) struct Setup {
     b0: f64,
     pub(crate) scorer: Scorer,
     pub(crate) orch: Orchestrator,
+    /// The recipe's scripted switches, replacing the policy's decisions when given.
+    script: Option<Scripted>,
     world_size: usize,
+}
+
+impl Setup {
+    /// Who decides: the script when the recipe has one, else the orchestrator.
+    fn source(&mut self) -> &mut dyn DecisionSource {
+        match &mut self.script {
+            Some(s) => s,
+            None => &mut self.orch,
+        }
+    }
 }
 
 /// The data, model, candidate space and policy of an adaptive recipe.
 pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let par = recipe.parallel.as_ref().context("an adaptive run needs the recipe's `parallel` section (the candidate space)")?;
+    #[cfg(feature = "mpi")]
+    if let copus_burn::mpi::Role::Driver { size } = copus_burn::mpi::role()
+        && size != par.world_size
+    {
+        return Err(anyhow!(
+            "parallel.world_size is {} but the MPI job has {size} processes; start it with `mpirun -np {}`",
+            par.world_size,
+            par.world_size
+        ));
+    }
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let cfg = LlamaConfig::from_spec(&spec);
     let space = par.space()?.enumerate(&spec);
@@ -81,7 +104,8 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let horizon = recipe.train.time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
     let rule = SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() };
     let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
-    Ok(Setup { spec, train, heldout, checksum, cfg, space, b0, scorer, orch, world_size: par.world_size })
+    let script = (!par.script.is_empty()).then(|| par.scripted(&spec).map(Scripted::new)).transpose()?;
+    Ok(Setup { spec, train, heldout, checksum, cfg, space, b0, scorer, orch, script, world_size: par.world_size })
 }
 
 /// The run's output files, open for appending.
@@ -194,7 +218,8 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     // The newest that loads; a damaged newest one falls back to the one before.
     let mut resumed = None;
     for (_, path) in checkpoints.iter().rev() {
-        match Driver::resume(Arc::new(s.cfg.clone()), path, s.space.clone(), Clock::Wall, &mut s.orch) {
+        let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
+        match Driver::resume(model, path, space, Clock::Wall, s.source()) {
             Ok((d, _)) => {
                 resumed = Some((d, path.clone()));
                 break;
@@ -254,12 +279,12 @@ fn list_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
 }
 
 /// Writes a checkpoint of the run at its current step and keeps the newest two.
-fn checkpoint(driver: &mut Driver<LlamaConfig>, orch: &Orchestrator, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
+fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
     logs.flush()?;
     let dir = folder.join("checkpoints");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let path = dir.join(format!("step-{:08}.bpk", driver.engine().steps_done()));
-    driver.save_checkpoint(&path, orch, &BTreeMap::new())?;
+    driver.save_checkpoint(&path, source, &BTreeMap::new())?;
     // Left-over temporary files of a save that was cut short.
     for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
         if e.path().extension().is_some_and(|x| x == "tmp") {
@@ -367,7 +392,11 @@ fn train(
             stopped = format!("time budget of {budget} s after {} steps", driver.engine().steps_done());
             break;
         }
-        let st = driver.step(&data, &mut s.orch)?;
+        let source: &mut dyn DecisionSource = match &mut s.script {
+            Some(script) => script,
+            None => &mut s.orch,
+        };
+        let st = driver.step(&data, source)?;
         let m = &st.step.metrics;
         tokens_seen = m.tokens_seen;
         let phi = m.b_simple;
@@ -431,13 +460,17 @@ fn train(
             break;
         }
         if t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every) && step < max_steps {
-            checkpoint(&mut driver, &s.orch, &folder, &mut logs)?;
+            let source: &dyn DecisionSource = match &s.script {
+                Some(script) => script,
+                None => &s.orch,
+            };
+            checkpoint(&mut driver, source, &folder, &mut logs)?;
         }
     }
     bar.finish();
     LOOP_DONE.store(true, Ordering::SeqCst);
     // The run's last state, whatever stopped it: `--resume` continues from here.
-    let saved = checkpoint(&mut driver, &s.orch, &folder, &mut logs)?;
+    let saved = checkpoint(&mut driver, s.source(), &folder, &mut logs)?;
     tracing::info!("checkpoint {}", saved.display());
     let steps = driver.engine().steps_done();
     let train_secs = driver.clock_secs();

@@ -260,7 +260,31 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Under `mpirun -np N` (feature `mpi`), processes 1.. serve their ranks; process 0 runs the
+    // command and drives them.
+    #[cfg(feature = "mpi")]
+    match copus_burn::mpi::init() {
+        Ok(copus_burn::mpi::Role::Worker { .. }) => return serve_ranks(),
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("error: MPI: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let code = match Cli::try_parse() {
+        Ok(cli) => run_cli(cli),
+        Err(e) => {
+            // Help, version and usage errors; clap's exit codes (0 for help, 2 for mistakes).
+            let _ = e.print();
+            ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+        }
+    };
+    #[cfg(feature = "mpi")]
+    copus_burn::mpi::finish();
+    code
+}
+
+fn run_cli(cli: Cli) -> ExitCode {
     progress::init(cli.quiet);
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -268,6 +292,24 @@ fn main() -> ExitCode {
             // The whole chain of causes, outermost first; printed even when logs are off.
             eprintln!("error: {e:#}");
             if e.is::<Usage>() { ExitCode::from(2) } else { ExitCode::FAILURE }
+        }
+    }
+}
+
+/// A serving process of an MPI run: its rank of every layout process 0 starts, until the end.
+#[cfg(feature = "mpi")]
+fn serve_ranks() -> ExitCode {
+    use burn::config::Config;
+    progress::init(true);
+    // Ctrl-C reaches every process; process 0 decides when to stop, the others follow it.
+    let _ = ctrlc::set_handler(|| {});
+    let served = copus_burn::engine::serve(|text| copus_models::LlamaConfig::load_binary(text.as_bytes()).map_err(|e| e.to_string()));
+    copus_burn::mpi::finish();
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use copus_burn::OptimConfig;
-use copus_core::candidates::CandidateSpace;
+use copus_core::candidates::{Candidate, CandidateSpace};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
@@ -157,6 +157,24 @@ pub struct ParallelRecipe {
     /// Timed steps per candidate in `recipes profile`.
     #[serde(default = "default_profile_steps")]
     pub profile_steps: usize,
+    /// Decisions fixed in advance, replacing the policy: after step `after_step`, switch to the
+    /// given configuration (replays, reproducible comparisons). Empty: Copus decides.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub script: Vec<ScriptedSwitch>,
+}
+
+/// One switch of [`ParallelRecipe::script`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptedSwitch {
+    /// The step after which the switch happens (1-based).
+    pub after_step: u64,
+    /// The layout to switch to (the same as before for a batch-only change).
+    pub layout: LayoutRecipe,
+    /// The new B_g.
+    pub global_batch: usize,
+    /// The new B_m.
+    pub micro_batch: usize,
 }
 
 fn default_schedule() -> ScheduleKind {
@@ -183,6 +201,33 @@ impl ParallelRecipe {
             self.device_memory_gib * GIB,
         )
         .map_err(|e| field("parallel", "(..)", e.to_string()))
+    }
+
+    /// The scripted switches as candidates, each checked to be feasible in the candidate space.
+    pub fn scripted(&self, spec: &ModelSpec) -> Result<Vec<(u64, Candidate)>, RecipeError> {
+        let feasible = self.space()?.enumerate(spec).feasible;
+        let mut out = Vec::with_capacity(self.script.len());
+        for (i, s) in self.script.iter().enumerate() {
+            let l = s.layout;
+            let value = format!(
+                "[{i}]: (after_step: {}, layout: (dp: {}, tp: {}, pp: {}), global_batch: {}, micro_batch: {})",
+                s.after_step, l.dp, l.tp, l.pp, s.global_batch, s.micro_batch
+            );
+            let dims = ParallelDims::new(l.dp, l.tp, l.pp, self.world_size).map_err(|e| field("parallel.script", &value, e.to_string()))?;
+            let c = Candidate::new(dims, s.global_batch, s.micro_batch).ok();
+            let Some(c) = c.filter(|c| feasible.contains(c)) else {
+                return Err(field(
+                    "parallel.script",
+                    value,
+                    "a feasible candidate of the recipe's space: a layout the model splits into, global_batch in parallel.global_batches, micro_batch in parallel.micro_batches, global_batch a multiple of dp x micro_batch, within device_memory_gib",
+                ));
+            };
+            if s.after_step == 0 || out.last().is_some_and(|(step, _)| *step >= s.after_step) {
+                return Err(field("parallel.script", value, "after_step at least 1 and increasing from one switch to the next"));
+            }
+            out.push((s.after_step, c));
+        }
+        Ok(out)
     }
 
     /// The starting layout, checked against the model.
@@ -365,6 +410,7 @@ impl Recipe {
             }
             p.space()?;
             p.initial_dims(&self.model_spec()?)?;
+            p.scripted(&self.model_spec()?)?;
         }
         self.optim.validate().map_err(|e| RecipeError::Field { field: "optim", value: String::new(), allowed: e.to_string() })
     }

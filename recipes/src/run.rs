@@ -192,6 +192,15 @@ pub fn seeded<T>(device: &burn::tensor::Device, seed: u64, f: impl FnOnce() -> T
 /// Runs a recipe to the end, under Copus when it is adaptive; returns the run folder and its
 /// summary.
 pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    #[cfg(feature = "mpi")]
+    if let copus_burn::mpi::Role::Driver { size } = copus_burn::mpi::role()
+        && !recipe.is_adaptive()
+    {
+        return Err(anyhow::anyhow!(
+            "recipe `{}` trains a fixed batch on one rank; run it without mpirun (the {size} processes would idle)",
+            recipe.name
+        ));
+    }
     if recipe.is_adaptive() { crate::adaptive::run(recipe, opts) } else { Ok(run(recipe, opts)?) }
 }
 

@@ -41,7 +41,7 @@ pub(super) enum Reply {
 }
 
 /// A rank's failure: `origin` is false when it only saw another rank's abort.
-struct RankFailure {
+pub(super) struct RankFailure {
     origin: bool,
     message: String,
 }
@@ -57,6 +57,9 @@ type Replies = Receiver<(usize, Result<Reply, RankFailure>)>;
 pub(super) struct Cluster {
     workers: Vec<WorkerHandle>,
     replies: Replies,
+    /// The other processes of a multi-process run, seen from process 0.
+    #[cfg(feature = "mpi")]
+    remote: Option<super::processes::Remote>,
 }
 
 impl Drop for Cluster {
@@ -67,7 +70,9 @@ impl Drop for Cluster {
 
 impl Cluster {
     /// Starts the ranks of `cfg` from `state` and verifies what each loaded against it
-    /// (element counts and checksums of every parameter and optimizer tensor).
+    /// (element counts and checksums of every parameter and optimizer tensor). On process 0 of
+    /// a multi-process run (feature `mpi`), rank 0 starts here and ranks 1.. on the other
+    /// processes.
     pub(super) fn launch<L: ParallelLm>(
         model: &Arc<L>,
         specs: &[ParamSpec],
@@ -75,69 +80,56 @@ impl Cluster {
         cfg: &EngineConfig,
         fault: Fault,
     ) -> Result<Self, EngineError> {
-        let spec = model.spec();
         let dims = cfg.dims;
-        let layout_err = |reason: String| EngineError::Layout { dims: dims.to_string(), reason };
+        let world = dims.world_size();
         let parallel = model.parallel_plan();
         parallel.check(specs)?;
         let parallel = Arc::new(parallel);
-        let grid = RankGrid::new(dims);
-        let world = dims.world_size();
-        let mut inits = Vec::with_capacity(world);
+        #[cfg(feature = "mpi")]
+        let remote = super::processes::Remote::for_launch(world, &dims.to_string())?;
+        #[cfg(feature = "mpi")]
+        let local_ranks = if remote.is_some() { 1 } else { world };
+        #[cfg(not(feature = "mpi"))]
+        let local_ranks = world;
+        let mut inits = Vec::with_capacity(local_ranks);
         let mut expected = Vec::with_capacity(world);
         for r in 0..world {
-            let c = grid.coord(r).map_err(|e| layout_err(e.to_string()))?;
-            let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
-            let (source, resume, hashes) = state.rank_init(specs, &plan)?;
-            expected.push(hashes);
-            let device = cfg.rank_device(r)?.autodiff();
             // Plant a fault on the last rank only: the others must be released, not hang.
             let fault = if r + 1 == world { fault } else { Fault::default() };
-            inits.push(RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() });
+            let (init, hashes) = rank_init(&**model, specs, state, cfg, &parallel, r, fault)?;
+            expected.push(hashes);
+            if r < local_ranks {
+                inits.push(init);
+            }
         }
         let (reply_tx, replies) = channel();
         let (ready_tx, ready_rx) = channel();
-        let mut workers = Vec::with_capacity(world);
-        for ((r, comm), init) in ThreadComm::world(world).into_iter().enumerate().zip(inits) {
-            let (tx, rx) = channel::<Command>();
-            let model = model.clone();
-            let cfg = cfg.clone();
-            let specs = specs.to_vec();
-            let reply_tx = reply_tx.clone();
-            let ready_tx = ready_tx.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("copus-rank-{r}"))
-                .spawn(move || {
-                    let aborter = comm.abort_handle();
-                    let built = catch_unwind(AssertUnwindSafe(|| RankState::<L>::start(r, comm, init, &*model, specs, cfg)));
-                    let state = match built {
-                        Ok(Ok((s, hashes))) => {
-                            let _ = ready_tx.send((r, Ok(hashes)));
-                            s
-                        }
-                        Ok(Err(e)) => {
-                            aborter.abort(&e.to_string());
-                            let _ = ready_tx.send((r, Err(e)));
-                            return;
-                        }
-                        Err(p) => {
-                            let message = panic_message(&p);
-                            aborter.abort(&message);
-                            let _ = ready_tx.send((r, Err(EngineError::Rank { rank: r, message })));
-                            return;
-                        }
-                    };
-                    worker_loop(state, rx, reply_tx);
-                })
-                .map_err(|e| EngineError::Rank { rank: r, message: format!("could not start its thread: {e}") })?;
-            workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
-        }
+        #[cfg(feature = "mpi")]
+        let workers = match &remote {
+            Some(remote) => {
+                let describe = model.describe().ok_or_else(|| {
+                    EngineError::Dead("this model cannot run across processes: it does not describe itself (`ParallelLm::describe`)".into())
+                })?;
+                remote.launch(describe, state.to_bytes(specs, cfg, &Default::default())?)?;
+                let comm = crate::mpi::MpiComm::world().map_err(|e| EngineError::Rank { rank: 0, message: e.to_string() })?;
+                spawn_ranks(vec![(0, comm)], inits, model, specs, cfg, &reply_tx, &ready_tx)?
+            }
+            None => {
+                spawn_ranks(ThreadComm::world(world).into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?
+            }
+        };
+        #[cfg(not(feature = "mpi"))]
+        let workers =
+            spawn_ranks(ThreadComm::world(world).into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?;
         drop(ready_tx);
+        #[cfg(feature = "mpi")]
+        let cluster = Cluster { workers, replies, remote };
+        #[cfg(not(feature = "mpi"))]
         let cluster = Cluster { workers, replies };
         let mut first_error: Option<EngineError> = None;
         let mut first_secondary = false;
         let mut reported: Vec<Option<Vec<(String, u64)>>> = vec![None; world];
-        for _ in 0..world {
+        for _ in 0..local_ranks {
             match ready_rx.recv() {
                 Ok((r, Ok(h))) => reported[r] = Some(h),
                 Ok((_, Err(e))) => {
@@ -152,6 +144,17 @@ impl Cluster {
                 Err(_) => {
                     first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
                     break;
+                }
+            }
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(remote) = &cluster.remote {
+            for (r, ready) in remote.ready()? {
+                match ready {
+                    Ok(h) => reported[r] = Some(h),
+                    Err(message) => {
+                        first_error.get_or_insert(EngineError::Rank { rank: r, message });
+                    }
                 }
             }
         }
@@ -179,6 +182,15 @@ impl Cluster {
     /// Sends every rank a command and collects the replies in rank order. A rank's own failure
     /// is reported in preference to the other ranks' reports of its abort.
     pub(super) fn broadcast(&self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
+        #[cfg(feature = "mpi")]
+        let remote = match &self.remote {
+            Some(remote) => {
+                let command = make();
+                remote.command(&command)?;
+                Some((remote, command))
+            }
+            None => None,
+        };
         for (r, w) in self.workers.iter().enumerate() {
             if w.commands.send(make()).is_err() {
                 return Err(EngineError::Dead(format!("rank {r} is gone")));
@@ -208,11 +220,21 @@ impl Cluster {
         if let Some((rank, f)) = failure {
             return Err(EngineError::Rank { rank, message: f.message });
         }
-        Ok(out.into_iter().map(|o| o.expect("every rank replied")).collect())
+        #[allow(unused_mut)]
+        let mut out: Vec<Reply> = out.into_iter().map(|o| o.expect("every rank replied")).collect();
+        #[cfg(feature = "mpi")]
+        if let Some((remote, command)) = remote {
+            out.extend(remote.replies(&command)?);
+        }
+        Ok(out)
     }
 
     /// Stops every rank and joins its thread.
     pub(super) fn stop(&mut self) {
+        #[cfg(feature = "mpi")]
+        if let Some(remote) = self.remote.take() {
+            remote.stop();
+        }
         for w in &self.workers {
             let _ = w.commands.send(Command::Stop);
         }
@@ -224,7 +246,76 @@ impl Cluster {
     }
 }
 
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+/// What world rank `r` of `cfg` starts from, and the checksums it must report.
+pub(super) fn rank_init<L: ParallelLm>(
+    model: &L,
+    specs: &[ParamSpec],
+    state: &TrainingState,
+    cfg: &EngineConfig,
+    parallel: &Arc<crate::parallel::ParallelPlan>,
+    r: usize,
+    fault: Fault,
+) -> Result<(RankInit, Vec<(String, u64)>), EngineError> {
+    let spec = model.spec();
+    let dims = cfg.dims;
+    let c = RankGrid::new(dims).coord(r).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
+    let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
+    let (source, resume, hashes) = state.rank_init(specs, &plan)?;
+    let device = cfg.rank_device(r)?.autodiff();
+    Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
+}
+
+type Ready = Sender<(usize, Result<Vec<(String, u64)>, EngineError>)>;
+
+/// Starts a thread per local rank `(world rank, its world communicator)`.
+fn spawn_ranks<L: ParallelLm, C: Collective + 'static>(
+    comms: Vec<(usize, C)>,
+    inits: Vec<RankInit>,
+    model: &Arc<L>,
+    specs: &[ParamSpec],
+    cfg: &EngineConfig,
+    reply_tx: &Sender<(usize, Result<Reply, RankFailure>)>,
+    ready_tx: &Ready,
+) -> Result<Vec<WorkerHandle>, EngineError> {
+    let mut workers = Vec::with_capacity(comms.len());
+    for ((r, comm), init) in comms.into_iter().zip(inits) {
+        let (tx, rx) = channel::<Command>();
+        let model = model.clone();
+        let cfg = cfg.clone();
+        let specs = specs.to_vec();
+        let reply_tx = reply_tx.clone();
+        let ready_tx = ready_tx.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("copus-rank-{r}"))
+            .spawn(move || {
+                let aborter = comm.aborter();
+                let built = catch_unwind(AssertUnwindSafe(|| RankState::<L, C>::start(r, comm, init, &*model, specs, cfg)));
+                let state = match built {
+                    Ok(Ok((s, hashes))) => {
+                        let _ = ready_tx.send((r, Ok(hashes)));
+                        s
+                    }
+                    Ok(Err(e)) => {
+                        aborter(&e.to_string());
+                        let _ = ready_tx.send((r, Err(e)));
+                        return;
+                    }
+                    Err(p) => {
+                        let message = panic_message(&p);
+                        aborter(&message);
+                        let _ = ready_tx.send((r, Err(EngineError::Rank { rank: r, message })));
+                        return;
+                    }
+                };
+                worker_loop(state, rx, reply_tx);
+            })
+            .map_err(|e| EngineError::Rank { rank: r, message: format!("could not start its thread: {e}") })?;
+        workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
+    }
+    Ok(workers)
+}
+
+pub(super) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         format!("panicked: {s}")
     } else if let Some(s) = p.downcast_ref::<String>() {
@@ -234,7 +325,11 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-fn worker_loop<L: ParallelLm>(mut state: RankState<L>, rx: Receiver<Command>, tx: Sender<(usize, Result<Reply, RankFailure>)>) {
+fn worker_loop<L: ParallelLm, C: Collective>(
+    mut state: RankState<L, C>,
+    rx: Receiver<Command>,
+    tx: Sender<(usize, Result<Reply, RankFailure>)>,
+) {
     let r = state.rank;
     while let Ok(cmd) = rx.recv() {
         let result = match cmd {

@@ -23,7 +23,7 @@ const TAG_GRAD: u32 = 2;
 const TAG_TIED: u32 = 3;
 const TAG_TIED_SUM: u32 = 4;
 
-impl<L: ParallelLm> RankState<L> {
+impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// One optimizer step on `batch` (the whole step's sequences; this rank takes its share).
     /// `poison`: world rank 0 writes a NaN into its gradient (fault injection).
     pub(super) fn step(&mut self, batch: &[i64], poison: bool) -> Result<EngineStep, RankError> {

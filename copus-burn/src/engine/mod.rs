@@ -30,6 +30,8 @@ pub mod error;
 mod executor;
 mod fault;
 mod grad_index;
+#[cfg(feature = "mpi")]
+mod processes;
 mod rank;
 mod regions;
 
@@ -42,6 +44,10 @@ use copus_core::model::ParamSpec;
 pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
+#[cfg(feature = "mpi")]
+pub(crate) use processes::exit_message;
+#[cfg(feature = "mpi")]
+pub use processes::serve;
 
 use crate::parallel::{FullParams, ParallelLm};
 use crate::state::TrainingState;

@@ -48,14 +48,14 @@ pub(super) struct RankInit {
 }
 
 /// One rank between steps.
-pub(super) struct RankState<L: ParallelLm> {
+pub(super) struct RankState<L: ParallelLm, C: Collective = ThreadComm> {
     pub(super) rank: usize,
-    pub(super) world: ThreadComm,
-    pub(super) tp: ThreadComm,
-    pub(super) dp: ThreadComm,
-    pub(super) pp: ThreadComm,
+    pub(super) world: C,
+    pub(super) tp: C,
+    pub(super) dp: C,
+    pub(super) pp: C,
     /// tp x pp ranks of this dp replica.
-    pub(super) mp: ThreadComm,
+    pub(super) mp: C,
     pub(super) plan: ShardPlan,
     pub(super) dp_rank: usize,
     pub(super) stage: Option<L::Stage>,
@@ -74,12 +74,12 @@ pub(super) struct RankState<L: ParallelLm> {
     pub(super) vocab_local: usize,
 }
 
-impl<L: ParallelLm> RankState<L> {
+impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Builds this rank: process groups, the stage from its shards, the optimizer and the rest
     /// of the training state; returns checksums of what it loaded.
     pub(super) fn start(
         rank: usize,
-        world: ThreadComm,
+        world: C,
         init: RankInit,
         model: &L,
         specs: Vec<ParamSpec>,
@@ -117,7 +117,7 @@ impl<L: ParallelLm> RankState<L> {
     #[allow(clippy::too_many_arguments)]
     fn new(
         rank: usize,
-        groups: Groups,
+        groups: Groups<C>,
         plan: ShardPlan,
         stage: L::Stage,
         specs: &[ParamSpec],
@@ -329,10 +329,10 @@ impl<L: ParallelLm> RankState<L> {
 }
 
 /// A rank's process groups.
-struct Groups {
-    world: ThreadComm,
-    tp: ThreadComm,
-    dp: ThreadComm,
-    pp: ThreadComm,
-    mp: ThreadComm,
+struct Groups<C> {
+    world: C,
+    tp: C,
+    dp: C,
+    pp: C,
+    mp: C,
 }

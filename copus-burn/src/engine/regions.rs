@@ -28,7 +28,7 @@ fn host(t: Tensor<3>) -> Vec<f32> {
     t.into_data().try_to_vec::<f32>().expect("f32 activations")
 }
 
-impl<L: ParallelLm> RankState<L> {
+impl<L: ParallelLm, C: Collective> RankState<L, C> {
     fn tokens(&self, batch: &[i64], mb: usize, inputs: bool) -> Tensor<2, Int> {
         let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
         Tensor::from_data(TensorData::new(self.token_rows(batch, mb, inputs), [bm, s]), &self.device)

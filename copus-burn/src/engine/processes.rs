@@ -1,0 +1,252 @@
+//! The engine across processes (feature `mpi`): process 0's view of the serving processes
+//! ([`Remote`]), and what a serving process runs ([`serve`]).
+//!
+//! Process 0 broadcasts each engine command on the control communicator; every serving
+//! process carries it out on its rank and, for the commands that return data (parameters,
+//! exports, start-up checksums), answers process 0. Starting a layout sends the whole staged
+//! training state in the checkpoint format; each process cuts its own shards from it.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::cluster::{Command, Reply, panic_message, rank_init};
+use super::error::EngineError;
+use super::fault::Fault;
+use super::rank::RankState;
+use super::{EngineStep, RankParams};
+use crate::mpi::{self, MpiComm, Role};
+use crate::parallel::ParallelLm;
+use crate::state::{RankExport, TrainingState};
+
+/// What process 0 tells the others; the payload follows the header.
+#[derive(Debug, Serialize, Deserialize)]
+enum Header {
+    /// Start the ranks of the configuration in the payload's training state (checkpoint bytes).
+    Launch {
+        model: String,
+    },
+    /// One step; the payload is the batch (i64, little-endian).
+    Step {
+        poison: bool,
+    },
+    Params,
+    Export,
+    SetBatch {
+        global_batch: usize,
+        micro_batch: usize,
+    },
+    /// Stop the ranks of the current layout (the process keeps serving).
+    Stop,
+    /// The run is over.
+    Exit,
+}
+
+fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
+    let h = serde_json::to_vec(header).expect("headers serialise");
+    let mut out = Vec::with_capacity(4 + h.len() + payload.len());
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(payload);
+    out
+}
+
+fn decode(msg: &[u8]) -> Result<(Header, &[u8]), String> {
+    let len = msg.get(..4).ok_or("a control message shorter than its header")?;
+    let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+    let h = msg.get(4..4 + len).ok_or("a control message shorter than its header")?;
+    let header = serde_json::from_slice(h).map_err(|e| format!("a control header that does not parse: {e}"))?;
+    Ok((header, &msg[4 + len..]))
+}
+
+/// The message that ends a serving process's loop.
+pub(crate) fn exit_message() -> Vec<u8> {
+    encode(&Header::Exit, &[])
+}
+
+fn comm_err(message: String) -> EngineError {
+    EngineError::Dead(format!("MPI control channel: {message}"))
+}
+
+/// Process 0's handle on the serving processes of the running layout.
+pub(super) struct Remote {
+    size: usize,
+}
+
+impl Remote {
+    /// `Some` on process 0 of a multi-process run whose size matches the layout's `world`.
+    pub(super) fn for_launch(world: usize, dims: &str) -> Result<Option<Self>, EngineError> {
+        match mpi::role() {
+            Role::Single => Ok(None),
+            Role::Driver { size } if size == world => Ok(Some(Self { size })),
+            Role::Driver { size } => Err(EngineError::Layout {
+                dims: dims.to_string(),
+                reason: format!(
+                    "the layout has {world} ranks but the MPI job has {size} processes; start it with `mpirun -np {world}` or use a layout of {size} ranks"
+                ),
+            }),
+            Role::Worker { rank, .. } => Err(EngineError::Dead(format!("process {rank} serves ranks; only process 0 starts engines"))),
+        }
+    }
+
+    fn send(&self, header: &Header, payload: &[u8]) -> Result<(), EngineError> {
+        mpi::control_broadcast(Some(encode(header, payload))).map(drop).map_err(comm_err)
+    }
+
+    /// Every serving process starts its rank of the state's configuration.
+    pub(super) fn launch(&self, model: String, state: Vec<u8>) -> Result<(), EngineError> {
+        self.send(&Header::Launch { model }, &state)
+    }
+
+    /// The serving processes' start-up results: checksums, or their error.
+    pub(super) fn ready(&self) -> Result<Vec<(usize, Started)>, EngineError> {
+        (1..self.size)
+            .map(|r| {
+                let bytes = mpi::control_receive(r).map_err(comm_err)?;
+                let ready = serde_json::from_slice(&bytes).map_err(|e| comm_err(format!("process {r}'s start-up answer: {e}")))?;
+                Ok((r, ready))
+            })
+            .collect()
+    }
+
+    /// Sends an engine command to the serving processes.
+    pub(super) fn command(&self, command: &Command) -> Result<(), EngineError> {
+        match command {
+            Command::Step(batch, poison) => {
+                let bytes: Vec<u8> = batch.iter().flat_map(|t| t.to_le_bytes()).collect();
+                self.send(&Header::Step { poison: *poison }, &bytes)
+            }
+            Command::Params => self.send(&Header::Params, &[]),
+            Command::Export => self.send(&Header::Export, &[]),
+            Command::SetBatch { global_batch, micro_batch } => {
+                self.send(&Header::SetBatch { global_batch: *global_batch, micro_batch: *micro_batch }, &[])
+            }
+            Command::Stop => self.send(&Header::Stop, &[]),
+        }
+    }
+
+    /// The serving ranks' replies to `command`, in rank order (placeholders where the engine
+    /// reads only rank 0's reply).
+    pub(super) fn replies(&self, command: &Command) -> Result<Vec<Reply>, EngineError> {
+        let receive = |r: usize| mpi::control_receive(r).map_err(comm_err);
+        (1..self.size)
+            .map(|r| match command {
+                Command::Params => {
+                    let bytes = receive(r)?;
+                    let (_, tensors) =
+                        crate::wire::unpack(PARAMS_KEY, bytes).map_err(|e| comm_err(format!("process {r}'s parameters: {e}")))?;
+                    Ok(Reply::Params(tensors))
+                }
+                Command::Export => {
+                    let bytes = receive(r)?;
+                    let export = RankExport::from_bytes(bytes).map_err(|e| comm_err(format!("process {r}'s export: {e}")))?;
+                    Ok(Reply::Export(Box::new(export)))
+                }
+                _ => Ok(Reply::Done),
+            })
+            .collect()
+    }
+
+    /// The serving processes stop their ranks.
+    pub(super) fn stop(self) {
+        if let Err(e) = self.send(&Header::Stop, &[]) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+const PARAMS_KEY: &str = "copus.rank-params";
+
+/// `(tensor, checksum)` of everything a rank loaded.
+type Checksums = Vec<(String, u64)>;
+/// A serving process's start-up answer: its checksums, or why it could not start.
+type Started = Result<Checksums, String>;
+
+/// Runs this process's rank of every layout process 0 starts, until the run ends. Call it on
+/// every process whose [`mpi::init`] role is [`Role::Worker`]; `decode` rebuilds the model
+/// from its [`ParallelLm::describe`] text.
+///
+/// A rank that fails (to start, or during a step) aborts the job with its message: the other
+/// ranks may be waiting for it inside a collective.
+pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) -> Result<(), EngineError> {
+    let Role::Worker { rank, .. } = mpi::role() else {
+        return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::mpi::init first)".into()));
+    };
+    let mut running: Option<RankState<L, MpiComm>> = None;
+    let mut model: Option<(String, Arc<L>)> = None;
+    loop {
+        let msg = mpi::control_broadcast(None).map_err(comm_err)?;
+        let (header, payload) = decode(&msg).map_err(comm_err)?;
+        let reply = |bytes: Vec<u8>| mpi::control_reply(&bytes).map_err(comm_err);
+        match header {
+            Header::Launch { model: text } => {
+                drop(running.take());
+                let l = match &model {
+                    Some((t, l)) if *t == text => Ok(l.clone()),
+                    _ => decode_model(&text).map(Arc::new).map_err(|e| format!("process {rank} cannot rebuild the model: {e}")),
+                };
+                let started = l.and_then(|l| {
+                    model = Some((text, l.clone()));
+                    start(&l, rank, payload.to_vec())
+                });
+                // The other ranks may be waiting for this one in a collective: a failure ends
+                // the job, as it does for a rank thread of process 0.
+                let answer: Started = match started {
+                    Ok((s, hashes)) => {
+                        running = Some(s);
+                        Ok(hashes)
+                    }
+                    Err(e) => mpi::abort_job(&format!("rank {rank} could not start: {e}")),
+                };
+                reply(serde_json::to_vec(&answer).expect("answers serialise"))?;
+            }
+            Header::Step { poison } => {
+                let s = running.as_mut().ok_or_else(|| comm_err("a step before any layout started".into()))?;
+                let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+                let step: Result<EngineStep, _> = s.step(&batch, poison);
+                if let Err(e) = step {
+                    mpi::abort_job(&format!("rank {rank}: {e}"));
+                }
+            }
+            Header::Params => {
+                let s = running.as_ref().ok_or_else(|| comm_err("parameters asked before any layout started".into()))?;
+                let params: RankParams = s.params();
+                reply(crate::wire::pack(PARAMS_KEY, "{}", params).map_err(comm_err)?)?;
+            }
+            Header::Export => {
+                let s = running.as_ref().ok_or_else(|| comm_err("an export asked before any layout started".into()))?;
+                let bytes = match s.export() {
+                    Ok(e) => e.to_bytes().map_err(comm_err)?,
+                    Err(e) => mpi::abort_job(&format!("rank {rank}: {e}")),
+                };
+                reply(bytes)?;
+            }
+            Header::SetBatch { global_batch, micro_batch } => {
+                if let Some(s) = running.as_mut() {
+                    s.set_batch(global_batch, micro_batch);
+                }
+            }
+            Header::Stop => running = None,
+            Header::Exit => return Ok(()),
+        }
+    }
+}
+
+/// Starts this process's rank from a launch payload; a failure or panic becomes its message.
+fn start<L: ParallelLm>(model: &Arc<L>, rank: usize, state: Vec<u8>) -> Result<(RankState<L, MpiComm>, Checksums), String> {
+    // Every process makes the layout's world communicator first, whatever fails later.
+    let comm = MpiComm::world().map_err(|e| e.to_string())?;
+    let built = catch_unwind(AssertUnwindSafe(|| -> Result<_, EngineError> {
+        let (state, cfg, _) = TrainingState::from_bytes(state)?;
+        let specs = model.spec().param_specs();
+        let parallel = model.parallel_plan();
+        parallel.check(&specs)?;
+        let (init, _) = rank_init(&**model, &specs, &state, &cfg, &Arc::new(parallel), rank, Fault::default())?;
+        RankState::start(rank, comm, init, &**model, specs, cfg)
+    }));
+    match built {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(p) => Err(panic_message(&p)),
+    }
+}

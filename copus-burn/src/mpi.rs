@@ -1,0 +1,377 @@
+//! Ranks as processes: the [`Collective`] over MPI, and the process roles of a run started
+//! with `mpirun -np N` (feature `mpi`).
+//!
+//! Process 0 drives: it runs the training loop, the policy and the reports, and its engine
+//! places rank 0 on itself and ranks 1..N on the other processes. Those serve: they wait for
+//! the engine's commands (start a layout, step, export, stop) on a control communicator and
+//! run their rank (`engine::serve`). A layout change is a stop and a start on the same
+//! processes: communicators are rebuilt by split, nobody restarts.
+//!
+//! Reductions gather every rank's buffer and add the ranks in order 0, 1, ..., n-1, as the
+//! in-process [`ThreadComm`](crate::collective::ThreadComm) does, so a layout trains to the same
+//! bits on threads and on processes. That costs n times the traffic of a ring all-reduce; it
+//! is the reference path, chosen for exact parity (see the README's scale-out notes).
+//!
+//! A rank that fails mid-step aborts the whole job (`MPI_Abort`) after printing its message:
+//! the other processes may be inside a collective with it and cannot be released otherwise.
+//! Start-up failures after the groups are built (a stage that does not fit) are reported to
+//! process 0 instead, which rolls back as on threads.
+
+#![allow(unsafe_code)]
+
+use std::cell::RefCell;
+use std::sync::Mutex;
+
+use mpi::datatype::Equivalence;
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
+
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, chunk_range};
+
+/// Tag of replies from the serving processes to process 0 on the control communicator.
+const REPLY_TAG: i32 = 7;
+
+/// This process's part in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The only process (not started by `mpirun`, or `-np 1`).
+    Single,
+    /// Process 0 of `size`: runs the loop and drives the others.
+    Driver {
+        /// Processes in the run.
+        size: usize,
+    },
+    /// Process `rank` of `size`: serves its rank (`engine::serve`).
+    Worker {
+        /// This process's rank.
+        rank: usize,
+        /// Processes in the run.
+        size: usize,
+    },
+}
+
+struct Mpi {
+    universe: Option<mpi::environment::Universe>,
+    control: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: MPI is initialised with at least MPI_THREAD_SERIALIZED and every use goes through the
+// mutex, so the handles are never used by two threads at once.
+unsafe impl Send for Mpi {}
+
+static MPI: Mutex<Option<Mpi>> = Mutex::new(None);
+
+fn with_mpi<R>(f: impl FnOnce(&mut Mpi) -> R) -> Option<R> {
+    MPI.lock().unwrap_or_else(|e| e.into_inner()).as_mut().map(f)
+}
+
+/// Initialises MPI (once per process) and says this process's role. Call it first thing in
+/// `main`, and [`finish`] before returning.
+pub fn init() -> Result<Role, String> {
+    let mut slot = MPI.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or_else(|| "MPI was already initialised by someone else".to_string())?;
+        if !matches!(level, mpi::Threading::Serialized | mpi::Threading::Multiple) {
+            return Err(format!("the MPI library gives thread level {level:?}; copus needs Serialized or Multiple"));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let control = world.duplicate();
+        if size > 1 {
+            // A panic anywhere leaves the other processes waiting in a collective: end the job.
+            let default = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                default(info);
+                eprintln!("copus: process {rank} panicked; aborting the MPI job");
+                SimpleCommunicator::world().abort(101);
+            }));
+        }
+        *slot = Some(Mpi { universe: Some(universe), control, rank, size });
+    }
+    let m = slot.as_ref().expect("initialised above");
+    Ok(role_of(m.rank, m.size))
+}
+
+fn role_of(rank: usize, size: usize) -> Role {
+    match (rank, size) {
+        (_, 0 | 1) => Role::Single,
+        (0, size) => Role::Driver { size },
+        (rank, size) => Role::Worker { rank, size },
+    }
+}
+
+/// This process's role; [`Role::Single`] when [`init`] was not called.
+pub fn role() -> Role {
+    with_mpi(|m| role_of(m.rank, m.size)).unwrap_or(Role::Single)
+}
+
+/// Ends the run: process 0 tells the serving processes to exit; MPI is finalised. Later calls
+/// do nothing.
+pub fn finish() {
+    if role() == (Role::Driver { size: role_size() }) {
+        let _ = control_broadcast(Some(crate::engine::exit_message()));
+    }
+    let universe = with_mpi(|m| {
+        m.rank = 0;
+        m.size = 1;
+        m.universe.take()
+    });
+    drop(universe.flatten()); // MPI_Finalize
+}
+
+fn role_size() -> usize {
+    with_mpi(|m| m.size).unwrap_or(1)
+}
+
+/// Aborts the whole job with `message` (printed first).
+pub fn abort_job(message: &str) -> ! {
+    eprintln!("copus: process {} failed: {message}; aborting the MPI job", with_mpi(|m| m.rank).unwrap_or(0));
+    SimpleCommunicator::world().abort(1)
+}
+
+/// Process 0 sends `bytes` to every process; the others pass `None` and get them.
+pub(crate) fn control_broadcast(bytes: Option<Vec<u8>>) -> Result<Vec<u8>, String> {
+    with_mpi(|m| {
+        let root = m.control.process_at_rank(0);
+        let mut len = bytes.as_ref().map_or(0u64, |b| b.len() as u64);
+        root.broadcast_into(&mut len);
+        let mut buf = bytes.unwrap_or_else(|| vec![0; len as usize]);
+        root.broadcast_into(&mut buf[..]);
+        buf
+    })
+    .ok_or_else(|| "MPI is not initialised".to_string())
+}
+
+/// A serving process answers process 0.
+pub(crate) fn control_reply(bytes: &[u8]) -> Result<(), String> {
+    with_mpi(|m| m.control.process_at_rank(0).send_with_tag(bytes, REPLY_TAG)).ok_or_else(|| "MPI is not initialised".to_string())
+}
+
+/// Process 0 waits for process `from`'s answer.
+pub(crate) fn control_receive(from: usize) -> Result<Vec<u8>, String> {
+    with_mpi(|m| m.control.process_at_rank(from as i32).receive_vec_with_tag::<u8>(REPLY_TAG).0)
+        .ok_or_else(|| "MPI is not initialised".to_string())
+}
+
+/// One rank's communicator over MPI: the world of a layout, or a group split from it.
+pub struct MpiComm {
+    comm: SimpleCommunicator,
+    /// Sends not yet known to be complete, with the buffers they read from.
+    pending: RefCell<Vec<(ffi::MPI_Request, Vec<f32>)>>,
+}
+
+// SAFETY: MPI runs at MPI_THREAD_SERIALIZED or above (checked in `init`); a communicator is
+// owned by one rank, which uses it from one thread at a time.
+unsafe impl Send for MpiComm {}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiComm(rank {} of {})", self.comm.rank(), self.comm.size())
+    }
+}
+
+impl MpiComm {
+    /// A fresh communicator over all processes (collective: every process calls it).
+    pub fn world() -> Result<Self, CommError> {
+        let comm = with_mpi(|m| m.control.duplicate()).ok_or_else(|| CommError::Invalid("MPI is not initialised".into()))?;
+        Ok(Self { comm, pending: RefCell::new(Vec::new()) })
+    }
+
+    /// Frees the buffers of sends that completed.
+    fn progress(&self) {
+        self.pending.borrow_mut().retain_mut(|(req, _)| {
+            let mut done = 0;
+            // SAFETY: `req` is a live request of this communicator; a completed one is set to
+            // MPI_REQUEST_NULL by MPI_Test and its buffer may then go.
+            unsafe {
+                ffi::MPI_Test(req, &mut done, ffi::RSMPI_STATUS_IGNORE);
+            }
+            done == 0
+        });
+    }
+
+    /// Every rank's buffer, in rank order; lengths must agree.
+    fn gather_all<T: Element>(&self, op: &'static str, buf: &[T]) -> Result<Vec<T>, CommError> {
+        let n = self.size();
+        let mut lens = vec![0u64; n];
+        self.comm.all_gather_into(&(buf.len() as u64), &mut lens[..]);
+        if let Some((r, l)) = lens.iter().enumerate().find(|(_, l)| **l != buf.len() as u64) {
+            return Err(CommError::Mismatch { op, detail: format!("rank {r} passed {l} elements, this rank {}", buf.len()) });
+        }
+        let mut out = vec![T::default(); n * buf.len()];
+        self.comm.all_gather_into(as_bytes(buf), as_bytes_mut(&mut out));
+        Ok(out)
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        for (mut req, buf) in self.pending.get_mut().drain(..) {
+            // SAFETY: waits until MPI no longer reads `buf`, then lets it go.
+            unsafe {
+                ffi::MPI_Wait(&mut req, ffi::RSMPI_STATUS_IGNORE);
+            }
+            drop(buf);
+        }
+    }
+}
+
+/// The bytes of a slice of `f32` or `f64` (plain data, no padding).
+fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: `Element` is sealed to f32 and f64, which have no padding and any bit pattern.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid f32 or f64.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+fn combine_rows<T: Element>(all: &[T], n: usize, len: usize, range: std::ops::Range<usize>, op: ReduceOp) -> Vec<T> {
+    let mut out = all[range.clone()].to_vec();
+    for r in 1..n {
+        let row = &all[r * len + range.start..r * len + range.end];
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o = match op {
+                ReduceOp::Sum => *o + x,
+                ReduceOp::Max if x > *o => x,
+                ReduceOp::Max => *o,
+            };
+        }
+    }
+    out
+}
+
+impl Collective for MpiComm {
+    fn rank(&self) -> usize {
+        self.comm.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.comm.size() as usize
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let n = self.size();
+        if n == 1 {
+            return Ok(());
+        }
+        self.progress();
+        let all = self.gather_all("all_reduce", buf)?;
+        let len = buf.len();
+        buf.copy_from_slice(&combine_rows(&all, n, len, 0..len, op));
+        Ok(())
+    }
+
+    fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        self.progress();
+        self.gather_all("all_gather", buf)
+    }
+
+    fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+        let n = self.size();
+        if !buf.len().is_multiple_of(n) {
+            return Err(CommError::Mismatch {
+                op: "reduce_scatter",
+                detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
+            });
+        }
+        self.progress();
+        let all = self.gather_all("reduce_scatter", buf)?;
+        Ok(combine_rows(&all, n, buf.len(), chunk_range(buf.len(), n, self.rank()), op))
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
+        if root >= self.size() {
+            return Err(CommError::Invalid(format!("broadcast root {root} is not a rank of a group of {}", self.size())));
+        }
+        self.progress();
+        let from = self.comm.process_at_rank(root as i32);
+        let mut len = buf.len() as u64;
+        from.broadcast_into(&mut len);
+        if self.rank() != root {
+            *buf = vec![T::default(); len as usize];
+        }
+        from.broadcast_into(as_bytes_mut(&mut buf[..]));
+        Ok(())
+    }
+
+    fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
+        if to >= self.size() {
+            return Err(CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())));
+        }
+        let tag = i32::try_from(tag).map_err(|_| CommError::Invalid(format!("tag {tag} is too large for MPI")))?;
+        let count =
+            i32::try_from(buf.len()).map_err(|_| CommError::Invalid(format!("{} elements are too many for one MPI send", buf.len())))?;
+        self.progress();
+        let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: `buf`'s heap storage stays in `pending` (moving a Vec does not move it) until
+        // MPI_Test or MPI_Wait reports the send complete.
+        let req = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr().cast(),
+                count,
+                f32::equivalent_datatype().as_raw(),
+                to as i32,
+                tag,
+                self.comm.as_raw(),
+                req.as_mut_ptr(),
+            );
+            req.assume_init()
+        };
+        self.pending.borrow_mut().push((req, buf));
+        Ok(())
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
+        if from >= self.size() {
+            return Err(CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())));
+        }
+        let tag = i32::try_from(tag).map_err(|_| CommError::Invalid(format!("tag {tag} is too large for MPI")))?;
+        self.progress();
+        Ok(self.comm.process_at_rank(from as i32).receive_vec_with_tag::<f32>(tag).0)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.progress();
+        self.comm.barrier();
+        Ok(())
+    }
+
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
+        let n = self.size();
+        let mut seen = vec![0usize; n];
+        for g in groups {
+            for &r in g {
+                *seen.get_mut(r).ok_or_else(|| CommError::Invalid(format!("split: rank {r} is not in a group of {n}")))? += 1;
+            }
+        }
+        if let Some(r) = seen.iter().position(|&c| c != 1) {
+            return Err(CommError::Invalid(format!("split: rank {r} appears {} times; groups must partition 0..{n}", seen[r])));
+        }
+        let me = self.rank();
+        let (color, key) = groups
+            .iter()
+            .enumerate()
+            .find_map(|(i, g)| g.iter().position(|&r| r == me).map(|k| (i, k)))
+            .expect("the partition holds every rank");
+        let comm = self
+            .comm
+            .split_by_color_with_key(Color::with_value(color as i32), key as i32)
+            .ok_or_else(|| CommError::Invalid("split: MPI returned no communicator".into()))?;
+        Ok(Self { comm, pending: RefCell::new(Vec::new()) })
+    }
+
+    fn abort(&self, message: &str) {
+        abort_job(message)
+    }
+
+    fn aborter(&self) -> Aborter {
+        Box::new(|m| abort_job(m))
+    }
+}

@@ -1,0 +1,62 @@
+//! Named f32 tensors and a JSON header in one burnpack buffer: the checkpoint format, and what
+//! the processes of a multi-process run send each other (training states, rank exports,
+//! parameters).
+
+use burn::tensor::TensorData;
+
+/// `(name, shape, values)` of one tensor.
+pub(crate) type Named = (String, Vec<usize>, Vec<f32>);
+
+/// Writes `tensors` and the header `meta` (stored under `key`) as burnpack bytes.
+pub(crate) fn pack(key: &str, meta: &str, tensors: impl IntoIterator<Item = Named>) -> Result<Vec<u8>, String> {
+    let tensors: Vec<burn_pack::Tensor> = tensors
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let (bytes, shape, dtype) = TensorData::new(values, shape).into_parts();
+            burn_pack::Tensor::new(name, dtype, shape, None, bytes)
+        })
+        .collect();
+    let bytes = burn_pack::Writer::new(tensors).with_metadata(key, meta).into_bytes().map_err(|e| format!("{e:?}"))?;
+    Ok(bytes.to_vec())
+}
+
+/// Reads what [`pack`] wrote: the header under `key` and the tensors.
+pub(crate) fn unpack(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>), String> {
+    let reader = burn_pack::Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes)).map_err(|e| format!("not readable: {e:?}"))?;
+    let meta = reader.metadata().get(key).cloned().ok_or_else(|| format!("no `{key}` header"))?;
+    let mut out = Vec::new();
+    for t in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
+        let (name, dtype, shape, _, bytes) = t.into_parts().map_err(|e| format!("{e:?}"))?;
+        let data = TensorData::from_bytes(bytes, shape, dtype);
+        let shape = data.shape().to_vec();
+        out.push((name, shape, data.iter::<f32>().collect()));
+    }
+    Ok((meta, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_and_header_round_trip_bit_for_bit() {
+        let tensors = vec![
+            ("a".to_string(), vec![2, 3], vec![1.0, -0.0, f32::MIN_POSITIVE, 3.5, f32::MAX, 1e-30]),
+            ("b/c".to_string(), vec![1], vec![f32::NAN]),
+            ("empty".to_string(), vec![0], vec![]),
+        ];
+        let bytes = pack("k", r#"{"x":1}"#, tensors.clone()).unwrap();
+        let (meta, back) = unpack("k", bytes.clone()).unwrap();
+        assert_eq!(meta, r#"{"x":1}"#);
+        let mut back = back;
+        back.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(back.len(), 3);
+        for (want, got) in tensors.iter().zip(&back) {
+            assert_eq!((&want.0, &want.1), (&got.0, &got.1));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&want.2), bits(&got.2));
+        }
+        assert!(unpack("other", bytes).unwrap_err().contains("no `other` header"));
+        assert!(unpack("k", vec![1, 2, 3]).is_err());
+    }
+}

