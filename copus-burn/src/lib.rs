@@ -29,6 +29,8 @@ pub mod closing;
 pub mod collective;
 pub mod driver;
 pub mod engine;
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+pub mod gpu_comm;
 pub mod grads;
 #[cfg(feature = "learner")]
 pub mod learner;

@@ -180,7 +180,8 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
     let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
     let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())
-        .with_schedule(par.schedule);
+        .with_schedule(par.schedule)
+        .with_devices(recipe.backend.rank_devices(par.world_size));
     let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
     let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
     tracing::info!("starting at {start}");
@@ -243,8 +244,9 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
 fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     let mut out = Vec::new();
     let (ta, tb) = (&a.train, &b.train);
-    let pairs: [(&'static str, bool); 9] = [
+    let pairs: [(&'static str, bool); 10] = [
         ("model", a.model != b.model),
+        ("backend", a.backend != b.backend),
         ("data", a.data != b.data),
         ("optim", a.optim != b.optim),
         ("parallel", a.parallel != b.parallel),

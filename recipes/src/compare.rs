@@ -941,7 +941,7 @@ pub(crate) fn measure_profile(
     steps: usize,
     out: Option<&Path>,
 ) -> anyhow::Result<ThroughputProfile> {
-    let entries = crate::profile::measure(cfg, full, feasible, seq, steps)?;
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, &[])?;
     let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries)?;
     if let Some(path) = out {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -187,6 +187,7 @@ fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
     let recipe = load_recipe(path)?;
     let (p, file) = profile::profile(&recipe, &profile::ProfileOptions { out })?;
     print!("{}", profile::table(&p));
+    println!("\nthroughput-optimal B_m per B_g:\n{}", profile::best_table(&p));
     println!("profile: {} (and .csv)", file.display());
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 use crate::progress::Progress;
 use anyhow::anyhow;
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig, OptimConfig};
+use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
 use copus_core::candidates::Candidate;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
@@ -37,9 +37,10 @@ pub fn time_candidate(
     c: &Candidate,
     seq: usize,
     steps: usize,
+    devices: &[RankDevice],
 ) -> anyhow::Result<f64> {
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim);
+    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim).with_devices(devices.to_vec());
     let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
     let vocab = cfg.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
@@ -50,19 +51,20 @@ pub fn time_candidate(
     Ok(t.elapsed().as_secs_f64() / steps as f64)
 }
 
-/// Samples/s of each candidate, with a progress bar.
+/// Samples/s of each candidate, with a progress bar; ranks on `devices` (empty: Flex).
 pub fn measure(
     cfg: &LlamaConfig,
     full: &copus_burn::parallel::FullParams,
     candidates: &[Candidate],
     seq: usize,
     steps: usize,
+    devices: &[RankDevice],
 ) -> anyhow::Result<Vec<ProfileEntry>> {
     let bar = Progress::new("profile", candidates.len() as u64);
     let mut entries = Vec::with_capacity(candidates.len());
     for c in candidates {
         bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
-        let secs = time_candidate(cfg, full, c, seq, steps)?;
+        let secs = time_candidate(cfg, full, c, seq, steps, devices)?;
         entries.push(ProfileEntry {
             dp: c.dims.dp,
             tp: c.dims.tp,
@@ -100,9 +102,10 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps)?;
+    let devices = recipe.backend.rank_devices(par.world_size);
+    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &devices)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let hardware = format!("this machine: {cores} CPU cores, {} in-process ranks (Flex)", par.world_size);
+    let hardware = format!("this machine: {cores} CPU cores, {} ranks on {:?}", par.world_size, recipe.backend);
     let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries)?;
     let out = opts.out.clone().unwrap_or_else(|| Path::new(&recipe.output_dir).join(format!("{}-profile.ron", recipe.name)));
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -141,6 +144,20 @@ pub fn table(profile: &ThroughputProfile) -> String {
     out
 }
 
+/// The throughput-optimal (layout, B_m) of each B_g, as a Markdown table.
+pub fn best_table(profile: &ThroughputProfile) -> String {
+    let mut batches: Vec<usize> = profile.entries().iter().map(|e| e.global_batch).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    let mut out = String::from("| B_g | best B_m | layout | samples/s |\n|---:|---:|---|---:|\n");
+    for b in batches {
+        if let Some((d, m, rate)) = profile.best_layout(b) {
+            out.push_str(&format!("| {b} | {m} | dp{},tp{},pp{} | {rate:.2} |\n", d.dp, d.tp, d.pp));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +186,20 @@ mod tests {
         assert_eq!(back.entries().len(), expected);
         assert!(path.with_extension("csv").exists());
         assert!(table(&back).contains("| 4 | 2 |"));
+        // The best B_m of each B_g is the fastest entry of that B_g.
+        let best = best_table(&back);
+        for b in [2, 4] {
+            let fastest = back
+                .entries()
+                .iter()
+                .filter(|e| e.global_batch == b)
+                .max_by(|x, y| x.samples_per_sec.total_cmp(&y.samples_per_sec))
+                .unwrap();
+            assert!(
+                best.contains(&format!("| {b} | {} | dp{},tp{},pp{} |", fastest.micro_batch, fastest.dp, fastest.tp, fastest.pp)),
+                "{best}"
+            );
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use copus_burn::OptimConfig;
+use copus_burn::{OptimConfig, RankDevice};
 use copus_core::candidates::{Candidate, CandidateSpace};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{GIB, MemoryModel};
@@ -265,6 +265,41 @@ pub struct Recipe {
     /// run (`false`). Default: adaptive exactly when `parallel` is given.
     #[serde(default)]
     pub adaptive: Option<bool>,
+    /// Where the ranks train: `Flex` (CPU, the default), `Wgpu`, `Cuda` or `Rocm`. All but
+    /// Flex need `recipes` built with the feature of the same name (`--features wgpu`).
+    #[serde(default)]
+    pub backend: Backend,
+}
+
+/// Burn's backend the ranks train on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Backend {
+    /// Burn's pure-Rust CPU backend.
+    #[default]
+    Flex,
+    /// The default wgpu adapter (Vulkan, Metal, DX12; lavapipe on a CPU).
+    Wgpu,
+    /// NVIDIA GPUs: rank `r` on CUDA device `r`.
+    Cuda,
+    /// AMD GPUs: rank `r` on ROCm device `r`.
+    Rocm,
+}
+
+impl Backend {
+    /// The device of world rank `rank`.
+    pub fn rank_device(self, rank: usize) -> RankDevice {
+        match self {
+            Backend::Flex => RankDevice::Flex,
+            Backend::Wgpu => RankDevice::Wgpu,
+            Backend::Cuda => RankDevice::Cuda(rank),
+            Backend::Rocm => RankDevice::Rocm(rank),
+        }
+    }
+
+    /// Every rank's device, for the engine (empty for Flex: its default).
+    pub fn rank_devices(self, world: usize) -> Vec<RankDevice> {
+        if self == Backend::Flex { Vec::new() } else { (0..world).map(|r| self.rank_device(r)).collect() }
+    }
 }
 
 /// The recipe's `optim` section: any subset of [`OptimConfig`]'s fields, the others at their
@@ -366,6 +401,14 @@ impl Recipe {
     pub fn validate(&self) -> Result<(), RecipeError> {
         if self.adaptive == Some(true) && self.parallel.is_none() {
             return Err(field("adaptive", true, "false, unless the recipe has a `parallel` section (the candidate space Copus searches)"));
+        }
+        if self.backend.rank_device(0).device().is_err() {
+            let feature = format!("{:?}", self.backend).to_lowercase();
+            return Err(field(
+                "backend",
+                format!("{:?}", self.backend),
+                format!("Flex, or a backend this build has: build with `cargo run --release -p recipes --features {feature} -- ...`"),
+            ));
         }
         if self.name.is_empty() || self.name.contains(['/', '\\']) || self.name.starts_with('.') {
             return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));

@@ -69,6 +69,9 @@ pub enum RunError {
     /// Training problems.
     #[error("training: {0}")]
     Train(#[from] copus_burn::TrainError),
+    /// The recipe's backend is not usable here.
+    #[error("backend: {0}")]
+    Device(String),
     /// Writing the run folder.
     #[error("{path}: {err}")]
     Io {
@@ -221,8 +224,10 @@ pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow:
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let t = &recipe.train;
-    let device = Device::flex().autodiff();
-    let model = seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device));
+    // Initialised on the CPU (the same weights on every backend), then moved to the recipe's.
+    let host = Device::flex().autodiff();
+    let device = recipe.backend.rank_device(0).device().map_err(|e| RunError::Device(e.to_string()))?.autodiff();
+    let model = seeded(&host, t.seed, || LlamaConfig::from_spec(&spec).init(&host)).to_device(&device);
     let num_params = model.num_params() as u64;
     tracing::info!(
         "model: {} ({:.2}M parameters), B_g {} as {} x {}",
