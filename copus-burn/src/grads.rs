@@ -28,6 +28,55 @@ pub fn host_sq<const D: usize>(t: Tensor<D>) -> f64 {
     t.into_data().iter::<f32>().map(|x| f64::from(x) * f64::from(x)).sum()
 }
 
+/// Sum over parameters of `|grad|^2`, computed where the gradients live: each parameter's sum
+/// of squares is reduced on its device, and only those sums (one number per parameter tensor)
+/// are read back, together, and added in f64 on the host. For the learner add-on's probe, which
+/// then costs one small transfer per micro-batch instead of a model-sized one.
+pub fn sq_norm_on_device<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
+    struct V<'a> {
+        grads: &'a GradientsParams,
+        parts: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(p.id) {
+                self.parts.push(g.square().sum());
+            }
+        }
+    }
+    let mut v = V { grads, parts: Vec::new() };
+    module.visit(&mut v);
+    read_sum(v.parts)
+}
+
+/// `|a - b|^2` over parameters present in both, reduced on the device like
+/// [`sq_norm_on_device`].
+pub fn diff_sq_norm_on_device<M: Module>(module: &M, a: &GradientsParams, b: &GradientsParams) -> f64 {
+    struct V<'a> {
+        a: &'a GradientsParams,
+        b: &'a GradientsParams,
+        parts: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let (Some(x), Some(y)) = (self.a.get::<D>(p.id), self.b.get::<D>(p.id)) {
+                self.parts.push((x - y).square().sum());
+            }
+        }
+    }
+    let mut v = V { a, b, parts: Vec::new() };
+    module.visit(&mut v);
+    read_sum(v.parts)
+}
+
+/// One readback of the per-parameter sums, added in f64.
+fn read_sum(parts: Vec<Tensor<1>>) -> f64 {
+    if parts.is_empty() {
+        return 0.0;
+    }
+    Tensor::cat(parts, 0).into_data().iter::<f32>().map(f64::from).sum()
+}
+
 /// `|a - b|^2` over parameters present in both, in f64.
 pub fn diff_sq_norm<M: Module>(module: &M, a: &GradientsParams, b: &GradientsParams) -> f64 {
     struct V<'a> {

@@ -16,8 +16,10 @@ use burn::module::{Module, Param};
 use burn::optim::lr_scheduler::constant::ConstantLr;
 use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn::train::{InferenceStep, Interrupter, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep};
-use copus_burn::learner::{CopusBatching, CopusBatchingConfig, StepRecord};
+use burn::train::{
+    ExecutionStrategy, InferenceStep, Interrupter, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy,
+};
+use copus_burn::learner::{CopusBatching, CopusBatchingConfig, CopusTrainingExt, StepRecord};
 use copus_core::accumulation::{Plan, StepCost, best_plan};
 use copus_core::goodput::{LrRule, PlainGoodput};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -162,6 +164,7 @@ fn device() -> Device {
     Device::flex().autodiff()
 }
 
+#[derive(Clone, Copy)]
 enum Optim {
     Sgd,
     Adam,
@@ -541,4 +544,124 @@ fn burn_grad_accumulation_is_refused() {
     let copus = adaptive(2, 2, 4).init().unwrap();
     let e = launch_small(&copus, 2, Some(4)).error.expect("refused").to_string();
     assert!(e.contains("grads_accumulation"), "{e}");
+}
+
+/// Trains 64 samples in loader batches of 4 (16 steps, no shuffling) with burn-train's own
+/// single-device loop, or with the add-on frozen at one micro-batch per step; returns the
+/// `|w - w*|^2` each step saw and the final weights.
+fn single_device_run(optim: Optim, copus: Option<&CopusBatching>) -> (Vec<f64>, Vec<f32>) {
+    let dev = device();
+    let data = samples(64, 5);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Probe::default();
+    let model = Regression::new(&dev, probe.clone());
+    let training = SupervisedTraining::new(dir.path(), train, valid).with_application_logger(None);
+    let result =
+        match copus {
+            Some(c) => training.with_copus(c, dev.clone()).launch(c.learner(model, optimizer(&optim), ConstantLr::from(0.01))),
+            None => training
+                .with_training_strategy(TrainingStrategy::Default(ExecutionStrategy::single(dev.clone())))
+                .launch(Learner::new(model, optimizer(&optim), ConstantLr::from(0.01))),
+        };
+    assert!(result.error.is_none(), "{:?}", result.error.map(|e| e.to_string()));
+    let seen = probe.0.lock().unwrap().delta_sq.clone();
+    (seen, result.model.weights())
+}
+
+/// With adaptation frozen at one micro-batch per step and the probe on, the add-on takes the very
+/// steps of burn-train's own single-device loop, for SGD and for Adam.
+#[test]
+fn frozen_at_one_micro_batch_equals_burns_single_device_loop() {
+    for optim in [Optim::Sgd, Optim::Adam] {
+        let name = match optim {
+            Optim::Sgd => "SGD",
+            Optim::Adam => "Adam",
+        };
+        let (burn_seen, burn_w) = single_device_run(optim, None);
+        let copus = CopusBatchingConfig::new(4).with_frozen(true).init().unwrap();
+        assert_eq!(copus.b0(), 4, "the default is one micro-batch per step");
+        let (seen, w) = single_device_run(optim, Some(&copus));
+        assert_eq!(seen.len(), 16, "{name}");
+        assert_eq!(seen.len(), burn_seen.len(), "{name}");
+        for (i, (a, b)) in seen.iter().zip(&burn_seen).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b.max(1.0), "{name} step {i}: |w - w*|^2 {a} under copus, {b} under burn-train");
+        }
+        for (a, b) in w.iter().zip(&burn_w) {
+            assert!((a - b).abs() <= 1e-6, "{name}: final weight {a} under copus, {b} under burn-train");
+        }
+        // The probe measured every step (the one-micro-batch fallback differences consecutive steps).
+        let h = copus.history();
+        assert_eq!(h.len(), 16);
+        assert!(h.iter().all(|r| r.grad_sq_norm.is_finite() && r.grad_sq_norm > 0.0), "{name}");
+        assert!(h.last().unwrap().b_simple.is_some(), "{name}: the noise scale was measured");
+    }
+}
+
+/// A Learner built without copus's scheduler would train at an unscaled rate: it is refused,
+/// with the fix named, before any step.
+#[test]
+fn a_learner_without_the_scaled_scheduler_is_refused() {
+    let dev = device();
+    let data = samples(16, 5);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let copus = CopusBatchingConfig::new(4).init().unwrap();
+    let result = SupervisedTraining::new(dir.path(), train, valid)
+        .with_application_logger(None)
+        .with_copus(&copus, dev.clone())
+        .launch(Learner::new(Regression::new(&dev, Probe::default()), optimizer(&Optim::Sgd), ConstantLr::from(0.01)));
+    let e = result.error.expect("refused").to_string();
+    assert!(e.contains("copus.learner(model, optim, scheduler)"), "{e}");
+    assert!(copus.history().is_empty());
+    assert!(result.model.weights().iter().all(|&w| w == 0.0));
+}
+
+/// burn-train's loop with `grads_accumulation(k)` (which sums the k gradients) at learning rate
+/// `lr`, or the add-on frozen at k micro-batches (which averages them) at `copus_lr`.
+fn accumulated_run(adam: bool, k: usize, lr: f64, copus: Option<&CopusBatching>) -> (Vec<f64>, Vec<f32>) {
+    let dev = device();
+    let data = samples(64, 7);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(4).build(InMemDataset::new(data));
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Probe::default();
+    let model = Regression::new(&dev, probe.clone());
+    // A negligible epsilon makes Adam exactly invariant to the gradient's scale.
+    let optim = if adam { AdamConfig::new().with_epsilon(1e-20).init() } else { SgdConfig::new().init() };
+    let training = SupervisedTraining::new(dir.path(), train, valid).with_application_logger(None);
+    let result = match copus {
+        Some(c) => training.with_copus(c, dev.clone()).launch(c.learner(model, optim, ConstantLr::from(lr))),
+        None => training
+            .with_training_strategy(TrainingStrategy::Default(ExecutionStrategy::single(dev.clone())))
+            .grads_accumulation(k)
+            .launch(Learner::new(model, optim, ConstantLr::from(lr))),
+    };
+    assert!(result.error.is_none(), "{:?}", result.error.map(|e| e.to_string()));
+    let seen = probe.0.lock().unwrap().delta_sq.clone();
+    (seen, result.model.weights())
+}
+
+/// The add-on averages the k accumulated gradients where burn-train's `grads_accumulation(k)`
+/// sums them. Frozen at k = 4 it therefore equals Burn's loop at the learning rate divided by k
+/// for SGD, and at the same learning rate for Adam (invariant to the gradient's scale).
+#[test]
+fn fixed_accumulation_equals_burns_grads_accumulation_under_mean_semantics() {
+    let k = 4;
+    for (adam, burn_lr) in [(false, 0.02 / k as f64), (true, 0.02)] {
+        let name = if adam { "Adam" } else { "SGD" };
+        let (burn_seen, burn_w) = accumulated_run(adam, k, burn_lr, None);
+        let copus = CopusBatchingConfig::new(4).with_initial_accumulation(k).with_frozen(true).init().unwrap();
+        let (seen, w) = accumulated_run(adam, k, 0.02, Some(&copus));
+        assert_eq!(seen.len(), 16, "{name}");
+        assert_eq!(copus.history().len(), 16 / k, "{name}: 4 optimizer steps of {k} micro-batches");
+        for (i, (a, b)) in seen.iter().zip(&burn_seen).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b.max(1.0), "{name} micro-batch {i}: |w - w*|^2 {a} under copus, {b} under burn-train");
+        }
+        for (a, b) in w.iter().zip(&burn_w) {
+            assert!((a - b).abs() <= 1e-6, "{name}: final weight {a} under copus, {b} under burn-train");
+        }
+    }
 }

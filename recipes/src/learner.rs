@@ -18,7 +18,7 @@ use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn::train::metric::{LearningRateMetric, LossMetric};
 use burn::train::{InferenceStep, Learner, SequenceOutput, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy};
-use copus_burn::learner::CopusBatchingConfig;
+use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
 use copus_burn::trainer::{CausalLm, MicroBatch};
 use copus_burn::{adamw_optimizer, cross_entropy_sum};
 use copus_models::{Llama, LlamaConfig};
@@ -155,12 +155,9 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
             .init()?;
         let loader =
             DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: train, len: samples, shuffled: true });
-        let learner = Learner::new(model, optim, copus.lr_scheduler(schedule)); // copus: scheduler wrapper
+        let learner = copus.learner(model, optim, schedule); // copus: the scaled scheduler
         let result = SupervisedTraining::new(&dir, loader, valid)
-            .with_training_strategy(copus.training_strategy(device.clone())) // copus: strategy
-            .metric_train_numeric(copus.noise_scale_metric()) // copus: metrics
-            .metric_train_numeric(copus.batch_size_metric())
-            .metric_train_numeric(copus.efficiency_metric())
+            .with_copus(&copus, device.clone()) // copus: strategy and metrics
             .metric_train_numeric(LossMetric::new())
             .metric_valid_numeric(LossMetric::new())
             .metric_train_numeric(LearningRateMetric::new())

@@ -1,17 +1,18 @@
 //! Adaptive batching for burn-train's `SupervisedTraining` (feature `learner`).
 //!
-//! Enabling it on an existing Learner takes four things from one [`CopusBatching`] handle:
+//! Enabling it on an existing Learner takes two calls on one [`CopusBatching`] handle:
 //!
 //! ```ignore
-//! let copus = CopusBatchingConfig::new(16).init()?;          // loader batches of 16, B0 = 32
-//! let learner = Learner::new(model, optim, copus.lr_scheduler(scheduler));
+//! use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
+//! let copus = CopusBatchingConfig::new(16).init()?;            // loader batches of 16, B0 = 16
+//! let learner = copus.learner(model, optim, scheduler);        // the scheduler, batch-scaled
 //! SupervisedTraining::new(dir, train_loader, valid_loader)
-//!     .with_training_strategy(copus.training_strategy(device))
-//!     .metric_train_numeric(copus.noise_scale_metric())
-//!     .metric_train_numeric(copus.batch_size_metric())
-//!     .metric_train_numeric(copus.efficiency_metric())
+//!     .with_copus(&copus, device)                              // strategy and the three metrics
 //!     .launch(learner);
 //! ```
+//!
+//! A Learner built without the scaled scheduler is refused when training starts (unless the LR
+//! rule is `Constant`), so forgetting it cannot silently leave the learning rate unscaled.
 //!
 //! The training strategy runs the loader's batches as micro-batches and accumulates `k` of them
 //! per optimizer step (the mean gradient, weighted by each micro-batch's samples). Per step it
@@ -35,10 +36,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::config::Config;
 use burn::data::dataloader::BatchStrategy;
 use burn::optim::LearningRate;
+use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::tensor::Device;
-use burn::train::{LearnerModel, TrainingStrategy};
+use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
 use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
 use copus_core::gns::{GnsEstimator, StepStats};
 use copus_core::goodput::{LrRule, ObjectiveKind};
@@ -55,8 +57,9 @@ pub struct CopusBatchingConfig {
     pub micro_batch: usize,
     /// Micro-batches per optimizer step at the start; the reference batch is
     /// `B0 = micro_batch * initial_accumulation`, the batch the learning rate is tuned for.
-    /// With 2 or more the noise scale is measured without bias from the first step.
-    #[config(default = 2)]
+    /// The default, 1, keeps the loader's batch as the step, as plain burn-train does; the noise
+    /// scale is then measured from consecutive steps until copus accumulates more.
+    #[config(default = 1)]
     pub initial_accumulation: usize,
     /// The largest accumulation count considered.
     #[config(default = 64)]
@@ -170,7 +173,12 @@ impl CopusBatchingConfig {
             devices: 1,
         };
         Ok(CopusBatching {
-            shared: Arc::new(Shared { config: self.clone(), micro_batch: AtomicUsize::new(self.micro_batch), state: Mutex::new(state) }),
+            shared: Arc::new(Shared {
+                config: self.clone(),
+                scheduler_steps: std::sync::atomic::AtomicU64::new(0),
+                micro_batch: AtomicUsize::new(self.micro_batch),
+                state: Mutex::new(state),
+            }),
         })
     }
 }
@@ -228,6 +236,8 @@ pub struct CopusBatching {
 
 struct Shared {
     config: CopusBatchingConfig,
+    /// Steps taken by any copy of the batch-scaled scheduler (a Learner without one is refused).
+    scheduler_steps: std::sync::atomic::AtomicU64,
     /// The micro-batch the loader should produce next (read by [`AdaptiveBatchSize`]).
     micro_batch: AtomicUsize,
     state: Mutex<State>,
@@ -327,6 +337,32 @@ impl CopusBatching {
     /// their own schedules are not kept apart: every parameter gets the base group's rate.
     pub fn lr_scheduler(&self, inner: impl Into<ModuleLrScheduler>) -> BatchScaledLr {
         BatchScaledLr { inner: inner.into(), shared: self.shared.clone() }
+    }
+
+    /// A Learner whose scheduler is `scheduler` scaled by the batch rule: `Learner::new(model,
+    /// optim, copus.lr_scheduler(scheduler))`.
+    pub fn learner<M: LearnerModel>(&self, model: M, optim: ModuleOptimizer, scheduler: impl Into<ModuleLrScheduler>) -> Learner<M> {
+        Learner::new(model, optim, self.lr_scheduler(scheduler))
+    }
+
+    /// Refuses a Learner whose scheduler is not this handle's [`BatchScaledLr`]: its learning
+    /// rate would not follow the batch. A `Constant` LR rule needs no scaling and passes.
+    pub(crate) fn check_scheduler<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<(), String> {
+        if self.shared.config.lr_rule == LrRule::Constant {
+            return Ok(());
+        }
+        let before = self.shared.scheduler_steps.load(Ordering::Relaxed);
+        // A copy of the Learner steps its copy of the scheduler; the original is untouched.
+        let mut probe = learner.clone();
+        probe.lr_step();
+        if self.shared.scheduler_steps.load(Ordering::Relaxed) == before {
+            return Err(format!(
+                "the Learner's LR scheduler is not copus's: build it with `copus.learner(model, optim, scheduler)` or \
+                 `Learner::new(model, optim, copus.lr_scheduler(scheduler))`, or set lr_rule to Constant (the rule is {:?})",
+                self.shared.config.lr_rule
+            ));
+        }
+        Ok(())
     }
 
     /// A loader batch strategy whose size follows the chosen micro-batch. Build the training
@@ -497,6 +533,22 @@ impl CopusBatching {
     }
 }
 
+/// Wires copus into burn-train's `SupervisedTraining` in one call.
+pub trait CopusTrainingExt {
+    /// The copus training strategy on `device`, and its three metrics (noise scale, batch
+    /// size, efficiency). Build the Learner with [`CopusBatching::learner`].
+    fn with_copus(self, copus: &CopusBatching, device: Device) -> Self;
+}
+
+impl<M: LearnerModel> CopusTrainingExt for SupervisedTraining<M> {
+    fn with_copus(self, copus: &CopusBatching, device: Device) -> Self {
+        self.with_training_strategy(copus.training_strategy(device))
+            .metric_train_numeric(copus.noise_scale_metric())
+            .metric_train_numeric(copus.batch_size_metric())
+            .metric_train_numeric(copus.efficiency_metric())
+    }
+}
+
 /// A scheduler whose rate is the inner scheduler's times the batch rule's factor.
 #[derive(Clone)]
 pub struct BatchScaledLr {
@@ -506,6 +558,7 @@ pub struct BatchScaledLr {
 
 impl LrScheduler for BatchScaledLr {
     fn step(&mut self) -> LearningRate {
+        self.shared.scheduler_steps.fetch_add(1, Ordering::Relaxed);
         let factor = self.shared.lock().lr_factor;
         self.inner.step().base() * factor
     }

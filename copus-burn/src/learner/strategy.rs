@@ -58,6 +58,10 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for CopusStrategy {
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let interrupter = components.interrupter.clone();
         let mut processor = components.event_processor;
+        if let Err(message) = self.copus.check_scheduler(&learner) {
+            interrupter.fail(refusal(message));
+            return (learner.model(), processor);
+        }
         if components.grad_accumulation.is_some() {
             interrupter
                 .fail(refusal("copus chooses the gradient accumulation; remove `grads_accumulation(..)` from SupervisedTraining".into()));
@@ -204,7 +208,7 @@ impl CopusStrategy {
             for out in outputs {
                 iteration += 1;
                 let g = out.output.grads;
-                let sq = grads::sq_norm(&model, &g);
+                let sq = grads::sq_norm_on_device(&model, &g);
                 let g = g.to_device(self.main(), &model);
                 absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
                 self.copus.publish_micro_batch(iteration, size, seconds);
@@ -284,9 +288,13 @@ impl CopusStrategy {
         let samples: usize = open.sizes.iter().sum();
         // sum holds sum_k (n_k / m) g_k; the mean gradient is sum_k n_k g_k / sum_k n_k.
         let mean = grads::scaled(model, &sum, micro_batch as f64 / samples as f64);
-        let grad_sq_norm = grads::sq_norm(model, &mean);
+        // One micro-batch: the mean is that micro-batch's gradient, whose norm is measured.
+        let grad_sq_norm = match open.sq_norms.as_slice() {
+            [only] => *only,
+            _ => grads::sq_norm_on_device(model, &mean),
+        };
         let num_micro = open.sizes.len();
-        let diff_sq_norm = previous.previous(num_micro).map(|prev| grads::diff_sq_norm(model, &mean, prev));
+        let diff_sq_norm = previous.previous(num_micro).map(|prev| grads::diff_sq_norm_on_device(model, &mean, prev));
         previous.remember(model, num_micro, &mean);
         learner.lr_step();
         learner.optimizer_step(mean);
@@ -311,7 +319,7 @@ fn refusal(message: String) -> TrainingError {
 /// Adds a micro-batch's gradient to the open step, weighted by its samples (so a short last
 /// batch counts for what it holds), and records its squared norm.
 fn absorb<M: LearnerModel>(model: &M, open: &mut Open, g: GradientsParams, size: usize, micro_batch: usize, started: Instant) {
-    let sq = grads::sq_norm(model, &g);
+    let sq = grads::sq_norm_on_device(model, &g);
     absorb_measured(model, open, g, sq, size, micro_batch, started);
 }
 
