@@ -128,6 +128,23 @@ fn role_size() -> usize {
     with_mpi(|m| m.size).unwrap_or(1)
 }
 
+/// The device a GPU rank of a multi-process run uses: the GPU of its rank on its node (from
+/// the launcher's environment: Open MPI, MPICH, Slurm), so rank 5 of two 4-GPU nodes takes GPU 1
+/// of the second node. Other devices, and single-process runs, stay as they are.
+pub fn on_this_node(device: crate::RankDevice) -> crate::RankDevice {
+    if role() == Role::Single {
+        return device;
+    }
+    let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok());
+    match (device, local) {
+        (crate::RankDevice::Cuda(_), Some(l)) => crate::RankDevice::Cuda(l),
+        (crate::RankDevice::Rocm(_), Some(l)) => crate::RankDevice::Rocm(l),
+        (d, _) => d,
+    }
+}
+
 /// Aborts the whole job with `message` (printed first).
 pub fn abort_job(message: &str) -> ! {
     eprintln!("copus: process {} failed: {message}; aborting the MPI job", with_mpi(|m| m.rank).unwrap_or(0));

@@ -224,10 +224,9 @@ pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow:
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
     let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
     let t = &recipe.train;
-    // Initialised on the CPU (the same weights on every backend), then moved to the recipe's.
-    let host = Device::flex().autodiff();
+    // The one rank trains on the recipe's backend, initialised there with the recipe's seed.
     let device = recipe.backend.rank_device(0).device().map_err(|e| RunError::Device(e.to_string()))?.autodiff();
-    let model = seeded(&host, t.seed, || LlamaConfig::from_spec(&spec).init(&host)).to_device(&device);
+    let model = seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device));
     let num_params = model.num_params() as u64;
     tracing::info!(
         "model: {} ({:.2}M parameters), B_g {} as {} x {}",

@@ -261,7 +261,11 @@ pub(super) fn rank_init<L: ParallelLm>(
     let c = RankGrid::new(dims).coord(r).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
     let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
     let (source, resume, hashes) = state.rank_init(specs, &plan)?;
-    let device = cfg.rank_device(r)?.autodiff();
+    let device = cfg.devices.get(r).copied().unwrap_or_default();
+    // Under mpirun a GPU rank takes its node's GPU; this process only builds its own rank's.
+    #[cfg(feature = "mpi")]
+    let device = crate::mpi::on_this_node(device);
+    let device = device.device()?.autodiff();
     Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
 }
 

@@ -78,11 +78,6 @@ impl EngineConfig {
         self.global_batch / (self.dims.dp * self.micro_batch)
     }
 
-    /// The device of world rank `rank`.
-    pub(crate) fn rank_device(&self, rank: usize) -> Result<Device, EngineError> {
-        self.devices.get(rank).copied().unwrap_or_default().device()
-    }
-
     /// Checks the batch arithmetic, the device list and the optimizer settings.
     pub(crate) fn validate(&self) -> Result<(), EngineError> {
         let (b, m, dp) = (self.global_batch, self.micro_batch, self.dims.dp);

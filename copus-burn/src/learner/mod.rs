@@ -176,6 +176,7 @@ impl CopusBatchingConfig {
             shared: Arc::new(Shared {
                 config: self.clone(),
                 scheduler_steps: std::sync::atomic::AtomicU64::new(0),
+                follows: std::sync::atomic::AtomicBool::new(false),
                 micro_batch: AtomicUsize::new(self.micro_batch),
                 state: Mutex::new(state),
             }),
@@ -238,6 +239,9 @@ struct Shared {
     config: CopusBatchingConfig,
     /// Steps taken by any copy of the batch-scaled scheduler (a Learner without one is refused).
     scheduler_steps: std::sync::atomic::AtomicU64,
+    /// The loader cuts its batches with [`AdaptiveBatchSize`], so it follows micro-batch
+    /// changes (batches of the old size may still be queued in a prefetching loader).
+    follows: std::sync::atomic::AtomicBool,
     /// The micro-batch the loader should produce next (read by [`AdaptiveBatchSize`]).
     micro_batch: AtomicUsize,
     state: Mutex<State>,
@@ -475,12 +479,18 @@ impl CopusBatching {
         }
         let planned = s.plan.micro_batch;
         s.mismatched_steps = if equal && m.micro_sizes[0] != planned { s.mismatched_steps + 1 } else { 0 };
-        // A prefetching loader may hand out a few batches of the old size after a change; three
-        // whole steps of the wrong size mean it ignores changes: adapt the accumulation only.
-        if s.mismatched_steps >= 3 && s.options.len() > 1 {
-            s.options = vec![m.micro_sizes[0]];
-            s.plan.micro_batch = m.micro_sizes[0];
-            self.shared.micro_batch.store(m.micro_sizes[0], Ordering::Relaxed);
+        // A loader cut by `batch_strategy()` follows changes, though a prefetching one still
+        // hands out the batches it queued before (steps close by samples, so those count
+        // fully). A plain loader ignores changes: after three whole steps of the wrong size,
+        // adapt the accumulation only, at about the same batch, and at that batch's LR factor.
+        if s.mismatched_steps >= 3 && s.options.len() > 1 && !self.shared.follows.load(Ordering::Relaxed) {
+            let actual = m.micro_sizes[0];
+            let d = s.devices;
+            let rounds = (s.plan.batch() as f64 / (actual * d) as f64).round().clamp(1.0, (cfg.max_accumulation / d).max(1) as f64);
+            s.options = vec![actual];
+            s.plan = Plan { micro_batch: actual, accumulation: rounds as usize * d };
+            s.lr_factor = cfg.lr_rule.factor(s.plan.batch() as f64, s.b0 as f64, s.phi());
+            self.shared.micro_batch.store(actual, Ordering::Relaxed);
         }
         let used_lr = s.lr_factor;
         let used_plan = s.plan;
@@ -584,6 +594,7 @@ impl<I: Send + Sync + 'static> BatchStrategy<I> for AdaptiveBatchSize<I> {
     }
 
     fn batch(&mut self, force: bool) -> Option<Vec<I>> {
+        self.shared.follows.store(true, Ordering::Relaxed);
         let size = self.shared.micro_batch.load(Ordering::Relaxed).max(1);
         if self.items.is_empty() || (self.items.len() < size && !force) {
             return None;

@@ -203,17 +203,27 @@ impl CopusStrategy {
                 _ => planned.micro_batch,
             };
             seen = progress.items_processed;
-            let seconds = started.elapsed().as_secs_f64();
             let mut items = Vec::with_capacity(round);
+            let mut measured = Vec::with_capacity(round);
             for out in outputs {
-                iteration += 1;
                 let g = out.output.grads;
                 let sq = grads::sq_norm_on_device(&model, &g);
-                let g = g.to_device(self.main(), &model);
-                absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
-                self.copus.publish_micro_batch(iteration, size, seconds);
-                items.push((iteration, out.output.item));
+                measured.push((g.to_device(self.main(), &model), sq));
+                items.push(out.output.item);
             }
+            // The round's time includes the per-device norms and the moves to the main device,
+            // which grow with the number of micro-batches like the forward and backward do.
+            let seconds = started.elapsed().as_secs_f64();
+            let items: Vec<_> = items
+                .into_iter()
+                .zip(measured)
+                .map(|(item, (g, sq))| {
+                    iteration += 1;
+                    absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
+                    self.copus.publish_micro_batch(iteration, size, seconds);
+                    (iteration, item)
+                })
+                .collect();
             let last = progress.items_processed >= progress.items_total;
             if !self.close_if_due(learner, &model, &mut open, planned, last, previous, interrupter) {
                 break;
@@ -243,7 +253,10 @@ impl CopusStrategy {
         previous: &mut ProbeMemory,
         interrupter: &Interrupter,
     ) -> bool {
-        let full = open.sizes.len() >= planned.accumulation;
+        // By samples: batches of an older size still queued in a prefetching loader make up the
+        // planned batch as well as batches of the new size do.
+        let samples: usize = open.sizes.iter().sum();
+        let full = samples >= planned.batch();
         if !(full || last) {
             return true;
         }
