@@ -704,3 +704,85 @@ fn a_prefetching_loader_follows_micro_batch_changes() {
         h.iter().filter(|r| r.samples == r.plan.batch() && r.micro_batches == r.plan.accumulation).map(|r| r.plan.micro_batch).collect();
     assert!(sizes.len() >= 2, "steps ran at several micro-batch sizes: {sizes:?}");
 }
+
+/// Trains `epochs` epochs of 256 samples with Burn's default checkpointers in `dir`, resuming
+/// from epoch `from` when given; returns copus's step records and the final weights.
+fn checkpointed_run(dir: &std::path::Path, epochs: usize, from: Option<usize>) -> (Vec<StepRecord>, Vec<f32>, CopusBatching) {
+    let cost = StepCost { per_micro_batch: 4.0, per_sample: 1.0, per_step: 8.0 };
+    let copus = adaptive(2, 2, 16).with_cost(Some(cost)).with_adapt_every(2).with_min_observations(2).init().unwrap();
+    let dev = device();
+    let data = samples(256, 11);
+    let train = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(data.clone()));
+    let valid = DataLoaderBuilder::new(RegBatcher).batch_size(2).build(InMemDataset::new(samples(16, 2)));
+    let mut training = SupervisedTraining::new(dir, train, valid)
+        .with_application_logger(None)
+        .with_default_checkpointers()
+        .num_epochs(epochs)
+        .with_copus(&copus, dev.clone());
+    if let Some(n) = from {
+        training = training.checkpoint(n);
+    }
+    let result = training.launch(copus.learner(Regression::new(&dev, Probe::default()), optimizer(&Optim::Adam), ConstantLr::from(0.05)));
+    assert!(result.error.is_none(), "{:?}", result.error.map(|e| e.to_string()));
+    (copus.history(), result.model.weights(), copus)
+}
+
+/// copus's state (noise estimate, plan, cost model, LR factor, schedule position) travels in
+/// the scheduler record of Burn's checkpoints: a run stopped after epoch 2 and resumed with
+/// `.checkpoint(2)` takes the very steps of a run that never stopped.
+#[test]
+fn a_run_resumed_from_burns_checkpoint_continues_with_the_same_plan_and_lr() {
+    let whole_dir = tempfile::tempdir().unwrap();
+    let (whole, whole_w, _) = checkpointed_run(whole_dir.path(), 3, None);
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _, _) = checkpointed_run(dir.path(), 2, None);
+    let (rest, w, _) = checkpointed_run(dir.path(), 3, Some(2));
+    // The first two epochs changed the plan, so the resumed run has something to restore.
+    assert!(first.iter().any(|r| r.switched_to.is_some()), "copus switched in the first two epochs");
+    assert_eq!(first.len() + rest.len(), whole.len());
+    // Everything but the measured seconds.
+    let key = |r: &StepRecord| (r.step, r.plan, r.micro_batches, r.samples, r.samples_total, r.lr_factor, r.b_simple, r.switched_to);
+    assert_eq!(whole[..first.len()].iter().map(key).collect::<Vec<_>>(), first.iter().map(key).collect::<Vec<_>>());
+    for (a, b) in rest.iter().zip(&whole[first.len()..]) {
+        assert_eq!((a.step, a.plan, a.samples_total), (b.step, b.plan, b.samples_total));
+        assert!((a.lr_factor - b.lr_factor).abs() <= 1e-12, "step {}: LR factor {} resumed, {} whole", a.step, a.lr_factor, b.lr_factor);
+        assert!(a.b_simple.zip(b.b_simple).is_none_or(|(x, y)| (x - y).abs() <= 1e-6 * y.abs()), "step {}", a.step);
+    }
+    for (a, b) in w.iter().zip(&whole_w) {
+        assert!((a - b).abs() <= 1e-6, "final weight {a} resumed, {b} whole");
+    }
+}
+
+/// The scaled scheduler's record holds the schedule's own keys, unchanged, plus copus's state:
+/// held by a Learner (one group), a plain Burn schedule loads a copus checkpoint's position, and
+/// the other way round.
+#[test]
+fn the_scheduler_record_is_compatible_with_the_inner_schedulers() {
+    use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+    use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+    let cosine = || CosineAnnealingLrSchedulerConfig::new(0.1, 100).init().unwrap();
+    // What a Learner holds: the schedule as given, or copus's wrapper as its one group.
+    let with_copus = || ModuleLrScheduler::new(CopusBatchingConfig::new(4).with_frozen(true).init().unwrap().lr_scheduler(cosine()));
+    let mut scaled = with_copus();
+    for _ in 0..7 {
+        scaled.step();
+    }
+    // copus -> plain: the plain schedule continues where the scaled one stands.
+    let mut plain = cosine().load_record(scaled.to_record());
+    let (a, b) = (plain.step().base(), scaled.step().base());
+    assert!((a - b).abs() <= 1e-12, "plain {a}, scaled {b} (factor 1 at B0)");
+    // plain -> copus: the scaled schedule continues the plain one's position.
+    let mut plain = cosine();
+    for _ in 0..20 {
+        plain.step();
+    }
+    let mut scaled = with_copus().load_record(plain.to_record());
+    let (a, b) = (plain.step().base(), scaled.step().base());
+    assert!((a - b).abs() <= 1e-12, "plain {a}, scaled {b}");
+    // Every key of the plain record is in the copus one.
+    let (p, w) = (format!("{:?}", plain.to_record()), format!("{:?}", scaled.to_record()));
+    for key in p.split('"').skip(1).step_by(2) {
+        assert!(w.contains(&format!("\"{key}\"")), "key {key} of the plain record is missing from {w}");
+    }
+    assert!(w.contains("copus"), "{w}");
+}

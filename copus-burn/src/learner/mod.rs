@@ -92,6 +92,20 @@ pub struct CopusBatchingConfig {
     /// Keep the batch fixed and only measure (a baseline that still reports the metrics).
     #[config(default = false)]
     pub frozen: bool,
+    /// What advances the wrapped schedule: `Samples` (by `B / B0` per optimizer step, so
+    /// warmup and decay keep their length in samples as the batch grows; at `B0` the same as
+    /// counting steps) or `Steps` (once per optimizer step, as plain burn-train).
+    #[config(default = "ScheduleClock::Samples")]
+    pub schedule_clock: ScheduleClock,
+}
+
+/// What advances the wrapped learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ScheduleClock {
+    /// Once per optimizer step.
+    Steps,
+    /// By the step's samples over `B0`.
+    Samples,
 }
 
 /// A setting out of range.
@@ -171,6 +185,7 @@ impl CopusBatchingConfig {
             snapshots: VecDeque::new(),
             mismatched_steps: 0,
             devices: 1,
+            schedule_advance: 1.0,
         };
         Ok(CopusBatching {
             shared: Arc::new(Shared {
@@ -265,6 +280,25 @@ struct State {
     mismatched_steps: u32,
     /// Devices running micro-batches side by side (accumulation counts are multiples of it).
     devices: usize,
+    /// How far the schedule advances at the coming optimizer step (samples over `B0`).
+    schedule_advance: f64,
+}
+
+/// What a checkpoint keeps of the state: everything a resumed run decides from.
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    b0: usize,
+    plan: Plan,
+    options: Vec<usize>,
+    estimator: GnsEstimator,
+    costs: CostTracker,
+    steps: u64,
+    samples: u64,
+    micro_batches: u64,
+    lr_factor: f64,
+    mismatched_steps: u32,
+    /// The scheduler's unspent advance, in schedule steps.
+    debt: f64,
 }
 
 const SNAPSHOTS_KEPT: usize = 1 << 16;
@@ -337,16 +371,26 @@ impl CopusBatching {
 
     /// Wraps a scheduler (a burn scheduler config's `init()`, or any `LrScheduler`) so its
     /// learning rate is multiplied by the batch rule's factor `lr_rule(B / B0)`, updated whenever
-    /// the batch changes. The scheduler keeps counting optimizer steps. Parameter groups with
-    /// their own schedules are not kept apart: every parameter gets the base group's rate.
+    /// the batch changes; the schedule advances by `schedule_clock`. Give it one schedule (its
+    /// base group's rate is used); for parameter groups with their own schedules, wrap each:
+    /// `ModuleLrScheduler::new(copus.lr_scheduler(base)).with_group(group,
+    /// copus.lr_scheduler(other))`. The record holds the schedule's own keys, as a Learner
+    /// without copus writes them, plus copus's state under `copus.`, which Burn's checkpointer
+    /// saves and `.checkpoint(n)` restores.
     pub fn lr_scheduler(&self, inner: impl Into<ModuleLrScheduler>) -> BatchScaledLr {
-        BatchScaledLr { inner: inner.into(), shared: self.shared.clone() }
+        BatchScaledLr { inner: inner.into(), shared: self.shared.clone(), debt: 0.0, last: None }
     }
 
     /// A Learner whose scheduler is `scheduler` scaled by the batch rule: `Learner::new(model,
     /// optim, copus.lr_scheduler(scheduler))`.
     pub fn learner<M: LearnerModel>(&self, model: M, optim: ModuleOptimizer, scheduler: impl Into<ModuleLrScheduler>) -> Learner<M> {
         Learner::new(model, optim, self.lr_scheduler(scheduler))
+    }
+
+    /// Sets how far the schedule advances at the coming optimizer step, from its samples.
+    pub(crate) fn set_step_samples(&self, samples: usize) {
+        let mut s = self.shared.lock();
+        s.schedule_advance = samples as f64 / s.b0 as f64;
     }
 
     /// Refuses a Learner whose scheduler is not this handle's [`BatchScaledLr`]: its learning
@@ -564,21 +608,101 @@ impl<M: LearnerModel> CopusTrainingExt for SupervisedTraining<M> {
 pub struct BatchScaledLr {
     inner: ModuleLrScheduler,
     shared: Arc<Shared>,
+    /// Schedule steps owed (the samples clock advances by fractions).
+    debt: f64,
+    /// The inner scheduler's latest rate.
+    last: Option<LearningRate>,
 }
+
+const RECORD_PREFIX: &str = "copus";
+
+/// The group of a one-group `ModuleLrScheduler` whose record is the schedule's own.
+const BASE_GROUP: &str = "0";
 
 impl LrScheduler for BatchScaledLr {
     fn step(&mut self) -> LearningRate {
         self.shared.scheduler_steps.fetch_add(1, Ordering::Relaxed);
-        let factor = self.shared.lock().lr_factor;
-        self.inner.step().base() * factor
+        let (factor, advance) = {
+            let s = self.shared.lock();
+            (s.lr_factor, s.schedule_advance)
+        };
+        let rate = match self.shared.config.schedule_clock {
+            ScheduleClock::Steps => self.inner.step().base(),
+            ScheduleClock::Samples => {
+                self.debt += advance;
+                while self.debt >= 1.0 - 1e-9 || self.last.is_none() {
+                    self.last = Some(self.inner.step().base());
+                    self.debt -= 1.0;
+                }
+                self.last.expect("stepped above")
+            }
+        };
+        rate * factor
     }
 
     fn to_record(&self) -> LrSchedulerRecord {
-        self.inner.to_record()
+        let s = self.shared.lock();
+        let saved = Saved {
+            b0: s.b0,
+            plan: s.plan,
+            options: s.options.clone(),
+            estimator: s.estimator.clone(),
+            costs: s.costs.clone(),
+            steps: s.steps,
+            samples: s.samples,
+            micro_batches: s.micro_batches,
+            lr_factor: s.lr_factor,
+            mismatched_steps: s.mismatched_steps,
+            debt: self.debt,
+        };
+        let json = serde_json::to_vec(&saved).expect("the state serialises");
+        // Records hold numbers only: the state's JSON as little-endian u64 words.
+        let mut copus = LrSchedulerRecord::new().with_scalar("len", json.len() as u64);
+        for (i, chunk) in json.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            copus = copus.with_scalar(&i.to_string(), u64::from_le_bytes(word));
+        }
+        // The schedule's own keys, without the group level the wrapper's inner scheduler adds
+        // (the Learner adds its own, as it does for a schedule given without copus).
+        let mut record = self.inner.to_record().record(BASE_GROUP).with_record(RECORD_PREFIX, copus);
+        if let Some(rate) = self.last {
+            record = record.with_scalar("copus_last_rate", rate);
+        }
+        record
     }
 
     fn load_record(&mut self, record: LrSchedulerRecord) {
-        self.inner = self.inner.clone().load_record(record);
+        self.inner = self.inner.clone().load_record(LrSchedulerRecord::new().with_record(BASE_GROUP, record.clone()));
+        self.last = record.scalar::<f64>("copus_last_rate");
+        let copus = record.record(RECORD_PREFIX);
+        let Some(len) = copus.scalar::<u64>("len") else {
+            // A plain burn-train checkpoint: the schedule continues, copus starts afresh.
+            return;
+        };
+        let mut json = Vec::with_capacity(len as usize + 8);
+        for i in 0..len.div_ceil(8) {
+            let Some(word) = copus.scalar::<u64>(&i.to_string()) else { return };
+            json.extend_from_slice(&word.to_le_bytes());
+        }
+        json.truncate(len as usize);
+        let Ok(saved) = serde_json::from_slice::<Saved>(&json) else {
+            tracing::warn!("copus: the checkpoint's batching state does not parse; continuing from the current state");
+            return;
+        };
+        self.debt = saved.debt;
+        let mut s = self.shared.lock();
+        s.b0 = saved.b0;
+        s.plan = saved.plan;
+        s.options = saved.options;
+        s.estimator = saved.estimator;
+        s.costs = saved.costs;
+        s.steps = saved.steps;
+        s.samples = saved.samples;
+        s.micro_batches = saved.micro_batches;
+        s.lr_factor = saved.lr_factor;
+        s.mismatched_steps = saved.mismatched_steps;
+        self.shared.micro_batch.store(saved.plan.micro_batch, Ordering::Relaxed);
     }
 }
 

@@ -309,6 +309,7 @@ impl CopusStrategy {
         let num_micro = open.sizes.len();
         let diff_sq_norm = previous.previous(num_micro).map(|prev| grads::diff_sq_norm_on_device(model, &mean, prev));
         previous.remember(model, num_micro, &mean);
+        self.copus.set_step_samples(samples);
         learner.lr_step();
         learner.optimizer_step(mean);
         let step_seconds = open.started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
