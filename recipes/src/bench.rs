@@ -69,6 +69,51 @@ pub fn time_copus(steps: usize, warmup: usize) -> CopusTimes {
     out
 }
 
+/// The learner add-on's noise probe against the same step without it, on the reference shape:
+/// seconds per step (forward, backward, AdamW) and seconds of the probe's work at one
+/// micro-batch per step (the squared norm of the gradient and of its difference from the
+/// previous step's, each reduced on the device with one small readback), medians over `steps`.
+pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
+    use burn::optim::GradientsParams;
+    use copus_burn::grads;
+    let s = spec();
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let mut model = LlamaConfig::from_spec(&s).init(&device);
+    let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
+    let mut optim = copus_burn::adamw_optimizer(&cfg, &[]);
+    let n = MICRO_BATCH * s.seq_len;
+    let (mut step_secs, mut probe_secs) = (Vec::new(), Vec::new());
+    let mut previous: Option<GradientsParams> = None;
+    for i in 0..warmup + steps {
+        let ids: Vec<i64> = (0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect();
+        let tgt: Vec<i64> = (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect();
+        let inputs = Tensor::<2, Int>::from_data(TensorData::new(ids, [MICRO_BATCH, s.seq_len]), &device);
+        let targets = Tensor::<2, Int>::from_data(TensorData::new(tgt, [MICRO_BATCH, s.seq_len]), &device);
+        let t = Instant::now();
+        let loss = model.loss_sum(inputs, targets).div_scalar(n as f64);
+        let g = GradientsParams::from_grads(loss.backward(), &model);
+        let p = Instant::now();
+        let sq = grads::sq_norm_on_device(&model, &g);
+        let diff = previous.as_ref().map(|prev| grads::diff_sq_norm_on_device(&model, &g, prev));
+        let probe = p.elapsed().as_secs_f64();
+        assert!(sq.is_finite() && diff.is_none_or(f64::is_finite));
+        previous = Some(grads::scaled(&model, &g, 1.0));
+        model = optim.step(1e-3, model, g);
+        // The step is done once its weights can be read.
+        let _ = model.embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
+        if i >= warmup {
+            step_secs.push(t.elapsed().as_secs_f64() - probe);
+            probe_secs.push(probe);
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(step_secs), median(probe_secs))
+}
+
 /// GFLOP/s of the LM-head GEMM of the reference step, `[2048, 256] x [256, 4096]` in fp32,
 /// on the plain Flex device (the kernel every linear layer runs on).
 pub fn gemm_gflops(reps: usize) -> f64 {

@@ -149,6 +149,12 @@ enum BenchMode {
     },
     /// In-memory reconfiguration against checkpoint-restart.
     Reconfig,
+    /// The learner add-on's noise probe against the same step without it.
+    Probe {
+        /// Timed steps.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+    },
 }
 
 /// A user mistake in what was asked (exit code 2), as opposed to a failure while doing it.
@@ -243,6 +249,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 BenchMode::Step { steps, warmup, no_torch } => bench::run(steps.max(1), warmup, !no_torch),
                 BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
                 BenchMode::Reconfig => engine_bench::run_reconfig(),
+                BenchMode::Probe { steps } => {
+                    let (step, probe) = bench::probe_overhead(steps.max(1), 2);
+                    println!("| reference step (bench-5m, B_m = 8, one micro-batch per step) | seconds |\n|---|---:|");
+                    println!(
+                        "| forward, backward, AdamW (probe off) | {step:.4} |\n| the probe: |g|^2 and |g - g_prev|^2 on the device | {probe:.4} |"
+                    );
+                    println!("\nprobe overhead: {:.2}% of the step", 100.0 * probe / step);
+                }
             }
             Ok(())
         }

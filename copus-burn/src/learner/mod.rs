@@ -735,3 +735,39 @@ impl<I: Send + Sync + 'static> BatchStrategy<I> for AdaptiveBatchSize<I> {
         Some(self.shared.micro_batch.load(Ordering::Relaxed).max(1))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::optim::lr_scheduler::LrScheduler;
+    use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+
+    use super::*;
+
+    /// Rates of a linear schedule from 1.0 down by 0.01 per schedule step, scaled by copus, as
+    /// steps of `samples` samples go by (B0 = 4).
+    fn rates(clock: ScheduleClock, samples: &[usize]) -> Vec<f64> {
+        let copus = CopusBatchingConfig::new(4).with_schedule_clock(clock).with_lr_rule(LrRule::Constant).init().unwrap();
+        let mut lr = copus.lr_scheduler(LinearLrSchedulerConfig::new(1.0, 0.0, 100).init().unwrap());
+        samples
+            .iter()
+            .map(|&n| {
+                copus.set_step_samples(n);
+                lr.step()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_schedule_advances_by_samples_or_by_steps() {
+        let close = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12);
+        // At B0 both clocks take one schedule step per optimizer step.
+        let at_b0 = rates(ScheduleClock::Samples, &[4, 4, 4]);
+        assert!(close(&at_b0, &rates(ScheduleClock::Steps, &[4, 4, 4])), "{at_b0:?}");
+        assert!(close(&at_b0, &[1.0, 0.99, 0.98]), "{at_b0:?}");
+        // Twice B0 takes two schedule steps a step; half of it one every other step.
+        let by_samples = rates(ScheduleClock::Samples, &[4, 8, 8, 2, 2]);
+        assert!(close(&by_samples, &[1.0, 0.98, 0.96, 0.96, 0.95]), "{by_samples:?}");
+        let by_steps = rates(ScheduleClock::Steps, &[4, 8, 8, 2, 2]);
+        assert!(close(&by_steps, &[1.0, 0.99, 0.98, 0.97, 0.96]), "{by_steps:?}");
+    }
+}

@@ -185,6 +185,7 @@ impl CopusStrategy {
         loop {
             let started = Instant::now();
             let model = learner.model();
+            let before: Vec<usize> = iterators.iter().map(|it| it.progress().items_processed).collect();
             let (outputs, progress) = match workers.step(&mut iterators, &model) {
                 Ok(r) => r,
                 Err(e) => {
@@ -197,11 +198,16 @@ impl CopusStrategy {
             }
             let planned = self.copus.plan();
             let round = outputs.len();
-            // The loaders report their progress together; a round's samples split evenly.
-            let size = match progress.items_processed.checked_sub(seen) {
-                Some(d) if d >= round => d / round,
-                _ => planned.micro_batch,
-            };
+            // Each device's batch, from its loader's progress. At an epoch's end they may differ
+            // (a split's last batch is short, or a loader is done); such a step is not fed to the
+            // estimator, which needs equal micro-batches.
+            let mut sizes: Vec<usize> =
+                iterators.iter().zip(&before).map(|(it, b)| it.progress().items_processed.saturating_sub(*b)).filter(|&d| d > 0).collect();
+            if sizes.len() != round {
+                // Progress that does not match the outputs: split the round's samples evenly.
+                let d = progress.items_processed.saturating_sub(seen);
+                sizes = vec![if d >= round { d / round } else { planned.micro_batch }; round];
+            }
             seen = progress.items_processed;
             let mut items = Vec::with_capacity(round);
             let mut measured = Vec::with_capacity(round);
@@ -217,7 +223,8 @@ impl CopusStrategy {
             let items: Vec<_> = items
                 .into_iter()
                 .zip(measured)
-                .map(|(item, (g, sq))| {
+                .zip(sizes)
+                .map(|((item, (g, sq)), size)| {
                     iteration += 1;
                     absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
                     self.copus.publish_micro_batch(iteration, size, seconds);
