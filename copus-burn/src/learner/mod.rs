@@ -97,6 +97,12 @@ pub struct CopusBatchingConfig {
     /// counting steps) or `Steps` (once per optimizer step, as plain burn-train).
     #[config(default = "ScheduleClock::Samples")]
     pub schedule_clock: ScheduleClock,
+    /// Recompute memory-bound activations in the backward pass (Burn's balanced gradient
+    /// checkpointing) on the strategy's devices. burn-train 0.22's
+    /// `SupervisedTraining::gradient_checkpointing()` applies to its own strategies only, so
+    /// with copus set it here (or pass devices already made with it; they are kept as given).
+    #[config(default = false)]
+    pub gradient_checkpointing: bool,
 }
 
 /// What advances the wrapped learning-rate schedule.
@@ -755,6 +761,19 @@ mod tests {
                 lr.step()
             })
             .collect()
+    }
+
+    #[test]
+    fn gradient_checkpointing_reaches_the_strategys_devices() {
+        let strategy = |on: bool| {
+            let copus = CopusBatchingConfig::new(4).with_gradient_checkpointing(on).init().unwrap();
+            CopusStrategy::new(copus, vec![Device::flex()])
+        };
+        let want = format!("{:?}", Device::flex().autodiff().gradient_checkpointing().gradient_checkpointing_strategy());
+        let off = format!("{:?}", Device::flex().autodiff().gradient_checkpointing_strategy());
+        assert_ne!(want, off);
+        assert_eq!(format!("{:?}", strategy(true).devices()[0].gradient_checkpointing_strategy()), want);
+        assert_eq!(format!("{:?}", strategy(false).devices()[0].gradient_checkpointing_strategy()), off);
     }
 
     #[test]

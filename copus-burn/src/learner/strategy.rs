@@ -29,8 +29,21 @@ impl CopusStrategy {
     /// The strategy for `copus` on `devices` (each made an autodiff device if it is not one;
     /// at least one).
     pub(crate) fn new(copus: CopusBatching, devices: Vec<Device>) -> Self {
-        let devices = devices.into_iter().map(|d| if d.is_autodiff() { d } else { d.autodiff() }).collect();
+        let checkpointing = copus.config().gradient_checkpointing;
+        let devices = devices
+            .into_iter()
+            .map(|d| {
+                let d = if d.is_autodiff() { d } else { d.autodiff() };
+                if checkpointing { d.gradient_checkpointing() } else { d }
+            })
+            .collect();
         Self { copus, devices }
+    }
+
+    /// The strategy's autodiff devices.
+    #[cfg(test)]
+    pub(crate) fn devices(&self) -> &[Device] {
+        &self.devices
     }
 
     fn main(&self) -> &Device {
