@@ -776,6 +776,23 @@ mod tests {
         assert_eq!(format!("{:?}", strategy(false).devices()[0].gradient_checkpointing_strategy()), off);
     }
 
+    /// Parameter groups keep their own schedules when each is wrapped: every group's rate is
+    /// its own schedule's times the batch factor.
+    #[test]
+    fn each_wrapped_group_keeps_its_schedule() {
+        use burn::module::{ParamGroup, ParamId};
+        use burn::optim::lr_scheduler::constant::ConstantLr;
+        let copus = CopusBatchingConfig::new(4).with_lr_rule(LrRule::Linear).init().unwrap();
+        copus.shared.lock().lr_factor = 2.0;
+        let head = ParamId::new();
+        let mut lr = ModuleLrScheduler::new(copus.lr_scheduler(ConstantLr::from(0.1)))
+            .with_group(ParamGroup::from_ids(vec![head]), copus.lr_scheduler(ConstantLr::from(0.01)));
+        let rates = lr.step();
+        assert!((rates.base() - 0.2).abs() < 1e-12, "{}", rates.base());
+        assert!((rates.lr_from_param(head, None) - 0.02).abs() < 1e-12);
+        assert!((rates.lr_from_param(ParamId::new(), None) - 0.2).abs() < 1e-12);
+    }
+
     #[test]
     fn the_schedule_advances_by_samples_or_by_steps() {
         let close = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12);
