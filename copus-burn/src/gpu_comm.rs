@@ -127,6 +127,15 @@ impl<G: GpuLibrary> GpuComm<G> {
         Err(CommError::Invalid(format!("{} on rank {rank}: {reason}", G::NAME)))
     }
 
+    /// Every rank passed `len` elements (the libraries would hang or overrun otherwise).
+    fn same_len(&self, op: &'static str, len: usize) -> Result<(), CommError> {
+        let all = self.mpi.all_gather(&[len as f64])?;
+        match all.iter().position(|&l| l != len as f64) {
+            None => Ok(()),
+            Some(r) => Err(CommError::Mismatch { op, detail: format!("rank {r} passed {} elements, this rank {len}", all[r]) }),
+        }
+    }
+
     fn lib_err(e: String) -> CommError {
         CommError::Invalid(format!("{}: {e}", G::NAME))
     }
@@ -146,10 +155,12 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
     }
 
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.same_len("all_reduce", buf.len())?;
         self.lib.all_reduce(host(buf), op).map_err(Self::lib_err)
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        self.same_len("all_gather", buf.len())?;
         let mut send = buf.to_vec();
         let mut out = vec![T::default(); buf.len() * self.size()];
         self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
@@ -164,6 +175,7 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
                 detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
             });
         }
+        self.same_len("reduce_scatter", buf.len())?;
         let mut send = buf.to_vec();
         let mut out = vec![T::default(); chunk_range(buf.len(), n, self.rank()).len()];
         self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;

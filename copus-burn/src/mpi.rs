@@ -9,13 +9,15 @@
 //!
 //! Reductions gather every rank's buffer and add the ranks in order 0, 1, ..., n-1, as the
 //! in-process [`ThreadComm`](crate::collective::ThreadComm) does, so a layout trains to the same
-//! bits on threads and on processes. That costs n times the traffic of a ring all-reduce; it
-//! is the reference path, chosen for exact parity (see the README's scale-out notes).
+//! bits on threads and on processes. That costs about n/2 times the traffic of a ring
+//! all-reduce; it is the reference path, chosen for exact parity (see the README's scale-out
+//! notes).
 //!
-//! A rank that fails mid-step aborts the whole job (`MPI_Abort`) after printing its message:
-//! the other processes may be inside a collective with it and cannot be released otherwise.
-//! Start-up failures after the groups are built (a stage that does not fit) are reported to
-//! process 0 instead, which rolls back as on threads.
+//! A rank that fails (while starting a layout or during a step), a broken control message, and
+//! any panic abort the whole job (`MPI_Abort`) after printing the message: the other processes
+//! may be inside a collective with the failing one and cannot be released otherwise. So under
+//! MPI a layout change whose stage cannot be built ends the run, where threads roll back; the
+//! newest checkpoint stays usable with `--resume`.
 
 #![allow(unsafe_code)]
 
@@ -59,8 +61,9 @@ struct Mpi {
     size: usize,
 }
 
-// SAFETY: MPI is initialised with at least MPI_THREAD_SERIALIZED and every use goes through the
-// mutex, so the handles are never used by two threads at once.
+// SAFETY: MPI runs at MPI_THREAD_MULTIPLE when there are several processes (checked in
+// `init`), so MPI handles may be used from any thread; the control communicator is only used
+// through this mutex.
 unsafe impl Send for Mpi {}
 
 static MPI: Mutex<Option<Mpi>> = Mutex::new(None);
@@ -76,11 +79,12 @@ pub fn init() -> Result<Role, String> {
     if slot.is_none() {
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
             .ok_or_else(|| "MPI was already initialised by someone else".to_string())?;
-        if !matches!(level, mpi::Threading::Serialized | mpi::Threading::Multiple) {
-            return Err(format!("the MPI library gives thread level {level:?}; copus needs Serialized or Multiple"));
-        }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        // Process 0 talks to the others on its main thread while its rank runs on another.
+        if size > 1 && level != mpi::Threading::Multiple {
+            return Err(format!("the MPI library gives thread level {level:?}; copus needs MPI_THREAD_MULTIPLE for several processes"));
+        }
         let control = world.duplicate();
         if size > 1 {
             // A panic anywhere leaves the other processes waiting in a collective: end the job.
@@ -151,6 +155,9 @@ pub fn abort_job(message: &str) -> ! {
     SimpleCommunicator::world().abort(1)
 }
 
+/// Control messages travel in pieces of at most this many bytes (MPI counts are 32-bit).
+const PIECE: usize = 1 << 30;
+
 /// Process 0 sends `bytes` to every process; the others pass `None` and get them.
 pub(crate) fn control_broadcast(bytes: Option<Vec<u8>>) -> Result<Vec<u8>, String> {
     with_mpi(|m| {
@@ -158,7 +165,9 @@ pub(crate) fn control_broadcast(bytes: Option<Vec<u8>>) -> Result<Vec<u8>, Strin
         let mut len = bytes.as_ref().map_or(0u64, |b| b.len() as u64);
         root.broadcast_into(&mut len);
         let mut buf = bytes.unwrap_or_else(|| vec![0; len as usize]);
-        root.broadcast_into(&mut buf[..]);
+        for piece in buf.chunks_mut(PIECE) {
+            root.broadcast_into(piece);
+        }
         buf
     })
     .ok_or_else(|| "MPI is not initialised".to_string())
@@ -166,13 +175,28 @@ pub(crate) fn control_broadcast(bytes: Option<Vec<u8>>) -> Result<Vec<u8>, Strin
 
 /// A serving process answers process 0.
 pub(crate) fn control_reply(bytes: &[u8]) -> Result<(), String> {
-    with_mpi(|m| m.control.process_at_rank(0).send_with_tag(bytes, REPLY_TAG)).ok_or_else(|| "MPI is not initialised".to_string())
+    with_mpi(|m| {
+        let to = m.control.process_at_rank(0);
+        to.send_with_tag(&(bytes.len() as u64), REPLY_TAG);
+        for piece in bytes.chunks(PIECE) {
+            to.send_with_tag(piece, REPLY_TAG);
+        }
+    })
+    .ok_or_else(|| "MPI is not initialised".to_string())
 }
 
 /// Process 0 waits for process `from`'s answer.
 pub(crate) fn control_receive(from: usize) -> Result<Vec<u8>, String> {
-    with_mpi(|m| m.control.process_at_rank(from as i32).receive_vec_with_tag::<u8>(REPLY_TAG).0)
-        .ok_or_else(|| "MPI is not initialised".to_string())
+    with_mpi(|m| {
+        let source = m.control.process_at_rank(from as i32);
+        let (len, _) = source.receive_with_tag::<u64>(REPLY_TAG);
+        let mut out = Vec::with_capacity(len as usize);
+        while out.len() < len as usize {
+            out.extend(source.receive_vec_with_tag::<u8>(REPLY_TAG).0);
+        }
+        out
+    })
+    .ok_or_else(|| "MPI is not initialised".to_string())
 }
 
 /// One rank's communicator over MPI: the world of a layout, or a group split from it.
@@ -182,8 +206,8 @@ pub struct MpiComm {
     pending: RefCell<Vec<(ffi::MPI_Request, Vec<f32>)>>,
 }
 
-// SAFETY: MPI runs at MPI_THREAD_SERIALIZED or above (checked in `init`); a communicator is
-// owned by one rank, which uses it from one thread at a time.
+// SAFETY: MPI runs at MPI_THREAD_MULTIPLE when there are several processes (checked in
+// `init`); a communicator is owned by one rank, which uses it from one thread at a time.
 unsafe impl Send for MpiComm {}
 
 impl std::fmt::Debug for MpiComm {

@@ -491,6 +491,13 @@ fn a_loader_that_ignores_micro_batch_changes_keeps_its_size() {
     let back = out.history[to_eight + 1..].iter().position(|r| r.plan.micro_batch == 2).expect("fell back") + to_eight + 1;
     assert!(back - to_eight <= 4, "fell back after {} steps", back - to_eight);
     assert!(out.history[back..].iter().all(|r| r.plan.micro_batch == 2 && r.switched_to.is_none_or(|p| p.micro_batch == 2)));
+    assert_eq!(out.copus.micro_batch_options(), vec![2]);
+    // The fallback keeps about the batch it left, at that batch's LR factor (sqrt rule, B0 = 4).
+    let fallen = out.history[back];
+    let left = out.history[back - 1].plan;
+    assert!(fallen.plan.batch().abs_diff(left.batch()) <= 2, "{:?} after {left:?}", fallen.plan);
+    let want = (fallen.plan.batch() as f64 / 4.0).sqrt();
+    assert!((fallen.lr_factor - want).abs() < 1e-9, "LR factor {} at B = {}, the rule gives {want}", fallen.lr_factor, fallen.plan.batch());
 }
 
 #[test]
@@ -700,6 +707,7 @@ fn a_prefetching_loader_follows_micro_batch_changes() {
     }
     // Batches of the new size arrived after each change (the loader follows), and copus kept
     // every option: no fallback to a fixed micro-batch.
+    assert_eq!(copus.micro_batch_options(), vec![2, 4, 8], "no fallback to a fixed micro-batch");
     let sizes: std::collections::BTreeSet<usize> =
         h.iter().filter(|r| r.samples == r.plan.batch() && r.micro_batches == r.plan.accumulation).map(|r| r.plan.micro_batch).collect();
     assert!(sizes.len() >= 2, "steps ran at several micro-batch sizes: {sizes:?}");

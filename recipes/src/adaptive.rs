@@ -158,6 +158,11 @@ static LOOP_DONE: AtomicBool = AtomicBool::new(false);
 fn catch_interrupt() {
     let installed = ctrlc::set_handler(|| {
         if INTERRUPTED.swap(true, Ordering::SeqCst) || LOOP_DONE.load(Ordering::SeqCst) {
+            // Under mpirun the serving processes must go too.
+            #[cfg(feature = "mpi")]
+            if copus_burn::mpi::role() != copus_burn::mpi::Role::Single {
+                copus_burn::mpi::abort_job("interrupted");
+            }
             std::process::exit(130);
         }
         eprintln!("\ninterrupted: finishing the step and saving a checkpoint (Ctrl-C again quits at once)");

@@ -319,12 +319,10 @@ fn serve_ranks() -> ExitCode {
     // Ctrl-C reaches every process; process 0 decides when to stop, the others follow it.
     let _ = ctrlc::set_handler(|| {});
     let served = copus_burn::engine::serve(|text| copus_models::LlamaConfig::load_binary(text.as_bytes()).map_err(|e| e.to_string()));
-    copus_burn::mpi::finish();
-    match served {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    if let Err(e) = served {
+        // Process 0 would wait for this one forever: end the whole job.
+        copus_burn::mpi::abort_job(&e.to_string());
     }
+    copus_burn::mpi::finish();
+    ExitCode::SUCCESS
 }

@@ -9,7 +9,7 @@
 //! operation. Adam turns those into weight differences of order lr x 1e-7 / sqrt(v), larger
 //! where a gradient is near zero. After three steps the loss, a mean over every token, moves by
 //! about 1e-8 (5e-8 measured), while gradient norms, sums over parameters that include
-//! near-zero ones, move by up to about 1e-6 (1.2e-6 measured). The bounds are 10 to 20 times
+//! near-zero ones, move by up to about 1e-6 (1.2e-6 measured). The bounds are 8 to 20 times
 //! what this machine measures; the test prints the differences.
 
 #![cfg(feature = "wgpu")]

@@ -111,8 +111,11 @@ impl Cluster {
                     EngineError::Dead("this model cannot run across processes: it does not describe itself (`ParallelLm::describe`)".into())
                 })?;
                 remote.launch(describe, state.to_bytes(specs, cfg, &Default::default())?)?;
-                let comm = crate::mpi::MpiComm::world().map_err(|e| EngineError::Rank { rank: 0, message: e.to_string() })?;
-                spawn_ranks(vec![(0, comm)], inits, model, specs, cfg, &reply_tx, &ready_tx)?
+                // The serving processes are now starting their ranks and wait for this one in
+                // collectives: a failure here cannot be rolled back.
+                let comm = crate::mpi::MpiComm::world().unwrap_or_else(|e| crate::mpi::abort_job(&format!("rank 0: {e}")));
+                spawn_ranks(vec![(0, comm)], inits, model, specs, cfg, &reply_tx, &ready_tx)
+                    .unwrap_or_else(|e| crate::mpi::abort_job(&e.to_string()))
             }
             None => {
                 spawn_ranks(ThreadComm::world(world).into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?

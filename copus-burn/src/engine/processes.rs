@@ -101,13 +101,16 @@ impl Remote {
 
     /// The serving processes' start-up results: checksums, or their error.
     pub(super) fn ready(&self) -> Result<Vec<(usize, Started)>, EngineError> {
-        (1..self.size)
-            .map(|r| {
-                let bytes = mpi::control_receive(r).map_err(comm_err)?;
-                let ready = serde_json::from_slice(&bytes).map_err(|e| comm_err(format!("process {r}'s start-up answer: {e}")))?;
-                Ok((r, ready))
+        // Every answer is read before any is judged, so none is left queued for a later read.
+        let answers: Vec<(usize, Vec<u8>)> =
+            (1..self.size).map(|r| mpi::control_receive(r).map(|b| (r, b)).map_err(comm_err)).collect::<Result<_, _>>()?;
+        Ok(answers
+            .into_iter()
+            .map(|(r, bytes)| match serde_json::from_slice(&bytes) {
+                Ok(ready) => (r, ready),
+                Err(e) => mpi::abort_job(&format!("process {r}'s start-up answer does not parse: {e}")),
             })
-            .collect()
+            .collect())
     }
 
     /// Sends an engine command to the serving processes.
@@ -129,23 +132,26 @@ impl Remote {
     /// The serving ranks' replies to `command`, in rank order (placeholders where the engine
     /// reads only rank 0's reply).
     pub(super) fn replies(&self, command: &Command) -> Result<Vec<Reply>, EngineError> {
-        let receive = |r: usize| mpi::control_receive(r).map_err(comm_err);
-        (1..self.size)
-            .map(|r| match command {
-                Command::Params => {
-                    let bytes = receive(r)?;
-                    let (_, tensors) =
-                        crate::wire::unpack(PARAMS_KEY, bytes).map_err(|e| comm_err(format!("process {r}'s parameters: {e}")))?;
-                    Ok(Reply::Params(tensors))
-                }
-                Command::Export => {
-                    let bytes = receive(r)?;
-                    let export = RankExport::from_bytes(bytes).map_err(|e| comm_err(format!("process {r}'s export: {e}")))?;
-                    Ok(Reply::Export(Box::new(export)))
-                }
-                _ => Ok(Reply::Done),
+        if !matches!(command, Command::Params | Command::Export) {
+            return Ok((1..self.size).map(|_| Reply::Done).collect());
+        }
+        // Every answer is read before any is decoded, so none is left queued for a later read;
+        // one that does not decode means the processes disagree, which nothing can repair.
+        let answers: Vec<Vec<u8>> = (1..self.size).map(|r| mpi::control_receive(r).map_err(comm_err)).collect::<Result<_, _>>()?;
+        Ok(answers
+            .into_iter()
+            .zip(1..)
+            .map(|(bytes, r)| match command {
+                Command::Params => match crate::wire::unpack(PARAMS_KEY, bytes) {
+                    Ok((_, tensors)) => Reply::Params(tensors),
+                    Err(e) => mpi::abort_job(&format!("process {r}'s parameters do not decode: {e}")),
+                },
+                _ => match RankExport::from_bytes(bytes) {
+                    Ok(export) => Reply::Export(Box::new(export)),
+                    Err(e) => mpi::abort_job(&format!("process {r}'s export does not decode: {e}")),
+                },
             })
-            .collect()
+            .collect())
     }
 
     /// The serving processes stop their ranks.

@@ -377,14 +377,22 @@ impl CopusBatching {
 
     /// Wraps a scheduler (a burn scheduler config's `init()`, or any `LrScheduler`) so its
     /// learning rate is multiplied by the batch rule's factor `lr_rule(B / B0)`, updated whenever
-    /// the batch changes; the schedule advances by `schedule_clock`. Give it one schedule (its
-    /// base group's rate is used); for parameter groups with their own schedules, wrap each:
+    /// the batch changes; the schedule advances by `schedule_clock`. Give it one schedule: of
+    /// a `ModuleLrScheduler` with several groups only the base group's rate is used (burn-optim
+    /// does not expose the groups, so this cannot be checked). For parameter groups with their
+    /// own schedules, wrap each:
     /// `ModuleLrScheduler::new(copus.lr_scheduler(base)).with_group(group,
     /// copus.lr_scheduler(other))`. The record holds the schedule's own keys, as a Learner
     /// without copus writes them, plus copus's state under `copus.`, which Burn's checkpointer
     /// saves and `.checkpoint(n)` restores.
     pub fn lr_scheduler(&self, inner: impl Into<ModuleLrScheduler>) -> BatchScaledLr {
         BatchScaledLr { inner: inner.into(), shared: self.shared.clone(), debt: 0.0, last: None }
+    }
+
+    /// The micro-batch sizes copus may still choose (one, after falling back to a loader
+    /// that ignores changes).
+    pub fn micro_batch_options(&self) -> Vec<usize> {
+        self.shared.lock().options.clone()
     }
 
     /// A Learner whose scheduler is `scheduler` scaled by the batch rule: `Learner::new(model,
@@ -402,7 +410,9 @@ impl CopusBatching {
     /// Refuses a Learner whose scheduler is not this handle's [`BatchScaledLr`]: its learning
     /// rate would not follow the batch. A `Constant` LR rule needs no scaling and passes.
     pub(crate) fn check_scheduler<M: LearnerModel>(&self, learner: &Learner<M>) -> Result<(), String> {
-        if self.shared.config.lr_rule == LrRule::Constant {
+        let cfg = &self.shared.config;
+        if cfg.lr_rule == LrRule::Constant && cfg.schedule_clock == ScheduleClock::Steps {
+            // Nothing to scale and nothing to re-time.
             return Ok(());
         }
         let before = self.shared.scheduler_steps.load(Ordering::Relaxed);
@@ -412,8 +422,9 @@ impl CopusBatching {
         if self.shared.scheduler_steps.load(Ordering::Relaxed) == before {
             return Err(format!(
                 "the Learner's LR scheduler is not copus's: build it with `copus.learner(model, optim, scheduler)` or \
-                 `Learner::new(model, optim, copus.lr_scheduler(scheduler))`, or set lr_rule to Constant (the rule is {:?})",
-                self.shared.config.lr_rule
+                 `Learner::new(model, optim, copus.lr_scheduler(scheduler))` (or set lr_rule to Constant and schedule_clock to \
+                 Steps; they are {:?} and {:?})",
+                cfg.lr_rule, cfg.schedule_clock
             ));
         }
         Ok(())

@@ -222,6 +222,11 @@ impl CopusStrategy {
                 sizes = vec![if d >= round { d / round } else { planned.micro_batch }; round];
             }
             seen = progress.items_processed;
+            // burn-train hands the outputs back in the order they finished, without their
+            // device, so uneven sizes cannot be paired with their gradients: weight each by the
+            // round's mean (the round's samples still count in full) and record the real sizes,
+            // which keep the step out of the estimator.
+            let weight_size = if sizes.iter().all(|&x| x == sizes[0]) { sizes[0] } else { sizes.iter().sum::<usize>() / round };
             let mut items = Vec::with_capacity(round);
             let mut measured = Vec::with_capacity(round);
             for out in outputs {
@@ -239,7 +244,7 @@ impl CopusStrategy {
                 .zip(sizes)
                 .map(|((item, (g, sq)), size)| {
                     iteration += 1;
-                    absorb_measured(&model, &mut open, g, sq, size, planned.micro_batch, started);
+                    absorb_weighted(&model, &mut open, g, sq, weight_size, size, planned.micro_batch, started);
                     self.copus.publish_micro_batch(iteration, size, seconds);
                     (iteration, item)
                 })
@@ -366,7 +371,23 @@ fn absorb_measured<M: LearnerModel>(
     micro_batch: usize,
     started: Instant,
 ) {
-    let weight = size as f64 / micro_batch as f64;
+    absorb_weighted(model, open, g, sq, size, size, micro_batch, started);
+}
+
+/// [`absorb_measured`] with the gradient weighted as `weight_size` samples and recorded as
+/// `size`.
+#[allow(clippy::too_many_arguments)]
+fn absorb_weighted<M: LearnerModel>(
+    model: &M,
+    open: &mut Open,
+    g: GradientsParams,
+    sq: f64,
+    weight_size: usize,
+    size: usize,
+    micro_batch: usize,
+    started: Instant,
+) {
+    let weight = weight_size as f64 / micro_batch as f64;
     let g = if weight == 1.0 { g } else { grads::scaled(model, &g, weight) };
     open.sum = Some(grads::add(model, open.sum.take(), g));
     open.sizes.push(size);
