@@ -134,3 +134,35 @@ fn a_world_size_mismatch_stops_every_process_with_the_reason() {
     let t = direct(&["run", two.to_str().unwrap(), "--quiet"]);
     assert!(t.status.success(), "{}", String::from_utf8_lossy(&t.stderr));
 }
+
+/// A run stopped after 5 steps under `mpirun -np 2` and resumed from its checkpoint under
+/// mpirun takes the steps of an uninterrupted in-process run, through the layout change after
+/// step 6.
+#[test]
+fn a_run_stopped_under_mpirun_resumes_to_the_same_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let then = [(1, 2, 1, 2), (1, 1, 2, 2)];
+    let threads = recipe(dir.path(), "threads", 2, (2, 1, 1), then);
+    let procs = recipe(dir.path(), "processes", 2, (2, 1, 1), then);
+    let t = direct(&["run", threads.to_str().unwrap(), "--quiet"]);
+    assert!(t.status.success(), "in-process run failed:\n{}", String::from_utf8_lossy(&t.stderr));
+    let first = mpirun(2, &["run", procs.to_str().unwrap(), "--max-steps", "5", "--quiet"]);
+    assert!(first.status.success(), "the first part failed:\n{}", String::from_utf8_lossy(&first.stderr));
+    let out = dir.path().join("processes");
+    let run = std::fs::read_dir(&out).unwrap().flatten().map(|e| e.path()).find(|p| p.is_dir()).unwrap();
+    let rest = mpirun(2, &["run", procs.to_str().unwrap(), "--resume", run.to_str().unwrap(), "--quiet"]);
+    assert!(
+        rest.status.success(),
+        "the resumed part failed:\n{}\n{}",
+        String::from_utf8_lossy(&rest.stdout),
+        String::from_utf8_lossy(&rest.stderr)
+    );
+    let (want, want_eval) = results(&dir.path().join("threads"));
+    let (got, got_eval) = results(&out);
+    assert_eq!(got.len(), 9, "steps 1-5, then 6-9 after the resume");
+    for (i, ((la, a), (lb, b))) in want.iter().zip(&got).enumerate() {
+        assert_eq!(la, lb, "step {}", i + 1);
+        assert!((a - b).abs() <= 1e-5, "step {}: in-process loss {a}, resumed processes {b}", i + 1);
+    }
+    assert!((want_eval - got_eval).abs() <= 1e-5, "held-out loss: in-process {want_eval}, resumed {got_eval}");
+}
