@@ -124,6 +124,30 @@ pub fn chunk_range(len: usize, n: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
+/// Checks that `groups` partition the ranks `0..n` of a group being split (every backend's
+/// `split` takes the same argument).
+pub(crate) fn check_partition(groups: &[Vec<usize>], n: usize) -> Result<(), CommError> {
+    let mut seen = vec![0usize; n];
+    for g in groups {
+        for &r in g {
+            *seen.get_mut(r).ok_or_else(|| CommError::Invalid(format!("split: rank {r} is not in a group of {n}")))? += 1;
+        }
+    }
+    match seen.iter().position(|&c| c != 1) {
+        Some(r) => Err(CommError::Invalid(format!("split: rank {r} appears {} times; groups must partition 0..{n}", seen[r]))),
+        None => Ok(()),
+    }
+}
+
+/// Checks that a reduce-scatter buffer of `len` elements splits into `n` equal chunks.
+pub(crate) fn check_scatter(len: usize, n: usize) -> Result<(), CommError> {
+    if len.is_multiple_of(n) {
+        Ok(())
+    } else {
+        Err(CommError::Mismatch { op: "reduce_scatter", detail: format!("{len} elements do not split into {n} equal chunks") })
+    }
+}
+
 type Payload = Arc<dyn Any + Send + Sync>;
 
 /// One reusable rendezvous: every rank deposits a payload; once all have, each reads them all.
@@ -376,7 +400,7 @@ thread_local! {
 /// Elements reduced per block: small enough to stay in cache while every rank's block is added.
 const BLOCK: usize = 1 << 12;
 
-fn combine_into<T: Element>(acc: &mut [T], x: &[T], op: ReduceOp) {
+pub(crate) fn combine_into<T: Element>(acc: &mut [T], x: &[T], op: ReduceOp) {
     match op {
         ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, &b)| *a = *a + b),
         ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, &b)| {
@@ -489,12 +513,7 @@ impl Collective for ThreadComm {
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
         let n = self.size();
-        if !buf.len().is_multiple_of(n) {
-            return Err(CommError::Mismatch {
-                op: "reduce_scatter",
-                detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
-            });
-        }
+        check_scatter(buf.len(), n)?;
         let all = self.exchange_vec("reduce_scatter", buf.to_vec())?;
         Self::check_lengths("reduce_scatter", &all, buf.len())?;
         Ok(Self::reduce_range(&all, chunk_range(buf.len(), n, self.rank), op))
@@ -543,16 +562,7 @@ impl Collective for ThreadComm {
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
-        let n = self.size();
-        let mut seen = vec![0usize; n];
-        for g in groups {
-            for &r in g {
-                *seen.get_mut(r).ok_or_else(|| CommError::Invalid(format!("split: rank {r} is not in a group of {n}")))? += 1;
-            }
-        }
-        if let Some(r) = seen.iter().position(|&c| c != 1) {
-            return Err(CommError::Invalid(format!("split: rank {r} appears {} times; groups must partition 0..{n}", seen[r])));
-        }
+        check_partition(groups, self.size())?;
         let seq = self.splits.fetch_add(1, Ordering::Relaxed);
         let mine = groups.iter().find(|g| g.contains(&self.rank)).expect("partition holds every rank");
         let members: Vec<usize> = mine.iter().map(|&r| self.members[r]).collect();

@@ -20,7 +20,7 @@
 
 use std::any::TypeId;
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, chunk_range};
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
 use crate::mpi::MpiComm;
 
 /// A host buffer of one of the two element types a collective moves.
@@ -169,12 +169,7 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
         let n = self.size();
-        if !buf.len().is_multiple_of(n) {
-            return Err(CommError::Mismatch {
-                op: "reduce_scatter",
-                detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
-            });
-        }
+        check_scatter(buf.len(), n)?;
         self.same_len("reduce_scatter", buf.len())?;
         let mut send = buf.to_vec();
         let mut out = vec![T::default(); chunk_range(buf.len(), n, self.rank()).len()];

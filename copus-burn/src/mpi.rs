@@ -30,7 +30,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, chunk_range};
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
 
 /// Tag of replies from the serving processes to process 0 on the control communicator.
 const REPLY_TAG: i32 = 7;
@@ -273,17 +273,11 @@ fn as_bytes_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// Rows `0..n` of `all` (each `len` long) combined over `range`, adding in rank order.
 fn combine_rows<T: Element>(all: &[T], n: usize, len: usize, range: std::ops::Range<usize>, op: ReduceOp) -> Vec<T> {
     let mut out = all[range.clone()].to_vec();
     for r in 1..n {
-        let row = &all[r * len + range.start..r * len + range.end];
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o = match op {
-                ReduceOp::Sum => *o + x,
-                ReduceOp::Max if x > *o => x,
-                ReduceOp::Max => *o,
-            };
-        }
+        combine_into(&mut out, &all[r * len + range.start..r * len + range.end], op);
     }
     out
 }
@@ -316,12 +310,7 @@ impl Collective for MpiComm {
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
         let n = self.size();
-        if !buf.len().is_multiple_of(n) {
-            return Err(CommError::Mismatch {
-                op: "reduce_scatter",
-                detail: format!("{} elements do not split into {n} equal chunks", buf.len()),
-            });
-        }
+        check_scatter(buf.len(), n)?;
         self.progress();
         let all = self.gather_all("reduce_scatter", buf)?;
         Ok(combine_rows(&all, n, buf.len(), chunk_range(buf.len(), n, self.rank()), op))
@@ -385,16 +374,7 @@ impl Collective for MpiComm {
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
-        let n = self.size();
-        let mut seen = vec![0usize; n];
-        for g in groups {
-            for &r in g {
-                *seen.get_mut(r).ok_or_else(|| CommError::Invalid(format!("split: rank {r} is not in a group of {n}")))? += 1;
-            }
-        }
-        if let Some(r) = seen.iter().position(|&c| c != 1) {
-            return Err(CommError::Invalid(format!("split: rank {r} appears {} times; groups must partition 0..{n}", seen[r])));
-        }
+        check_partition(groups, self.size())?;
         let me = self.rank();
         let (color, key) = groups
             .iter()

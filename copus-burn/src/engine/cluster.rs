@@ -152,13 +152,8 @@ impl Cluster {
         }
         #[cfg(feature = "mpi")]
         if let Some(remote) = &cluster.remote {
-            for (r, ready) in remote.ready()? {
-                match ready {
-                    Ok(h) => reported[r] = Some(h),
-                    Err(message) => {
-                        first_error.get_or_insert(EngineError::Rank { rank: r, message });
-                    }
-                }
+            for (r, hashes) in remote.ready()? {
+                reported[r] = Some(hashes);
             }
         }
         if let Some(e) = first_error {

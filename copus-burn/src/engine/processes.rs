@@ -99,8 +99,8 @@ impl Remote {
         self.send(&Header::Launch { model }, &state)
     }
 
-    /// The serving processes' start-up results: checksums, or their error.
-    pub(super) fn ready(&self) -> Result<Vec<(usize, Started)>, EngineError> {
+    /// The serving processes' start-up checksums, in rank order.
+    pub(super) fn ready(&self) -> Result<Vec<(usize, Checksums)>, EngineError> {
         // Every answer is read before any is judged, so none is left queued for a later read.
         let answers: Vec<(usize, Vec<u8>)> =
             (1..self.size).map(|r| mpi::control_receive(r).map(|b| (r, b)).map_err(comm_err)).collect::<Result<_, _>>()?;
@@ -164,10 +164,9 @@ impl Remote {
 
 const PARAMS_KEY: &str = "copus.rank-params";
 
-/// `(tensor, checksum)` of everything a rank loaded.
+/// `(tensor, checksum)` of everything a rank loaded: a serving process's start-up answer (one
+/// that cannot start ends the job instead).
 type Checksums = Vec<(String, u64)>;
-/// A serving process's start-up answer: its checksums, or why it could not start.
-type Started = Result<Checksums, String>;
 
 /// Runs this process's rank of every layout process 0 starts, until the run ends. Call it on
 /// every process whose [`mpi::init`] role is [`Role::Worker`]; `decode` rebuilds the model
@@ -198,10 +197,10 @@ pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) ->
                 });
                 // The other ranks may be waiting for this one in a collective: a failure ends
                 // the job, as it does for a rank thread of process 0.
-                let answer: Started = match started {
+                let answer: Checksums = match started {
                     Ok((s, hashes)) => {
                         running = Some(s);
-                        Ok(hashes)
+                        hashes
                     }
                     Err(e) => mpi::abort_job(&format!("rank {rank} could not start: {e}")),
                 };
