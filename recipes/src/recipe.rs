@@ -469,6 +469,39 @@ mod tests {
         train: (global_batch: 8, micro_batch: 2, max_steps: 3),
     )"#;
 
+    /// A scripted switch outside the candidate space, or out of order, names `parallel.script`
+    /// and the entry; a backend this build lacks names `backend` and the feature to build with.
+    #[test]
+    fn scripts_and_backends_are_checked() {
+        let with = |script: &str| {
+            GOOD.replace(
+                "max_steps: 3),",
+                &format!("max_steps: 3), parallel: (world_size: 2, global_batches: [8, 16], micro_batches: [2, 4], script: [{script}]),"),
+            )
+        };
+        let ok = with("(after_step: 2, layout: (dp: 1, tp: 2, pp: 1), global_batch: 16, micro_batch: 4)");
+        let r = Recipe::parse(&ok, "ok").unwrap();
+        let plan = r.parallel.as_ref().unwrap().scripted(&r.model_spec().unwrap()).unwrap();
+        assert_eq!(plan.len(), 1);
+        assert_eq!((plan[0].0, plan[0].1.dims.tp, plan[0].1.global_batch, plan[0].1.micro_batch), (2, 2, 16, 4));
+        let bad = with("(after_step: 2, layout: (dp: 1, tp: 2, pp: 1), global_batch: 32, micro_batch: 4)");
+        let e = Recipe::parse(&bad, "bad").unwrap_err().to_string();
+        assert!(e.contains("parallel.script") && e.contains("[0]") && e.contains("global_batch in parallel.global_batches"), "{e}");
+        let order = with(
+            "(after_step: 5, layout: (dp: 2, tp: 1, pp: 1), global_batch: 8, micro_batch: 2), \
+             (after_step: 5, layout: (dp: 1, tp: 2, pp: 1), global_batch: 8, micro_batch: 2)",
+        );
+        let e = Recipe::parse(&order, "order").unwrap_err().to_string();
+        assert!(e.contains("parallel.script") && e.contains("[1]") && e.contains("increasing"), "{e}");
+        let world = with("(after_step: 2, layout: (dp: 4, tp: 1, pp: 1), global_batch: 8, micro_batch: 2)");
+        let e = Recipe::parse(&world, "world").unwrap_err().to_string();
+        assert!(e.contains("parallel.script"), "{e}");
+        // This build has Flex only (the default features).
+        let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Cuda,"), "cuda").unwrap_err().to_string();
+        assert!(e.contains("backend") && e.contains("--features cuda"), "{e}");
+        assert!(Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Flex,"), "flex").is_ok());
+    }
+
     #[test]
     fn defaults_fill_in() {
         let r = Recipe::parse(GOOD, "good").unwrap();
