@@ -12,25 +12,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::parallel::ParallelLm;
-use crate::state::TrainingState;
+use crate::state::{TrainingState, checksum};
 use crate::wire;
 
 impl TrainingState {
     /// Writes the state, the engine configuration and `extra` (the caller's data position, RNG
-    /// seed, ...) to one burnpack file, atomically.
+    /// seed, ...) to one burnpack file, atomically: a uniquely named temporary file is written
+    /// and synced, renamed over `path`, and the folder synced, so a crash at any moment leaves
+    /// either the previous file or the new one, whole.
     pub fn save(&self, path: &Path, specs: &[ParamSpec], cfg: &EngineConfig, extra: &BTreeMap<String, String>) -> Result<(), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
         let bytes = self.to_bytes(specs, cfg, extra).map_err(|e| err(checkpoint_message(e)))?;
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, bytes).map_err(|e| err(e.to_string()))?;
-        // On disk before it takes the name, and the name on disk before returning.
-        std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| err(e.to_string()))?;
-        std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            // Directories cannot be synced everywhere; the file itself is already durable.
-            let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
-        }
-        Ok(())
+        write_atomically(path, &bytes).map_err(|e| err(e.to_string()))
     }
 
     /// Reads a file written by [`TrainingState::save`].
@@ -43,6 +36,7 @@ impl TrainingState {
     /// The checkpoint file's bytes, in memory (what a multi-process run sends its processes).
     pub fn to_bytes(&self, specs: &[ParamSpec], cfg: &EngineConfig, extra: &BTreeMap<String, String>) -> Result<Vec<u8>, EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: "(in memory)".into(), message: m };
+        self.check(specs)?;
         let shape_of: HashMap<&str, &[usize]> = specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
         let mut tensors = Vec::new();
         let mut add = |key: String, name: &str, values: &[f32]| -> Result<(), EngineError> {
@@ -61,8 +55,10 @@ impl TrainingState {
         for (name, v) in self.previous.iter().flatten() {
             add(format!("previous/{name}"), name, v)?;
         }
+        let manifest = tensors.iter().map(|(k, _, v): &(String, Vec<usize>, Vec<f32>)| (k.clone(), (v.len(), checksum(v)))).collect();
         let meta = CheckpointMeta {
-            format: 1,
+            format: FORMAT,
+            manifest,
             step: self.step,
             tokens_seen: self.tokens_seen,
             gns: self.gns.clone(),
@@ -85,14 +81,21 @@ impl TrainingState {
                 err(format!("not a readable checkpoint: {e}"))
             }
         })?;
-        // Checkpoints written before rank devices existed have no `devices`: Flex everywhere.
+        // Checkpoints written before rank devices existed have no `devices` (Flex everywhere),
+        // before wait timeouts none (the default), before content hashes no manifest.
         let mut meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| err(format!("metadata: {e}")))?;
         if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
             config.entry("devices").or_insert_with(|| serde_json::json!([]));
+            config.entry("timeout_secs").or_insert_with(|| serde_json::json!(1800.0));
         }
         let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| err(format!("metadata: {e}")))?;
-        if meta.format != 1 {
-            return Err(err(format!("format {} is not supported (this build reads format 1)", meta.format)));
+        match meta.format {
+            FORMAT => {}
+            1 => tracing::warn!("a format-1 checkpoint has no content hashes; its tensors are loaded unverified"),
+            f => return Err(err(format!("format {f} is not supported (this build reads formats 1 and {FORMAT})"))),
+        }
+        if meta.format == FORMAT {
+            verify_manifest(&meta.manifest, &tensors).map_err(err)?;
         }
         let mut state = Self {
             params: BTreeMap::new(),
@@ -131,10 +134,65 @@ fn checkpoint_message(e: EngineError) -> String {
 }
 
 const META_KEY: &str = "copus.checkpoint";
+/// The format this build writes: 2 added the manifest of content hashes.
+const FORMAT: u32 = 2;
+
+/// Checks the file's tensors against the manifest: nothing missing, nothing extra, every
+/// element count and content hash as stored.
+fn verify_manifest(manifest: &BTreeMap<String, (usize, u64)>, tensors: &[crate::wire::Named]) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for (key, _, values) in tensors {
+        let Some(&(len, hash)) = manifest.get(key) else {
+            return Err(format!("tensor `{key}` is not in the checkpoint's manifest (an extra tensor)"));
+        };
+        if values.len() != len {
+            return Err(format!("tensor `{key}` has {} elements, the manifest says {len}", values.len()));
+        }
+        let computed = checksum(values);
+        if computed != hash {
+            return Err(format!("tensor `{key}` is corrupt: its content hash is {computed:016x}, the manifest says {hash:016x}"));
+        }
+        seen.insert(key.as_str());
+    }
+    if let Some(missing) = manifest.keys().find(|k| !seen.contains(k.as_str())) {
+        return Err(format!("tensor `{missing}` is missing"));
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file of a name no other save uses, synced
+/// before the rename; then syncs the folder so the new name is durable too.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "checkpoint".into());
+    let tmp = path.with_file_name(format!(".{name}.{}.{}.tmp", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        return result;
+    }
+    #[cfg(unix)]
+    {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
 
 #[derive(Serialize, Deserialize)]
 struct CheckpointMeta {
     format: u32,
+    /// Every tensor's element count and content hash ([`checksum`]), by key.
+    #[serde(default)]
+    manifest: BTreeMap<String, (usize, u64)>,
     step: u64,
     tokens_seen: u64,
     gns: GnsEstimator,

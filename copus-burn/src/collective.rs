@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
@@ -81,6 +81,16 @@ pub enum CommError {
     /// A bad rank or group argument.
     #[error("{0}")]
     Invalid(String),
+    /// A wait outlasted the world's timeout: the ranks that had not arrived (world ranks).
+    #[error("collective `{op}` timed out after {secs:.1} s waiting for rank(s) {missing:?}")]
+    Timeout {
+        /// Which collective (or `recv`).
+        op: &'static str,
+        /// Seconds waited.
+        secs: f64,
+        /// World ranks that had not arrived.
+        missing: Vec<usize>,
+    },
 }
 
 /// Communication among the ranks of one group.
@@ -161,13 +171,22 @@ struct ExchangeState {
     arrived: usize,
     published: Option<Arc<Vec<Payload>>>,
     readers_left: usize,
+    /// Group ranks that have not yet read the published round.
+    unread: Vec<bool>,
     generation: u64,
 }
 
 impl Exchange {
     fn new(n: usize) -> Self {
         Self {
-            state: Mutex::new(ExchangeState { deposits: vec![None; n], arrived: 0, published: None, readers_left: 0, generation: 0 }),
+            state: Mutex::new(ExchangeState {
+                deposits: vec![None; n],
+                arrived: 0,
+                published: None,
+                readers_left: 0,
+                unread: vec![false; n],
+                generation: 0,
+            }),
             cv: Condvar::new(),
         }
     }
@@ -178,8 +197,13 @@ const POLL: Duration = Duration::from_millis(20);
 /// A sub-group: (parent group id, split sequence number, members).
 type GroupKey = (u64, u64, Vec<usize>);
 
+/// How long a wait lasts when the world was built without a timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
 struct World {
     size: usize,
+    /// The longest any wait lasts.
+    timeout: Duration,
     aborted: AtomicBool,
     failure: Mutex<Option<(usize, String)>>,
     mailboxes: Mutex<HashMap<(usize, usize, u32), Arc<Mailbox>>>,
@@ -231,10 +255,18 @@ impl std::fmt::Debug for ThreadComm {
 }
 
 impl ThreadComm {
-    /// A world of `size` ranks: hand element `i` to the thread that runs rank `i`.
+    /// A world of `size` ranks: hand element `i` to the thread that runs rank `i`. Waits last
+    /// at most [`DEFAULT_TIMEOUT`].
     pub fn world(size: usize) -> Vec<ThreadComm> {
+        Self::world_with_timeout(size, DEFAULT_TIMEOUT)
+    }
+
+    /// A world whose every wait (collective or receive) ends with [`CommError::Timeout`] after
+    /// `timeout`.
+    pub fn world_with_timeout(size: usize, timeout: Duration) -> Vec<ThreadComm> {
         let world = Arc::new(World {
             size,
+            timeout,
             aborted: AtomicBool::new(false),
             failure: Mutex::new(None),
             mailboxes: Mutex::new(HashMap::new()),
@@ -268,14 +300,23 @@ impl ThreadComm {
         self.world.aborted.load(Ordering::Acquire)
     }
 
+    /// The timeout error of `op` after waiting since `start` for the group ranks `missing`.
+    fn timed_out(&self, op: &'static str, start: Instant, missing: impl Iterator<Item = usize>) -> CommError {
+        CommError::Timeout { op, secs: start.elapsed().as_secs_f64(), missing: missing.map(|r| self.members[r]).collect() }
+    }
+
     /// Deposits `mine` and returns every rank's deposit in rank order.
-    fn exchange(&self, mine: Payload) -> Result<Arc<Vec<Payload>>, CommError> {
+    fn exchange(&self, op: &'static str, mine: Payload) -> Result<Arc<Vec<Payload>>, CommError> {
         let ex = &self.exchange;
         let n = self.members.len();
+        let start = Instant::now();
         let mut st = lock(&ex.state);
         // Wait until the previous round has been read by everyone.
         while st.published.is_some() {
             self.world.check()?;
+            if start.elapsed() > self.world.timeout {
+                return Err(self.timed_out(op, start, (0..n).filter(|&r| st.unread[r])));
+            }
             st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
         }
         self.world.check()?;
@@ -287,15 +328,20 @@ impl ThreadComm {
             st.published = Some(Arc::new(all));
             st.arrived = 0;
             st.readers_left = n;
+            st.unread.iter_mut().for_each(|u| *u = true);
             st.generation += 1;
             ex.cv.notify_all();
         } else {
             while st.generation == generation {
                 self.world.check()?;
+                if start.elapsed() > self.world.timeout {
+                    return Err(self.timed_out(op, start, (0..n).filter(|&r| st.deposits[r].is_none())));
+                }
                 st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
             }
         }
         let out = st.published.clone().expect("published for this generation");
+        st.unread[self.rank] = false;
         st.readers_left -= 1;
         if st.readers_left == 0 {
             st.published = None;
@@ -305,7 +351,7 @@ impl ThreadComm {
     }
 
     fn exchange_vec<T: Element>(&self, op: &'static str, v: Vec<T>) -> Result<Vec<Arc<Vec<T>>>, CommError> {
-        let all = self.exchange(Arc::new(Arc::new(v)))?;
+        let all = self.exchange(op, Arc::new(Arc::new(v)))?;
         all.iter()
             .map(|p| {
                 p.downcast_ref::<Arc<Vec<T>>>()
@@ -428,7 +474,7 @@ impl ThreadComm {
         let len = buf.len();
         let window = Arc::new(Window { state: Mutex::new(WindowState { left: 0, failed: None }), cv: Condvar::new() });
         let mine = InPlace::<T> { addr: buf.as_mut_ptr() as usize, len, window, _element: PhantomData };
-        let all = self.exchange(Arc::new(mine))?;
+        let all = self.exchange("all_reduce", Arc::new(mine))?;
         let mut views: Vec<&InPlace<T>> = Vec::with_capacity(n);
         for (r, p) in all.iter().enumerate() {
             // Every rank sees the same deposits, so every rank returns here or none does.
@@ -544,12 +590,16 @@ impl Collective for ThreadComm {
         let src =
             *self.members.get(from).ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
         let mb = self.world.mailbox(src, self.world_rank(), tag);
+        let start = Instant::now();
         let mut q = lock(&mb.queue);
         loop {
             if let Some(v) = q.pop_front() {
                 return Ok(v);
             }
             self.world.check()?;
+            if start.elapsed() > self.world.timeout {
+                return Err(self.timed_out("recv", start, std::iter::once(from)));
+            }
             q = mb.cv.wait_timeout(q, POLL).unwrap_or_else(|e| e.into_inner()).0;
         }
     }

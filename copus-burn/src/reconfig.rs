@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use copus_core::layout::ParallelDims;
 
-use crate::engine::{Engine, EngineConfig, EngineError, Fault, ReconfigPhase};
+use crate::engine::{Engine, EngineConfig, EngineError, ReconfigPhase};
 use crate::parallel::ParallelLm;
 
 /// What a reconfiguration did and how long it took.
@@ -89,7 +89,7 @@ impl<L: ParallelLm> Engine<L> {
                 tracing::debug!("reconfigured {} -> {} in {:.3} s ({} bytes staged)", r.from, r.to, r.total_secs, r.bytes);
                 Ok(r)
             }
-            Err((phase, message)) => match self.relaunch(&state, &old, Fault::default()) {
+            Err((phase, message)) => match self.relaunch(&state, &old, fault.for_rollback()) {
                 Ok(()) => {
                     tracing::warn!(
                         "reconfiguration to {} failed at {phase:?} ({message}); rolled back to {}",
@@ -99,7 +99,14 @@ impl<L: ParallelLm> Engine<L> {
                     Err(EngineError::RolledBack { phase, message, target: describe(&target), restored: describe(&old) })
                 }
                 Err(e) => {
-                    let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too ({e})");
+                    // The staged state is now the only intact copy: write it out before giving up.
+                    let path = self.emergency_path(state.step);
+                    let saved = match state.save(&path, self.specs(), &old, &Default::default()) {
+                        Ok(()) => format!("the state is saved to the emergency checkpoint {}", path.display()),
+                        Err(w) => format!("the emergency checkpoint could not be written either ({w})"),
+                    };
+                    let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too ({e}); {saved}");
+                    tracing::error!("{msg}");
                     self.mark_dead(&msg);
                     Err(EngineError::Dead(msg))
                 }

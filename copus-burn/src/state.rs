@@ -157,6 +157,61 @@ impl TrainingState {
         Ok(Self { params, optim: BTreeMap::new(), scalars: BTreeMap::new(), previous: None, step: 0, tokens_seen: 0, gns })
     }
 
+    /// Checks the state is whole for a model of `specs`: every parameter present with its
+    /// element count and no other; optimizer state either absent everywhere (before the first
+    /// step) or the same fields for every parameter, each of the parameter's size; the previous
+    /// gradient, when kept, for every parameter. The error names the first tensor that is
+    /// missing, extra or of the wrong size, so a partial state is never loaded (it would silently
+    /// restart AdamW moments).
+    pub fn check(&self, specs: &[ParamSpec]) -> Result<(), EngineError> {
+        let bad = |m: String| EngineError::Checkpoint { path: "(training state)".into(), message: m };
+        let sizes: BTreeMap<&str, usize> = specs.iter().map(|s| (s.name.as_str(), s.shape.iter().product())).collect();
+        // `label` names the tensor in errors; `name` is its parameter.
+        let check_len = |label: String, name: &str, len: usize| -> Result<(), EngineError> {
+            match sizes.get(name) {
+                None => Err(bad(format!("{label} is not of a parameter of the model (an extra tensor)"))),
+                Some(&n) if n != len => Err(bad(format!("{label} has {len} elements, the parameter has {n}"))),
+                Some(_) => Ok(()),
+            }
+        };
+        for (name, v) in &self.params {
+            check_len(format!("parameter `{name}`"), name, v.len())?;
+        }
+        if let Some(missing) = specs.iter().find(|s| !self.params.contains_key(&s.name)) {
+            return Err(bad(format!("parameter `{}` is missing", missing.name)));
+        }
+        let fields: Option<Vec<&String>> = self.optim.values().next().map(|f| f.keys().collect());
+        if let Some(fields) = &fields {
+            for spec in specs {
+                let Some(mine) = self.optim.get(&spec.name) else {
+                    return Err(bad(format!("optimizer state of `{}` is missing", spec.name)));
+                };
+                if let Some(f) = fields.iter().find(|f| !mine.contains_key(f.as_str())) {
+                    return Err(bad(format!("optimizer tensor `{}#{f}` is missing", spec.name)));
+                }
+                if let Some(f) = mine.keys().find(|f| !fields.contains(f)) {
+                    return Err(bad(format!("optimizer tensor `{}#{f}` is extra (other parameters have no `{f}`)", spec.name)));
+                }
+            }
+            for (name, f) in &self.optim {
+                for (field, v) in f {
+                    check_len(format!("optimizer tensor `{name}#{field}`"), name, v.len())?;
+                }
+            }
+        } else if self.step > 0 {
+            return Err(bad(format!("the optimizer state is missing although {} steps were taken", self.step)));
+        }
+        if let Some(prev) = &self.previous {
+            for (name, v) in prev {
+                check_len(format!("previous gradient `{name}`"), name, v.len())?;
+            }
+            if let Some(missing) = specs.iter().find(|s| !prev.contains_key(&s.name)) {
+                return Err(bad(format!("previous gradient of `{}` is missing", missing.name)));
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of tensor data held.
     pub fn bytes(&self) -> u64 {
         let n: usize = self.params.values().map(Vec::len).sum::<usize>()

@@ -16,14 +16,30 @@ pub(crate) fn pack(key: &str, meta: &str, tensors: impl IntoIterator<Item = Name
             burn_pack::Tensor::new(name, dtype, shape, None, bytes)
         })
         .collect();
-    let bytes = burn_pack::Writer::new(tensors).with_metadata(key, meta).into_bytes().map_err(|e| format!("{e:?}"))?;
+    let bytes = burn_pack::Writer::new(tensors)
+        .with_metadata(key, meta)
+        .with_metadata(&format!("{key}.hash"), &format!("{:016x}", byte_hash(meta.as_bytes())))
+        .into_bytes()
+        .map_err(|e| format!("{e:?}"))?;
     Ok(bytes.to_vec())
 }
 
-/// Reads what [`pack`] wrote: the header under `key` and the tensors.
+/// A 64-bit FNV-1a hash of bytes (guards headers against corruption).
+pub(crate) fn byte_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Reads what [`pack`] wrote: the header under `key` (checked against its hash when one is
+/// stored) and the tensors.
 pub(crate) fn unpack(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>), String> {
     let reader = burn_pack::Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes)).map_err(|e| format!("not readable: {e:?}"))?;
     let meta = reader.metadata().get(key).cloned().ok_or_else(|| format!("no `{key}` header"))?;
+    if let Some(stored) = reader.metadata().get(&format!("{key}.hash")) {
+        let computed = format!("{:016x}", byte_hash(meta.as_bytes()));
+        if *stored != computed {
+            return Err(format!("the `{key}` header is corrupt (hash {computed}, stored {stored})"));
+        }
+    }
     let mut out = Vec::new();
     for t in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
         let (name, dtype, shape, _, bytes) = t.into_parts().map_err(|e| format!("{e:?}"))?;

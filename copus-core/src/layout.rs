@@ -91,6 +91,16 @@ pub enum LayoutError {
         /// Layers of the model.
         num_layers: usize,
     },
+    /// A layout of more than [`MAX_WORLD`] ranks.
+    #[error("dp = {dp}, tp = {tp}, pp = {pp} make more than {MAX_WORLD} ranks")]
+    TooLarge {
+        /// Data-parallel degree.
+        dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
+        /// Pipeline-parallel degree.
+        pp: usize,
+    },
     /// A rank outside `0..world`.
     #[error("rank {rank} is outside 0..{world}")]
     RankOutOfRange {
@@ -101,8 +111,11 @@ pub enum LayoutError {
     },
 }
 
-/// The parallel degrees of one layout, validated so that `dp * tp * pp == world`.
+/// The parallel degrees of one layout, validated so that `dp * tp * pp == world`. Deserialising
+/// (a recipe, a checkpoint's configuration, a wire message) goes through [`ParallelDims::checked`]:
+/// every degree at least 1 and a product that fits [`MAX_WORLD`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "RawDims")]
 pub struct ParallelDims {
     /// Data-parallel degree.
     pub dp: usize,
@@ -112,7 +125,41 @@ pub struct ParallelDims {
     pub pp: usize,
 }
 
+/// The largest world a layout may have: far beyond any run, small enough that products of a
+/// world size with batch and sequence sizes cannot overflow.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// The degrees as written, before validation.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDims {
+    dp: usize,
+    tp: usize,
+    pp: usize,
+}
+
+impl TryFrom<RawDims> for ParallelDims {
+    type Error = LayoutError;
+    fn try_from(r: RawDims) -> Result<Self, LayoutError> {
+        Self::checked(r.dp, r.tp, r.pp)
+    }
+}
+
 impl ParallelDims {
+    /// Validates the degrees without a world size: each at least 1, the product at most
+    /// [`MAX_WORLD`].
+    pub fn checked(dp: usize, tp: usize, pp: usize) -> Result<Self, LayoutError> {
+        for (axis, v) in [(Axis::Dp, dp), (Axis::Tp, tp), (Axis::Pp, pp)] {
+            if v == 0 {
+                return Err(LayoutError::ZeroAxis { axis });
+            }
+        }
+        match dp.checked_mul(tp).and_then(|x| x.checked_mul(pp)) {
+            Some(w) if w <= MAX_WORLD => Ok(Self { dp, tp, pp }),
+            _ => Err(LayoutError::TooLarge { dp, tp, pp }),
+        }
+    }
+
     /// Validates the degrees against a world size.
     pub fn new(dp: usize, tp: usize, pp: usize, world: usize) -> Result<Self, LayoutError> {
         for (axis, v) in [(Axis::Dp, dp), (Axis::Tp, tp), (Axis::Pp, pp)] {
@@ -329,6 +376,21 @@ mod tests {
         assert!(matches!(ParallelDims::new(0, 8, 1, 8), Err(LayoutError::ZeroAxis { axis: Axis::Dp })));
         // Overflow is an error, not a panic.
         assert!(ParallelDims::new(usize::MAX, 2, 2, 8).is_err());
+    }
+
+    #[test]
+    fn deserialising_checks_every_degree_and_the_product() {
+        let ok: ParallelDims = serde_json::from_str(r#"{"dp":2,"tp":1,"pp":4}"#).unwrap();
+        assert_eq!(ok, ParallelDims { dp: 2, tp: 1, pp: 4 });
+        let e = serde_json::from_str::<ParallelDims>(r#"{"dp":2,"tp":1,"pp":0}"#).unwrap_err().to_string();
+        assert!(e.contains("pp must be at least 1"), "{e}");
+        let big = format!(r#"{{"dp":{},"tp":{},"pp":2}}"#, 1u64 << 40, 1u64 << 30);
+        let e = serde_json::from_str::<ParallelDims>(&big).unwrap_err().to_string();
+        assert!(e.contains("make more than"), "{e}");
+        let e = ron::from_str::<ParallelDims>("(dp: 0, tp: 1, pp: 1)").unwrap_err().to_string();
+        assert!(e.contains("dp must be at least 1"), "{e}");
+        assert!(ParallelDims::checked(MAX_WORLD, 2, 1).is_err());
+        assert_eq!(ParallelDims::checked(4, 2, 1).unwrap().world_size(), 8);
     }
 
     #[test]

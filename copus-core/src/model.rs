@@ -8,9 +8,22 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+/// The largest value any one model size (layers, widths, vocabulary, sequence length) may take:
+/// far beyond any model trained here, small enough that parameter counts, activation sizes and
+/// `batch x seq_len` products stay inside 64 bits.
+pub const MAX_SIZE: usize = 1 << 20;
+
 /// Why a model description is not usable.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum ModelError {
+    /// A size beyond [`MAX_SIZE`] (products of sizes could overflow).
+    #[error("model field `{field}` = {value} exceeds the limit of {MAX_SIZE}")]
+    TooLarge {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+    },
     /// A size that must be positive is zero.
     #[error("model field `{field}` must be at least 1, got 0")]
     Zero {
@@ -151,6 +164,9 @@ impl ModelSpec {
         ] {
             if v == 0 {
                 return Err(ModelError::Zero { field });
+            }
+            if v > MAX_SIZE {
+                return Err(ModelError::TooLarge { field, value: v });
             }
         }
         if !self.hidden.is_multiple_of(self.num_heads) {
@@ -394,6 +410,8 @@ mod tests {
         assert_eq!(m.validate(), Err(ModelError::Groups { num_heads: 8, num_kv_heads: 3 }));
         m.num_kv_heads = 0;
         assert_eq!(m.validate(), Err(ModelError::Zero { field: "num_kv_heads" }));
+        let huge = ModelSpec { seq_len: usize::MAX, ..ModelSpec::tiny_1m() };
+        assert_eq!(huge.validate(), Err(ModelError::TooLarge { field: "seq_len", value: usize::MAX }));
         let e = ModelSpec::preset("llama-9").unwrap_err().to_string();
         assert!(e.contains("llama-9") && e.contains("tiny-5m"), "{e}");
     }

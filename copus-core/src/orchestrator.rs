@@ -1,7 +1,8 @@
 //! The orchestrator: turns step observations into validated decisions. The same logic runs
 //! embedded (a direct call from the training loop) or as a separate service; this module holds
-//! the logic and the wire protocol (length-prefixed JSON frames with a size limit and a shared
-//! token), so both modes behave identically.
+//! the logic and the wire protocol (length-prefixed JSON frames with a size limit, a protocol
+//! version, a shared token and the fingerprint of the run's candidate space), so both modes
+//! behave identically.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -9,19 +10,79 @@ use thiserror::Error;
 use crate::candidates::Candidate;
 use crate::policy::{Decision, Policy, PolicyState, Scorer, StepObservation};
 
-/// Largest frame accepted, bytes.
+/// Largest frame accepted once a session is authenticated, bytes.
 pub const MAX_FRAME: usize = 64 * 1024;
+
+/// Largest frame accepted before it (the `Hello`), bytes: an unauthenticated peer can make the
+/// service hold no more than this per connection.
+pub const MAX_HELLO: usize = 4 * 1024;
+
+/// The protocol version this build speaks; a `Hello` of another is refused.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The shortest shared token the service accepts.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// What identifies a run's decision problem: the model and the candidate space. A service
+/// serves only runs with its own fingerprint, so it cannot send decisions made for another
+/// model, world size or batch lists.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunFingerprint {
+    /// The model's shape (without the vocabulary, which follows the run's tokenizer).
+    pub model: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// Global batch sizes considered, sorted.
+    pub global_batches: Vec<usize>,
+    /// Micro-batch sizes considered, sorted.
+    pub micro_batches: Vec<usize>,
+}
+
+impl RunFingerprint {
+    /// The fingerprint of searching `space` for `model`.
+    pub fn new(model: &crate::model::ModelSpec, space: &crate::candidates::CandidateSpace) -> Self {
+        let sorted = |v: &[usize]| {
+            let mut v = v.to_vec();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        Self {
+            model: format!(
+                "layers {} hidden {} heads {}/{} ffn {} seq {}",
+                model.num_layers, model.hidden, model.num_heads, model.num_kv_heads, model.ffn_hidden, model.seq_len
+            ),
+            world_size: space.world_size,
+            global_batches: sorted(&space.global_batches),
+            micro_batches: sorted(&space.micro_batches),
+        }
+    }
+}
+
+impl std::fmt::Display for RunFingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "model ({}), {} ranks, B_g {:?}, B_m {:?}", self.model, self.world_size, self.global_batches, self.micro_batches)
+    }
+}
 
 /// What the training side sends.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    /// First message: the shared token and a run name.
+    /// First message: the protocol version, the shared token, a run name and the run's
+    /// fingerprint.
     Hello {
+        /// Must equal [`PROTOCOL_VERSION`].
+        version: u32,
         /// Must equal the service's token.
         token: String,
         /// For logs.
         run: String,
+        /// Must equal the service's.
+        fingerprint: RunFingerprint,
     },
+    /// Continue from what an orchestrator learned so far (a client that decided on its own
+    /// while the service was away hands its state over on reconnecting).
+    Resume(OrchestratorState),
     /// A finished step, with what was measured.
     Step {
         /// What the policy sees.
@@ -73,21 +134,93 @@ pub enum ProtocolError {
     /// The token did not match.
     #[error("wrong token")]
     Unauthorized,
+    /// The peer speaks another protocol version.
+    #[error("protocol version {got} is not supported (this side speaks version {PROTOCOL_VERSION})")]
+    Version {
+        /// The version offered.
+        got: u32,
+    },
+    /// The run is not the one the service decides for.
+    #[error("the service decides for {service}; this run is {run}")]
+    Fingerprint {
+        /// The service's.
+        service: String,
+        /// The run's.
+        run: String,
+    },
+    /// A number that JSON cannot carry (NaN or infinite); the message is not sent.
+    #[error("`{0}` is not a finite number")]
+    NonFinite(String),
 }
 
-/// Encodes a message as a frame: 4-byte big-endian length, then JSON.
-pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
-    let body = serde_json::to_vec(msg).expect("protocol messages serialise");
+/// A protocol message: it names its first non-finite number, if any (JSON would write it as
+/// `null`, which the other side cannot read back as a number).
+pub trait Message: Serialize {
+    /// The path of the first NaN or infinite number in the message.
+    fn non_finite(&self) -> Option<String>;
+}
+
+fn first_bad(fields: impl IntoIterator<Item = (String, f64)>) -> Option<String> {
+    fields.into_iter().find(|(_, v)| !v.is_finite()).map(|(f, _)| f)
+}
+
+fn state_fields(prefix: &str, s: &OrchestratorState) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = s.measured.iter().enumerate().map(|(i, (_, v))| (format!("{prefix}.measured[{i}]"), *v)).collect();
+    out.extend(s.learned.measured.iter().enumerate().map(|(i, (_, v))| (format!("{prefix}.learned.measured[{i}]"), *v)));
+    out.extend(s.learned.layout_cost.map(|v| (format!("{prefix}.learned.layout_cost"), v)));
+    out
+}
+
+impl Message for Request {
+    fn non_finite(&self) -> Option<String> {
+        match self {
+            Request::Step { observation, samples_per_sec } => {
+                let mut fields = vec![("Step.samples_per_sec".to_string(), *samples_per_sec)];
+                if let Some(n) = &observation.noise {
+                    for (f, v) in [("grad_sq", n.grad_sq), ("trace", n.trace), ("grad_sq_se", n.grad_sq_se), ("trace_se", n.trace_se)] {
+                        fields.push((format!("Step.observation.noise.{f}"), v));
+                    }
+                }
+                first_bad(fields)
+            }
+            Request::Reconfigured { seconds, .. } => first_bad([("Reconfigured.seconds".to_string(), *seconds)]),
+            Request::Resume(state) => first_bad(state_fields("Resume", state)),
+            Request::Hello { .. } | Request::Bye => None,
+        }
+    }
+}
+
+impl Message for Response {
+    fn non_finite(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Encodes a message as a frame: 4-byte big-endian length, then JSON. A NaN or infinite
+/// number is refused here, naming its field, and never reaches the wire.
+pub fn encode<T: Message>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    if let Some(field) = msg.non_finite() {
+        return Err(ProtocolError::NonFinite(field));
+    }
+    let body = serde_json::to_vec(msg).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    if body.len() > MAX_FRAME {
+        return Err(ProtocolError::TooLarge(body.len()));
+    }
     let mut out = Vec::with_capacity(4 + body.len());
     out.extend_from_slice(&(body.len() as u32).to_be_bytes());
     out.extend_from_slice(&body);
-    out
+    Ok(out)
 }
 
 /// The length a frame header announces, refusing oversized frames before reading them.
 pub fn frame_len(header: [u8; 4]) -> Result<usize, ProtocolError> {
+    frame_len_within(header, MAX_FRAME)
+}
+
+/// The length a frame header announces, refusing frames over `limit` bytes before reading them.
+pub fn frame_len_within(header: [u8; 4], limit: usize) -> Result<usize, ProtocolError> {
     let n = u32::from_be_bytes(header) as usize;
-    if n > MAX_FRAME { Err(ProtocolError::TooLarge(n)) } else { Ok(n) }
+    if n > limit { Err(ProtocolError::TooLarge(n)) } else { Ok(n) }
 }
 
 /// Decodes a frame body. Never panics, whatever the bytes.
@@ -155,10 +288,12 @@ impl Orchestrator {
     /// The decision after a step that ran at `samples_per_sec` on the run's clock: the
     /// measurement replaces the throughput model's value of that configuration
     /// ([`Scorer::observe_throughput`]) before the policy decides. A non-positive value (not
-    /// measured) is ignored.
+    /// measured) or a non-finite one is ignored.
     pub fn on_step_measured(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
-        self.policy.observe_throughput(&obs.current, samples_per_sec);
-        self.scorer.observe_throughput(&obs.current, samples_per_sec);
+        if samples_per_sec.is_finite() {
+            self.policy.observe_throughput(&obs.current, samples_per_sec);
+            self.scorer.observe_throughput(&obs.current, samples_per_sec);
+        }
         self.on_step(obs)
     }
 
@@ -192,6 +327,10 @@ impl Orchestrator {
     pub fn handle(&mut self, req: Request) -> Response {
         match req {
             Request::Hello { .. } => Response::Welcome { policy: self.policy_name() },
+            Request::Resume(state) => match self.restore(&state) {
+                Ok(()) => Response::Ack,
+                Err(e) => Response::Error(e),
+            },
             Request::Step { observation, samples_per_sec } => {
                 Response::Decision { step: observation.step, decision: self.on_step_measured(&observation, samples_per_sec) }
             }
@@ -208,19 +347,37 @@ fn is_candidate(scorer: &Scorer, c: &Candidate) -> bool {
     scorer.throughput(c).is_some()
 }
 
-/// Checks a session's first request against the token (constant-time comparison).
-pub fn authenticate(req: &Request, token: &str) -> Result<(), ProtocolError> {
+/// Checks a session's first request: the protocol version, the token (constant-time
+/// comparison), then the run's fingerprint against the service's.
+pub fn authenticate(req: &Request, token: &str, fingerprint: &RunFingerprint) -> Result<(), ProtocolError> {
     match req {
-        Request::Hello { token: t, .. } => {
+        Request::Hello { version, token: t, fingerprint: theirs, .. } => {
+            if *version != PROTOCOL_VERSION {
+                return Err(ProtocolError::Version { got: *version });
+            }
             let (a, b) = (t.as_bytes(), token.as_bytes());
             let mut diff = a.len() ^ b.len();
             for i in 0..a.len().max(b.len()) {
                 diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
             }
-            if diff == 0 { Ok(()) } else { Err(ProtocolError::Unauthorized) }
+            if diff != 0 {
+                return Err(ProtocolError::Unauthorized);
+            }
+            if theirs != fingerprint {
+                return Err(ProtocolError::Fingerprint { service: fingerprint.to_string(), run: theirs.to_string() });
+            }
+            Ok(())
         }
         _ => Err(ProtocolError::Unauthorized),
     }
+}
+
+/// Checks a service's shared token is long enough to resist guessing.
+pub fn check_token(token: &str) -> Result<(), String> {
+    if token.chars().count() < MIN_TOKEN_LEN {
+        return Err(format!("the token has {} characters; use at least {MIN_TOKEN_LEN}", token.chars().count()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -258,12 +415,12 @@ mod tests {
         let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
         let obs = StepObservation { step: 3, current: cur, noise: None };
         for req in [
-            Request::Hello { token: "t".into(), run: "r".into() },
+            Request::Hello { version: PROTOCOL_VERSION, token: "t".into(), run: "r".into(), fingerprint: fp() },
             Request::Step { observation: obs, samples_per_sec: 5.0 },
             Request::Reconfigured { seconds: 1.5, layout_changed: true },
             Request::Bye,
         ] {
-            let frame = encode(&req);
+            let frame = encode(&req).unwrap();
             let n = frame_len(frame[..4].try_into().unwrap()).unwrap();
             assert_eq!(decode::<Request>(&frame[4..4 + n]).unwrap(), req);
         }
@@ -309,15 +466,57 @@ mod tests {
         assert!(other.restore(&saved).unwrap_err().contains("copus"));
     }
 
+    fn fp() -> RunFingerprint {
+        let space = crate::candidates::CandidateSpace::new(
+            2,
+            vec![4, 2],
+            vec![1],
+            crate::schedule::ScheduleKind::OneFOneB,
+            crate::memory::MemoryModel::fp32(),
+            1e12,
+        )
+        .unwrap();
+        RunFingerprint::new(&crate::model::ModelSpec::tiny_1m(), &space)
+    }
+
     #[test]
-    fn tokens_and_sizes_are_checked() {
-        let hello = |t: &str| Request::Hello { token: t.into(), run: "r".into() };
-        assert!(authenticate(&hello("secret"), "secret").is_ok());
-        assert_eq!(authenticate(&hello("secreT"), "secret"), Err(ProtocolError::Unauthorized));
-        assert_eq!(authenticate(&hello("secret2"), "secret"), Err(ProtocolError::Unauthorized));
-        assert_eq!(authenticate(&Request::Bye, "secret"), Err(ProtocolError::Unauthorized));
+    fn tokens_versions_fingerprints_and_sizes_are_checked() {
+        let hello = |t: &str| Request::Hello { version: PROTOCOL_VERSION, token: t.into(), run: "r".into(), fingerprint: fp() };
+        assert!(authenticate(&hello("secret"), "secret", &fp()).is_ok());
+        assert_eq!(authenticate(&hello("secreT"), "secret", &fp()), Err(ProtocolError::Unauthorized));
+        assert_eq!(authenticate(&hello("secret2"), "secret", &fp()), Err(ProtocolError::Unauthorized));
+        assert_eq!(authenticate(&Request::Bye, "secret", &fp()), Err(ProtocolError::Unauthorized));
+        let old = Request::Hello { version: 1, token: "secret".into(), run: "r".into(), fingerprint: fp() };
+        assert_eq!(authenticate(&old, "secret", &fp()), Err(ProtocolError::Version { got: 1 }));
+        let other = RunFingerprint { world_size: 4, ..fp() };
+        let e = authenticate(&hello("secret"), "secret", &other).unwrap_err().to_string();
+        assert!(e.contains("4 ranks") && e.contains("2 ranks") && e.contains("B_g [2, 4]"), "{e}");
+        assert!(check_token("short").unwrap_err().contains("at least 16"));
+        assert!(check_token("0123456789abcdef").is_ok());
         assert_eq!(frame_len((MAX_FRAME as u32 + 1).to_be_bytes()), Err(ProtocolError::TooLarge(MAX_FRAME + 1)));
         assert!(matches!(decode::<Request>(b"{\"Step\": 5}"), Err(ProtocolError::Malformed(_))));
+    }
+
+    #[test]
+    fn non_finite_numbers_never_reach_the_wire() {
+        let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
+        let obs = StepObservation { step: 1, current: cur, noise: None };
+        let e = encode(&Request::Step { observation: obs, samples_per_sec: f64::INFINITY }).unwrap_err();
+        assert_eq!(e.to_string(), "`Step.samples_per_sec` is not a finite number");
+        let noisy = StepObservation {
+            noise: Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: f64::NAN, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+            ..obs
+        };
+        let e = encode(&Request::Step { observation: noisy, samples_per_sec: 1.0 }).unwrap_err();
+        assert_eq!(e, ProtocolError::NonFinite("Step.observation.noise.trace".into()));
+        let e = encode(&Request::Reconfigured { seconds: f64::NEG_INFINITY, layout_changed: true }).unwrap_err();
+        assert!(e.to_string().contains("Reconfigured.seconds"));
+        let mut state = OrchestratorState::default();
+        state.learned.layout_cost = Some(f64::NAN);
+        assert!(encode(&Request::Resume(state)).unwrap_err().to_string().contains("Resume.learned.layout_cost"));
+        // Finite messages encode and decode to themselves.
+        let req = Request::Step { observation: obs, samples_per_sec: 1.5 };
+        assert_eq!(decode::<Request>(&encode(&req).unwrap()[4..]).unwrap(), req);
     }
 
     proptest! {
@@ -333,7 +532,8 @@ mod tests {
         #[test]
         fn mutated_frames_never_panic(flip in 0usize..200, val in any::<u8>()) {
             let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
-            let frame = encode(&Request::Step { observation: StepObservation { step: 1, current: cur, noise: None }, samples_per_sec: 2.0 });
+            let frame =
+                encode(&Request::Step { observation: StepObservation { step: 1, current: cur, noise: None }, samples_per_sec: 2.0 }).unwrap();
             let mut body = frame[4..].to_vec();
             let i = flip % body.len();
             body[i] = val;

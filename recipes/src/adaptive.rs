@@ -520,11 +520,16 @@ fn train(
     std::fs::write(folder.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     std::fs::write(folder.join("summary.md"), summary_markdown(&summary, recipe))?;
     let params = driver.engine_mut().gather()?;
+    // Every output is attempted; any that failed fails the run (exit code non-zero).
+    let mut failed = Vec::new();
     if let Err(e) = save_weights(&cfg, params, &folder.join("model.safetensors")) {
-        tracing::warn!("weights not saved: {e:#}");
+        failed.push(format!("weights not saved: {e:#}"));
     }
     if let Err(e) = plots(&folder, &points, b0) {
-        tracing::warn!("plots not written: {e:#}");
+        failed.push(format!("plots not written: {e:#}"));
+    }
+    if !failed.is_empty() {
+        anyhow::bail!("{}: {}", folder.display(), failed.join("; "));
     }
     Ok((folder, summary))
 }

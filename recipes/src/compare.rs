@@ -836,11 +836,14 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
             (Some(addr), false) => {
                 let addr: std::net::SocketAddr = addr.parse().map_err(|e| anyhow!("recipe field `scenario.service` = {addr:?}: {e}"))?;
                 let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
-                let client = crate::service::Client::connect(addr, &token, &recipe.name)?;
+                let fingerprint = copus_core::orchestrator::RunFingerprint::new(&spec, &space);
+                let client = crate::service::Client::connect(addr, &token, &recipe.name, fingerprint)?;
+                // The embedded orchestrator decides while the service is away.
+                let embedded = std::mem::replace(&mut orch, Orchestrator::new(Box::new(copus_core::policy::Static), scorer.clone()));
                 Some(if r.service_synchronous {
-                    crate::service::RemoteSource::synchronous(client, std::time::Duration::from_secs(30))
+                    crate::service::RemoteSource::synchronous(client, embedded, std::time::Duration::from_secs(30))
                 } else {
-                    crate::service::RemoteSource::new(client)
+                    crate::service::RemoteSource::new(client, embedded)
                 })
             }
             _ => None,
@@ -898,8 +901,12 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
             }
         }
         bar.finish();
-        if let Some(why) = remote.as_ref().and_then(|c| c.unavailable()) {
-            run.name = format!("{name} (orchestrator service lost: {why})");
+        if let Some(remote) = remote.as_ref().filter(|r| r.fallback_steps() > 0) {
+            run.name = format!(
+                "{name} ({} steps decided in process while the orchestrator service was away: {})",
+                remote.fallback_steps(),
+                remote.unavailable().unwrap_or("unavailable")
+            );
         }
         tracing::info!("{name}: {}", run.time_to_target.map_or("did not reach the target".into(), |t| format!("{} s", secs(t))));
         if !baseline {

@@ -231,15 +231,36 @@ pub fn split(plays: Vec<Play>, heldout: &[String]) -> Result<Corpus, DataError> 
     Ok(Corpus { train, heldout, checksum })
 }
 
-/// A byte-level BPE of `vocab_size` trained on `texts`, cached under `cache` by corpus checksum.
-pub fn bpe_tokenizer(texts: &[&str], vocab_size: usize, cache: &Path, checksum: &str) -> Result<Tokenizer, DataError> {
+/// The tokenizer trainer's settings, part of every cache key (change it with the settings).
+const BPE_SETTINGS: &str = "byte-level BPE v1: min_frequency 2, byte alphabet, <|endoftext|>, no prefix space";
+
+/// The cache key of a BPE: sha256 over the trainer settings, the vocabulary size and exactly
+/// the texts it is trained on, so a run that holds out other plays never reuses a tokenizer
+/// that saw its held-out text.
+pub fn bpe_key(texts: &[&str], vocab_size: usize) -> String {
+    let mut h = Sha256::new();
+    h.update(BPE_SETTINGS.as_bytes());
+    h.update((vocab_size as u64).to_le_bytes());
+    for t in texts {
+        h.update((t.len() as u64).to_le_bytes());
+        h.update(t.as_bytes());
+    }
+    hex(&h.finalize())
+}
+
+/// A byte-level BPE of `vocab_size` trained on `texts`, cached under `cache` by
+/// [`bpe_key`]. A cached file that does not load is an error naming it (never retrained over
+/// silently).
+pub fn bpe_tokenizer(texts: &[&str], vocab_size: usize, cache: &Path) -> Result<Tokenizer, DataError> {
     use tokenizers::AddedToken;
     use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     let dir = cache.join("tokenizers");
-    let path = dir.join(format!("bpe-{vocab_size}-{}.json", &checksum[..16.min(checksum.len())]));
+    let path = dir.join(format!("bpe-{vocab_size}-{}.json", &bpe_key(texts, vocab_size)[..24]));
     if path.exists() {
-        return Tokenizer::from_file(&path).map_err(|e| DataError::Tokenizer(format!("{}: {e}", path.display())));
+        return Tokenizer::from_file(&path).map_err(|e| {
+            DataError::Tokenizer(format!("the cached tokenizer {} is unreadable ({e}); delete it to train it again", path.display()))
+        });
     }
     let terr = |e: tokenizers::Error| DataError::Tokenizer(e.to_string());
     let trainer = BpeTrainerBuilder::new()
@@ -255,7 +276,7 @@ pub fn bpe_tokenizer(texts: &[&str], vocab_size: usize, cache: &Path, checksum: 
     tokenizer.with_decoder(Some(ByteLevel::default()));
     tokenizer.train(&mut trainer, texts.iter().map(|s| s.to_string())).map_err(terr)?;
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-    let tmp = path.with_extension("partial");
+    let tmp = path.with_extension(format!("{}.partial", std::process::id()));
     tokenizer.save(&tmp, false).map_err(|e| DataError::Tokenizer(e.to_string()))?;
     std::fs::rename(&tmp, &path).map_err(io(&path))?;
     Ok(tokenizer)
@@ -378,13 +399,42 @@ mod tests {
     fn bpe_trains_round_trips_and_is_cached() {
         let dir = tempfile::tempdir().unwrap();
         let text = "When shall we three meet again\nIn thunder, lightning, or in rain?\n".repeat(50);
-        let tok = bpe_tokenizer(&[&text], 300, dir.path(), "abcdef0123456789").unwrap();
+        let tok = bpe_tokenizer(&[&text], 300, dir.path()).unwrap();
         let ids = encode(&tok, &["In thunder, lightning"]).unwrap();
         assert!(ids.len() < "In thunder, lightning".len(), "BPE merges bytes: {}", ids.len());
         let back = tok.decode(&ids[..ids.len() - 1], false).unwrap();
         assert_eq!(back, "In thunder, lightning");
-        assert!(dir.path().join("tokenizers/bpe-300-abcdef0123456789.json").exists());
-        let again = bpe_tokenizer(&[], 300, dir.path(), "abcdef0123456789").unwrap();
+        let path = dir.path().join(format!("tokenizers/bpe-300-{}.json", &bpe_key(&[&text], 300)[..24]));
+        assert!(path.exists());
+        // The cache answers for the same texts (training again would take the same time).
+        let again = bpe_tokenizer(&[&text], 300, dir.path()).unwrap();
         assert_eq!(encode(&again, &["In thunder"]).unwrap(), encode(&tok, &["In thunder"]).unwrap());
+        // A corrupt cached file is an error naming it, not a silent retrain.
+        std::fs::write(&path, "{ not a tokenizer").unwrap();
+        let e = bpe_tokenizer(&[&text], 300, dir.path()).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()) && e.contains("delete it"), "{e}");
+    }
+
+    /// Two recipes holding out different plays get two tokenizers, and neither has seen its
+    /// held-out play: each held-out play's made-up word, repeated hundreds of times there,
+    /// is a token only of the tokenizer trained with that play.
+    #[test]
+    fn held_out_text_never_reaches_the_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = "Now is the winter of our discontent made glorious summer by this sun of York.\n".repeat(20);
+        let play = |name: &str, word: &str| Play { name: name.into(), text: format!("{base}{}", format!("{word} ").repeat(400)) };
+        let plays = vec![play("alpha", "zyxwvutsq"), play("beta", "qponmlkjh")];
+        let tokenizer_holding_out = |held: &str| {
+            let corpus = split(plays.clone(), &[held.to_string()]).unwrap();
+            let texts: Vec<&str> = corpus.train.iter().map(|p| p.text.as_str()).collect();
+            bpe_tokenizer(&texts, 400, dir.path()).unwrap()
+        };
+        let (no_alpha, no_beta) = (tokenizer_holding_out("alpha"), tokenizer_holding_out("beta"));
+        let pieces = |t: &Tokenizer, w: &str| t.encode(w, false).unwrap().get_ids().len();
+        assert!(pieces(&no_alpha, "zyxwvutsq") > 1, "alpha's word is not a token of the tokenizer without alpha");
+        assert_eq!(pieces(&no_beta, "zyxwvutsq"), 1, "but it is one where alpha was trained on");
+        assert!(pieces(&no_beta, "qponmlkjh") > 1);
+        assert_eq!(pieces(&no_alpha, "qponmlkjh"), 1);
+        assert_eq!(std::fs::read_dir(dir.path().join("tokenizers")).unwrap().count(), 2, "two cache entries");
     }
 }

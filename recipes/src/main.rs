@@ -35,7 +35,7 @@ mod suite;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{Context, anyhow};
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use crate::service::PolicyName;
@@ -172,17 +172,19 @@ fn run_service(recipe: &Path, profile: &Path, policy: PolicyName, listen: std::n
     let text = std::fs::read_to_string(profile).with_context(|| format!("reading the profile {}", profile.display()))?;
     let profile = copus_core::throughput::ThroughputProfile::from_ron(&text)?;
     let spec = recipe.model_spec()?;
-    let feasible = par.space()?.enumerate(&spec).feasible;
+    let space = par.space()?;
+    let fingerprint = copus_core::orchestrator::RunFingerprint::new(&spec, &space);
+    let feasible = space.enumerate(&spec).feasible;
     let scorer = copus_core::policy::Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64)?;
     let rule = copus_core::policy::SwitchRule::default();
     service::policy_by_name(policy, &scorer, rule)?;
-    let make: std::sync::Arc<dyn Fn() -> copus_core::orchestrator::Orchestrator + Send + Sync> = std::sync::Arc::new(move || {
+    let make: service::MakeOrchestrator = std::sync::Arc::new(move || {
         let p = service::policy_by_name(policy, &scorer, rule).expect("checked above");
         copus_core::orchestrator::Orchestrator::new(p, scorer.clone())
     });
-    let (addr, handle) = service::spawn(listen, token, make)?;
-    tracing::info!("orchestrator listening on {addr}");
-    handle.join().map_err(|_| anyhow!("the service thread panicked"))
+    let handle = service::spawn(listen, service::ServiceConfig::new(token, fingerprint.clone()), make)?;
+    tracing::info!("orchestrator listening on {} for runs of {fingerprint}", handle.addr);
+    handle.join()
 }
 
 fn load_recipe(path: &Path) -> anyhow::Result<recipe::Recipe> {

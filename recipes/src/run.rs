@@ -72,6 +72,14 @@ pub enum RunError {
     /// The recipe's backend is not usable here.
     #[error("backend: {0}")]
     Device(String),
+    /// Outputs at the end of a run that could not be written (the rest were).
+    #[error("{folder}: {failed}")]
+    Output {
+        /// The run folder.
+        folder: String,
+        /// What failed.
+        failed: String,
+    },
     /// Writing the run folder.
     #[error("{path}: {err}")]
     Io {
@@ -161,7 +169,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
     let tokenizer = match &recipe.data.tokenizer {
         TokenizerRecipe::Bpe { vocab_size } => {
             tracing::info!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} plays (cached)", corpus.train.len());
-            data::bpe_tokenizer(&train_texts, *vocab_size, &cache, &corpus.checksum)?
+            data::bpe_tokenizer(&train_texts, *vocab_size, &cache)?
         }
         TokenizerRecipe::File(path) => {
             tokenizers::Tokenizer::from_file(path).map_err(|e| data::DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?
@@ -333,11 +341,16 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
     write("summary.md", &summary_markdown(&summary, recipe))?;
     let weights = folder.join("model.safetensors");
+    // Every output is attempted; any that failed fails the run (exit code non-zero).
+    let mut failed = Vec::new();
     if let Err(e) = copus_models::save_safetensors(trainer.model(), &weights) {
-        tracing::warn!("weights not saved: {e}");
+        failed.push(format!("weights not saved: {e}"));
     }
     if let Err(e) = plots(&folder, &history, &eval_path) {
-        tracing::warn!("plots not written: {e}");
+        failed.push(format!("plots not written: {e}"));
+    }
+    if !failed.is_empty() {
+        return Err(RunError::Output { folder: folder.display().to_string(), failed: failed.join("; ") });
     }
     Ok((folder, summary))
 }

@@ -15,14 +15,16 @@ use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::rank::{RankError, RankInit, RankState};
 use super::{EngineStep, RankParams};
-use crate::collective::{Collective, CommError, ThreadComm};
+use crate::collective::{AbortHandle, Collective, CommError, ThreadComm};
+use std::time::{Duration, Instant};
 use crate::parallel::{ParallelLm, ShardPlan};
 use crate::state::{RankExport, TrainingState};
 
 /// What the engine asks of every rank.
 pub(super) enum Command {
-    /// The step's batch, and whether to poison its gradient with a NaN (fault injection).
-    Step(Arc<Vec<i64>>, bool),
+    /// The step's batch, whether to poison its gradient with a NaN, and the world rank that
+    /// hangs instead of stepping (fault injection).
+    Step(Arc<Vec<i64>>, bool, Option<usize>),
     Params,
     Export,
     SetBatch {
@@ -53,10 +55,17 @@ struct WorkerHandle {
 
 type Replies = Receiver<(usize, Result<Reply, RankFailure>)>;
 
+/// How long the other ranks get once one has failed, and how long stopping waits for a rank.
+const GRACE: Duration = Duration::from_secs(4);
+
 /// The running ranks of one layout.
 pub(super) struct Cluster {
     workers: Vec<WorkerHandle>,
     replies: Replies,
+    /// The longest the engine waits for a rank's reply.
+    timeout: Duration,
+    /// Aborts the in-process world (releases ranks waiting in collectives when stopping).
+    abort: Option<AbortHandle>,
     /// The other processes of a multi-process run, seen from process 0.
     #[cfg(feature = "mpi")]
     remote: Option<super::processes::Remote>,
@@ -104,9 +113,11 @@ impl Cluster {
         }
         let (reply_tx, replies) = channel();
         let (ready_tx, ready_rx) = channel();
+        let abort: Option<AbortHandle>;
         #[cfg(feature = "mpi")]
         let workers = match &remote {
             Some(remote) => {
+                abort = None;
                 let describe = model.describe().ok_or_else(|| {
                     EngineError::Dead("this model cannot run across processes: it does not describe itself (`ParallelLm::describe`)".into())
                 })?;
@@ -118,22 +129,29 @@ impl Cluster {
                     .unwrap_or_else(|e| crate::mpi::abort_job(&e.to_string()))
             }
             None => {
-                spawn_ranks(ThreadComm::world(world).into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?
+                let comms = ThreadComm::world_with_timeout(world, cfg.timeout());
+                abort = comms.first().map(ThreadComm::abort_handle);
+                spawn_ranks(comms.into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?
             }
         };
         #[cfg(not(feature = "mpi"))]
-        let workers =
-            spawn_ranks(ThreadComm::world(world).into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?;
+        let workers = {
+            let comms = ThreadComm::world_with_timeout(world, cfg.timeout());
+            abort = comms.first().map(ThreadComm::abort_handle);
+            spawn_ranks(comms.into_iter().enumerate().collect(), inits, model, specs, cfg, &reply_tx, &ready_tx)?
+        };
         drop(ready_tx);
+        let timeout = cfg.timeout();
         #[cfg(feature = "mpi")]
-        let cluster = Cluster { workers, replies, remote };
+        let cluster = Cluster { workers, replies, timeout, abort, remote };
         #[cfg(not(feature = "mpi"))]
-        let cluster = Cluster { workers, replies };
+        let cluster = Cluster { workers, replies, timeout, abort };
         let mut first_error: Option<EngineError> = None;
         let mut first_secondary = false;
         let mut reported: Vec<Option<Vec<(String, u64)>>> = vec![None; world];
+        let deadline = Instant::now() + cfg.timeout();
         for _ in 0..local_ranks {
-            match ready_rx.recv() {
+            match ready_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok((r, Ok(h))) => reported[r] = Some(h),
                 Ok((_, Err(e))) => {
                     // Prefer a rank's own failure over another rank's report of the abort.
@@ -143,6 +161,14 @@ impl Cluster {
                         first_error = Some(e);
                         first_secondary = secondary;
                     }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let missing: Vec<usize> = (0..local_ranks).filter(|&r| reported[r].is_none()).collect();
+                    first_error.get_or_insert(EngineError::Dead(format!(
+                        "rank(s) {missing:?} did not finish starting within {:.1} s",
+                        cfg.timeout().as_secs_f64()
+                    )));
+                    break;
                 }
                 Err(_) => {
                     first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
@@ -197,8 +223,38 @@ impl Cluster {
         let n = self.workers.len();
         let mut out: Vec<Option<Reply>> = (0..n).map(|_| None).collect();
         let mut failure: Option<(usize, RankFailure)> = None;
+        let mut answered = vec![false; n];
+        // Every reply within the timeout; once one rank has failed, the others (released by its
+        // abort) within a short grace, so a hung rank cannot hold the engine.
+        let mut deadline = Instant::now() + self.timeout;
         for _ in 0..n {
-            match self.replies.recv() {
+            let reply = match self.replies.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(x) => Ok(x),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let missing: Vec<usize> = (0..n).filter(|&r| !answered[r]).collect();
+                    if let Some(abort) = &self.abort {
+                        abort.abort(&format!("rank(s) {missing:?} did not answer"));
+                    }
+                    if failure.is_none() {
+                        failure = Some((
+                            missing[0],
+                            RankFailure {
+                                origin: true,
+                                message: format!(
+                                    "no answer within {:.1} s from rank(s) {missing:?} (hung)",
+                                    self.timeout.as_secs_f64()
+                                ),
+                            },
+                        ));
+                    }
+                    break;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(()),
+            };
+            if let Ok((r, _)) = &reply {
+                answered[*r] = true;
+            }
+            match reply {
                 Ok((r, Ok(reply))) => out[r] = Some(reply),
                 Ok((r, Err(f))) => {
                     let better = match &failure {
@@ -208,6 +264,7 @@ impl Cluster {
                     if better {
                         failure = Some((r, f));
                     }
+                    deadline = deadline.min(Instant::now() + GRACE.min(self.timeout));
                 }
                 Err(_) => {
                     failure.get_or_insert((usize::MAX, RankFailure { origin: true, message: "a rank thread vanished".into() }));
@@ -227,7 +284,8 @@ impl Cluster {
         Ok(out)
     }
 
-    /// Stops every rank and joins its thread.
+    /// Stops every rank and joins its thread. A rank that does not end within a short grace
+    /// (hung) is left behind, detached, so stopping never hangs.
     pub(super) fn stop(&mut self) {
         #[cfg(feature = "mpi")]
         if let Some(remote) = self.remote.take() {
@@ -236,9 +294,24 @@ impl Cluster {
         for w in &self.workers {
             let _ = w.commands.send(Command::Stop);
         }
-        for w in &mut self.workers {
-            if let Some(t) = w.thread.take() {
+        let deadline = Instant::now() + GRACE.min(self.timeout);
+        let mut released = false;
+        for (r, w) in self.workers.iter_mut().enumerate() {
+            let Some(t) = w.thread.take() else { continue };
+            while !t.is_finished() && Instant::now() < deadline {
+                if !released && Instant::now() + GRACE / 2 > deadline {
+                    // Ranks still inside a collective wait for a hung one: release them.
+                    if let Some(abort) = &self.abort {
+                        abort.abort("the engine is stopping");
+                    }
+                    released = true;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if t.is_finished() {
                 let _ = t.join();
+            } else {
+                tracing::warn!("rank {r} did not stop within {:.1} s; its thread is left behind", GRACE.as_secs_f64());
             }
         }
     }
@@ -336,7 +409,13 @@ fn worker_loop<L: ParallelLm, C: Collective>(
     while let Ok(cmd) = rx.recv() {
         let result = match cmd {
             Command::Stop => return,
-            Command::Step(batch, poison) => catch_unwind(AssertUnwindSafe(|| state.step(&batch, poison).map(|s| Reply::Step(Box::new(s))))),
+            Command::Step(_, _, Some(stall)) if stall == r && cfg!(feature = "fault-injection") => loop {
+                // A hung rank: it never replies and never returns.
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
+            Command::Step(batch, poison, _) => {
+                catch_unwind(AssertUnwindSafe(|| state.step(&batch, poison).map(|s| Reply::Step(Box::new(s)))))
+            }
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
             Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
             Command::SetBatch { global_batch, micro_batch } => {

@@ -70,9 +70,24 @@ pub struct EngineConfig {
     /// The device of each rank, in rank order; empty means Flex for every rank.
     #[config(default = "Vec::new()")]
     pub devices: Vec<RankDevice>,
+    /// The longest any wait may last, seconds: a collective or receive waiting for another rank,
+    /// and the engine waiting for a rank's reply. A rank that hangs then fails the step with
+    /// [`crate::CommError::Timeout`] naming the ranks that did not arrive, instead of freezing
+    /// training. It bounds one step's slowest rank, so the default is generous.
+    #[config(default = 1800.0)]
+    pub timeout_secs: f64,
 }
 
+/// The largest global batch, sequences (with [`copus_core::model::MAX_SIZE`] it keeps every
+/// batch's token count inside 64 bits).
+pub const MAX_BATCH: usize = 1 << 24;
+
 impl EngineConfig {
+    /// The longest any wait lasts ([`EngineConfig::timeout_secs`]).
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_secs.clamp(1e-3, 1e9))
+    }
+
     /// Micro-batches per dp replica per step, `a = B_g / (dp * B_m)`.
     pub fn num_micro_per_replica(&self) -> usize {
         self.global_batch / (self.dims.dp * self.micro_batch)
@@ -87,8 +102,18 @@ impl EngineConfig {
                 self.seq_len
             )));
         }
+        if b > MAX_BATCH || self.seq_len > copus_core::model::MAX_SIZE {
+            return Err(EngineError::Batch(format!(
+                "global batch ({b}) must be at most {MAX_BATCH} and sequence length ({}) at most {}",
+                self.seq_len,
+                copus_core::model::MAX_SIZE
+            )));
+        }
         if !b.is_multiple_of(dp * m) {
             return Err(EngineError::Batch(format!("global batch {b} is not a multiple of dp x micro-batch = {dp} x {m} = {}", dp * m)));
+        }
+        if !(self.timeout_secs.is_finite() && self.timeout_secs > 0.0) {
+            return Err(EngineError::Batch(format!("timeout_secs ({}) must be a positive number of seconds", self.timeout_secs)));
         }
         if self.bucket_elems == 0 {
             return Err(EngineError::Batch("bucket_elems must be at least 1".into()));

@@ -6,13 +6,25 @@ use super::error::ReconfigPhase;
 
 /// A planted failure, or none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Fault(Option<ReconfigPhase>);
+pub(crate) struct Fault(Option<ReconfigPhase>, bool);
 
 impl Fault {
     /// A failure at `phase` (none for `None`).
     #[cfg(feature = "fault-injection")]
     pub(crate) fn at_phase(phase: Option<ReconfigPhase>) -> Self {
-        Self(phase)
+        Self(phase, false)
+    }
+
+    /// A failure at `phase` that strikes the rollback too.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn with_failed_rollback(phase: ReconfigPhase) -> Self {
+        Self(Some(phase), true)
+    }
+
+    /// What the rollback after this fault meets: the same fault when it strikes the rollback
+    /// too, else none.
+    pub(crate) fn for_rollback(self) -> Self {
+        if cfg!(feature = "fault-injection") && self.1 { self } else { Self::default() }
     }
 
     /// Whether the failure is planted at `phase`.

@@ -82,6 +82,10 @@ pub struct Engine<L: ParallelLm> {
     fault: Fault,
     /// Fault injection: poison the gradients of `.1` steps from step `.0` on.
     poison: (u64, u64),
+    /// Fault injection: the world rank whose next step never finishes.
+    stall: Option<usize>,
+    /// Where an emergency checkpoint goes when a failed reconfiguration cannot roll back.
+    emergency_dir: Option<std::path::PathBuf>,
 }
 
 impl EngineConfig {
@@ -101,6 +105,7 @@ impl<L: ParallelLm> Engine<L> {
     /// Starts the ranks of `cfg.dims` from a staged or loaded training state (any layout's).
     pub fn from_state(model: Arc<L>, state: &TrainingState, cfg: EngineConfig) -> Result<Self, EngineError> {
         let specs = model.spec().param_specs();
+        state.check(&specs)?;
         let mut engine = Self {
             model,
             cfg: cfg.clone(),
@@ -112,6 +117,8 @@ impl<L: ParallelLm> Engine<L> {
             tokens_seen: state.tokens_seen,
             fault: Fault::default(),
             poison: (0, 0),
+            stall: None,
+            emergency_dir: None,
         };
         engine.check_target(&cfg)?;
         engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::default())?);
@@ -147,6 +154,32 @@ impl<L: ParallelLm> Engine<L> {
     #[cfg(feature = "fault-injection")]
     pub fn inject_fault(&mut self, phase: Option<ReconfigPhase>) {
         self.fault = Fault::at_phase(phase);
+    }
+
+    /// Makes the next layout change fail at `phase` and the rollback after it fail too (the
+    /// emergency-checkpoint test).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault_with_failed_rollback(&mut self, phase: ReconfigPhase) {
+        self.fault = Fault::with_failed_rollback(phase);
+    }
+
+    /// Makes world rank `rank` hang (sleep, without ever replying) in the next step: the other
+    /// ranks' waits time out (the timeout tests).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_stall(&mut self, rank: usize) {
+        self.stall = Some(rank);
+    }
+
+    /// The folder for an emergency checkpoint: written only when a failed layout change cannot
+    /// roll back, as the one intact copy of the state (default: the system's temporary folder).
+    pub fn set_emergency_dir(&mut self, dir: impl Into<std::path::PathBuf>) {
+        self.emergency_dir = Some(dir.into());
+    }
+
+    /// Where the emergency checkpoint of step `step` goes.
+    pub(crate) fn emergency_path(&self, step: u64) -> std::path::PathBuf {
+        let dir = self.emergency_dir.clone().unwrap_or_else(std::env::temp_dir);
+        dir.join(format!("copus-emergency-step-{step:08}-{}.bpk", std::process::id()))
     }
 
     /// Writes a NaN into the gradient of the next `count` steps once `steps_done()` reaches
@@ -193,7 +226,8 @@ impl<L: ParallelLm> Engine<L> {
         if poison {
             self.poison.1 -= 1;
         }
-        let replies = self.broadcast(|| Command::Step(batch.clone(), poison))?;
+        let stall = self.stall.take();
+        let replies = self.broadcast(|| Command::Step(batch.clone(), poison, stall))?;
         let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
         if step.skipped {
             tracing::warn!(

@@ -116,7 +116,7 @@ impl Remote {
     /// Sends an engine command to the serving processes.
     pub(super) fn command(&self, command: &Command) -> Result<(), EngineError> {
         match command {
-            Command::Step(batch, poison) => {
+            Command::Step(batch, poison, _) => {
                 let bytes: Vec<u8> = batch.iter().flat_map(|t| t.to_le_bytes()).collect();
                 self.send(&Header::Step { poison: *poison }, &bytes)
             }
