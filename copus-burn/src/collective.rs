@@ -788,6 +788,44 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_that_never_arrives_times_out_every_wait_naming_it() {
+        let world = ThreadComm::world_with_timeout(4, Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        let handles: Vec<_> = world
+            .into_iter()
+            .map(|c| {
+                thread::spawn(move || match c.rank() {
+                    // Rank 3 hangs (it outlives the others' timeout, then leaves).
+                    3 => {
+                        thread::sleep(Duration::from_millis(1500));
+                        None
+                    }
+                    // Rank 2 waits for a message rank 3 never sends.
+                    2 => c.recv(3, 7).err(),
+                    // Ranks 0 and 1 wait for rank 3 in an all-reduce, small and in place.
+                    0 => c.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).err(),
+                    _ => c.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).err(),
+                })
+            })
+            .collect();
+        let out: Vec<Option<CommError>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for r in [0, 1] {
+            match &out[r] {
+                Some(CommError::Timeout { op: "all_reduce", secs, missing }) => {
+                    // Rank 2 is in a receive, rank 3 nowhere: neither arrived.
+                    assert_eq!(missing, &vec![2, 3], "rank {r}");
+                    assert!(*secs >= 0.3, "{secs}");
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+        assert!(matches!(&out[2], Some(CommError::Timeout { op: "recv", missing, .. }) if missing == &vec![3]), "{:?}", out[2]);
+        let e = out[0].clone().unwrap().to_string();
+        assert!(e.contains("all_reduce") && e.contains("[2, 3]") && e.contains("timed out"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
     fn an_aborting_rank_releases_everyone_with_its_message() {
         let out = run(4, |c| {
             if c.rank() == 2 {

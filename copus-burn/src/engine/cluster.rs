@@ -224,9 +224,11 @@ impl Cluster {
         let mut out: Vec<Option<Reply>> = (0..n).map(|_| None).collect();
         let mut failure: Option<(usize, RankFailure)> = None;
         let mut answered = vec![false; n];
-        // Every reply within the timeout; once one rank has failed, the others (released by its
-        // abort) within a short grace, so a hung rank cannot hold the engine.
-        let mut deadline = Instant::now() + self.timeout;
+        // Every reply within twice the timeout (a step is compute plus waits; a rank's own
+        // collective timeout fires first and names the missing ranks); once one rank has failed,
+        // the others (released by its abort) within a short grace, so a hung rank cannot hold
+        // the engine.
+        let mut deadline = Instant::now() + 2 * self.timeout;
         for _ in 0..n {
             let reply = match self.replies.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(x) => Ok(x),
@@ -242,7 +244,7 @@ impl Cluster {
                                 origin: true,
                                 message: format!(
                                     "no answer within {:.1} s from rank(s) {missing:?} (hung)",
-                                    self.timeout.as_secs_f64()
+                                    2.0 * self.timeout.as_secs_f64()
                                 ),
                             },
                         ));
