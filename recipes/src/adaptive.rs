@@ -192,6 +192,8 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     tracing::info!("starting at {start}");
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
+    // Should a layout change fail and its rollback fail too, the state goes here.
+    driver.engine_mut().set_emergency_dir(&folder);
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
     let mut logs = Logs::open(&folder, true)?;
     let initial_eval = evaluate(&s.cfg, driver.engine_mut().gather()?, &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
@@ -233,7 +235,9 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
             Err(e) => tracing::warn!("checkpoint {} not usable: {e}", path.display()),
         }
     }
-    let (driver, path) = resumed.with_context(|| format!("no checkpoint in {} could be loaded", run_dir.join("checkpoints").display()))?;
+    let (mut driver, path) =
+        resumed.with_context(|| format!("no checkpoint in {} could be loaded", run_dir.join("checkpoints").display()))?;
+    driver.engine_mut().set_emergency_dir(run_dir);
     let step = driver.engine().steps_done();
     tracing::info!("resuming {} at step {step} from {} in {}", recipe.name, path.display(), driver.current());
     // The logs keep what happened up to the checkpoint; later lines are redone.
@@ -525,8 +529,14 @@ fn train(
     if let Err(e) = save_weights(&cfg, params, &folder.join("model.safetensors")) {
         failed.push(format!("weights not saved: {e:#}"));
     }
-    if let Err(e) = plots(&folder, &points, b0) {
-        failed.push(format!("plots not written: {e:#}"));
+    // Without a font the plots are skipped with a warning; any other failure fails the run.
+    match crate::plot::ensure_font() {
+        Err(e) => tracing::warn!("plots not drawn: {e}"),
+        Ok(()) => {
+            if let Err(e) = plots(&folder, &points, b0) {
+                failed.push(format!("plots not written: {e:#}"));
+            }
+        }
     }
     if !failed.is_empty() {
         anyhow::bail!("{}: {}", folder.display(), failed.join("; "));
@@ -755,6 +765,23 @@ mod tests {
         let other = Recipe::parse(&text("parted", 4), "parted").unwrap();
         let err = resume(&other, &dir, &RunOptions { max_steps: None }).unwrap_err().to_string();
         assert!(err.contains("train.seed"), "{err}");
+        // Both checkpoints damaged (a flipped bit in tensor data): an error naming the folder,
+        // and the run folder untouched (the logs keep even the line after the checkpoint).
+        let logs_before = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        let originals: Vec<(PathBuf, Vec<u8>)> =
+            list_checkpoints(&dir.join("checkpoints")).into_iter().map(|(_, p)| (p.clone(), std::fs::read(&p).unwrap())).collect();
+        for (p, bytes) in &originals {
+            let mut bad = bytes.clone();
+            let at = bad.len() - bad.len() / 4;
+            bad[at] ^= 0x01;
+            std::fs::write(p, bad).unwrap();
+        }
+        let err = format!("{:#}", resume(&parted, &dir, &RunOptions { max_steps: None }).unwrap_err());
+        assert!(err.contains("no checkpoint") && err.contains("could be loaded"), "{err}");
+        assert_eq!(std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap(), logs_before);
+        for (p, bytes) in &originals {
+            std::fs::write(p, bytes).unwrap();
+        }
         let (again, s) = resume(&parted, &dir, &RunOptions { max_steps: None }).unwrap();
         assert_eq!(again, dir);
         assert_eq!((s.steps, s.tokens), (whole_sum.steps, whole_sum.tokens));

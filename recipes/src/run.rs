@@ -346,8 +346,15 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     if let Err(e) = copus_models::save_safetensors(trainer.model(), &weights) {
         failed.push(format!("weights not saved: {e}"));
     }
-    if let Err(e) = plots(&folder, &history, &eval_path) {
-        failed.push(format!("plots not written: {e}"));
+    // Without a font the plots are skipped with a warning (an environment's limit, said at
+    // start); any other failure to draw or write them fails the run.
+    match plot::ensure_font() {
+        Err(e) => tracing::warn!("plots not drawn: {e}"),
+        Ok(()) => {
+            if let Err(e) = plots(&folder, &history, &eval_path) {
+                failed.push(format!("plots not written: {e}"));
+            }
+        }
     }
     if !failed.is_empty() {
         return Err(RunError::Output { folder: folder.display().to_string(), failed: failed.join("; ") });
@@ -459,5 +466,31 @@ mod tests {
         if plot::ensure_font().is_ok() {
             assert!(folder.join("loss_time.png").exists() && folder.join("b_simple.png").exists());
         }
+    }
+
+    /// A corrupt recipe or tokenizer file is an error naming it, and no run folder appears.
+    #[test]
+    fn corrupt_inputs_are_errors_and_leave_no_output() {
+        let out = tempfile::tempdir().unwrap();
+        let e = Recipe::parse("(name: \"x\", model: (preset: \"tiny-1m\"", "cut.ron").unwrap_err().to_string();
+        assert!(e.contains("cut.ron"), "{e}");
+        let tokenizer = out.path().join("tokenizer.json");
+        std::fs::write(&tokenizer, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\": 7").unwrap();
+        let text = format!(
+            r#"(
+                name: "corrupt",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: File("{}")),
+                train: (global_batch: 8, micro_batch: 4, max_steps: 2),
+                optim: (lr: 3e-3, b0: 8, warmup_steps: 1, total_steps: 2),
+            )"#,
+            out.path().join("runs").display(),
+            tokenizer.display()
+        );
+        let recipe = Recipe::parse(&text, "corrupt").unwrap();
+        let e = run(&recipe, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        assert!(e.contains("tokenizer.json"), "{e}");
+        assert!(!out.path().join("runs").exists(), "no run folder for a run that could not start");
     }
 }

@@ -104,12 +104,7 @@ enum ReadEnd {
 
 /// Reads one frame of at most `limit` bytes: its header within `wait`, its body within
 /// `frame_timeout` after the header. The body buffer is sized by the checked header only.
-async fn read_frame(
-    stream: &mut tokio::net::TcpStream,
-    limit: usize,
-    wait: Duration,
-    frame_timeout: Duration,
-) -> Result<Vec<u8>, ReadEnd> {
+async fn read_frame(stream: &mut tokio::net::TcpStream, limit: usize, wait: Duration, frame_timeout: Duration) -> Result<Vec<u8>, ReadEnd> {
     let mut header = [0u8; 4];
     match tokio::time::timeout(wait, stream.read_exact(&mut header)).await {
         Err(_) => return Err(ReadEnd::Timeout),
@@ -197,7 +192,10 @@ pub async fn serve(
                 Err(_) => {
                     refused += 1;
                     if refused.is_power_of_two() {
-                        tracing::warn!("{refused} connection(s) refused so far (at the cap of {}; latest from {peer})", cfg.max_connections);
+                        tracing::warn!(
+                            "{refused} connection(s) refused so far (at the cap of {}; latest from {peer})",
+                            cfg.max_connections
+                        );
                     }
                     drop(stream);
                 }
@@ -219,15 +217,17 @@ pub struct ServiceHandle {
 }
 
 impl ServiceHandle {
-    /// Waits until the service ends; an error if it failed.
+    /// Waits until the service ends; an error if it failed. (Dropping the handle stops it.)
     pub fn join(mut self) -> anyhow::Result<()> {
         let t = self.thread.take().expect("joined once");
         t.join().map_err(|_| anyhow!("the service thread panicked"))?.map_err(|e| anyhow!("the service failed: {e}"))
     }
+}
 
+impl Drop for ServiceHandle {
     /// Stops the service at once: the listener closes and every session is dropped, as if the
     /// process had died.
-    pub fn kill(mut self) {
+    fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -362,7 +362,8 @@ impl copus_burn::DecisionSource for RemoteSource {
         serde_json::to_string(&self.embedded.state()).ok()
     }
     fn restore_state(&mut self, state: &str) -> Result<(), String> {
-        let state: OrchestratorState = serde_json::from_str(state).map_err(|e| format!("the saved orchestrator state does not parse: {e}"))?;
+        let state: OrchestratorState =
+            serde_json::from_str(state).map_err(|e| format!("the saved orchestrator state does not parse: {e}"))?;
         self.embedded.restore(&state)?;
         // The service learns it on the next (re)connection's handover.
         self.client.hand_over(Arc::new(state));
@@ -411,8 +412,7 @@ impl Endpoint {
     /// Connects and says hello; then hands over `state` if given.
     fn open(&self, state: Option<&OrchestratorState>) -> anyhow::Result<TcpStream> {
         let addr = self.addr;
-        let mut stream =
-            TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| anyhow!("orchestrator at {addr}: {e}"))?;
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| anyhow!("orchestrator at {addr}: {e}"))?;
         stream.set_read_timeout(Some(Duration::from_secs(30)))?;
         stream.set_nodelay(true)?;
         let hello = Request::Hello {
@@ -458,7 +458,9 @@ impl Client {
         let (outgoing, rx) = channel::<Outgoing>();
         let (dtx, decisions) = channel();
         let (stx, status) = channel();
-        std::thread::Builder::new().name("copus-orchestrator-client".into()).spawn(move || client_thread(endpoint, stream, rx, dtx, stx))?;
+        std::thread::Builder::new()
+            .name("copus-orchestrator-client".into())
+            .spawn(move || client_thread(endpoint, stream, rx, dtx, stx))?;
         Ok(Self { outgoing, decisions, status, connected: true, unavailable: None })
     }
 
@@ -714,7 +716,7 @@ mod tests {
         }
         // With a large noise scale Copus moves to the big batch on the other layout.
         assert!(matches!(embedded.on_step(&obs(4, 64.0)), Decision::ChangeLayout(c) if c.global_batch == 8));
-        service.kill();
+        drop(service);
     }
 
     /// Short real runs through the driver on a modelled clock: decided by the service on
@@ -806,7 +808,7 @@ mod tests {
         let mut restarted = None;
         let across = run(&mut remote, &mut |done| {
             if done == 3 {
-                service.take().expect("running").kill();
+                drop(service.take().expect("running"));
             }
             if done == 5 {
                 restarted = Some(spawn(addr, cfg_of(), make.clone()).expect("the port is free again"));
@@ -823,7 +825,7 @@ mod tests {
         // The restarted service holds the run's state: its next decision is the embedded one's.
         let mut client = Client::connect(addr, TOKEN, "test", fp.clone()).unwrap();
         assert!(client.connected());
-        restarted.kill();
+        drop(restarted);
     }
 
     #[test]
@@ -858,7 +860,7 @@ mod tests {
         // A short token is refused at start.
         let e = spawn("127.0.0.1:0".parse().unwrap(), ServiceConfig::new("short".into(), fingerprint()), make()).err().unwrap();
         assert!(e.to_string().contains("at least 16"), "{e}");
-        service.kill();
+        drop(service);
     }
 
     /// An observation with an infinite samples/s is never sent: that step is decided in
@@ -876,7 +878,7 @@ mod tests {
         let why = remote.unavailable().expect("the bad step fell back").to_string();
         assert!(why.contains("Step.samples_per_sec") && why.contains("not a finite number"), "{why}");
         assert_eq!(remote.fallback_steps(), 1, "step 2 (not sent); step 3 reconnects and is decided by the service");
-        service.kill();
+        drop(service);
     }
 
     #[test]
@@ -939,7 +941,7 @@ mod tests {
         }
         assert!(worst < Duration::from_secs(1), "slowest decision took {worst:?}");
         drop(hostile);
-        service.kill();
+        drop(service);
     }
 
     /// Connections beyond the cap are closed on arrival; silent ones are closed after the
@@ -963,6 +965,6 @@ mod tests {
         let mut client = connect(addr).unwrap();
         client.observe(obs(1, 4.0), 10.0, no_state());
         assert!(client.wait_for(1, Duration::from_secs(5)).is_some());
-        service.kill();
+        drop(service);
     }
 }

@@ -123,7 +123,10 @@ fn a_partial_or_foreign_state_is_refused_naming_the_tensor() {
     let e = Engine::from_state(model.clone(), &partial, cfg.clone()).err().unwrap().to_string();
     assert!(e.contains(&format!("`{param}#{field}` is missing")), "{e}");
     // Nor can it be saved: a checkpoint is never written partial.
-    let e = partial.save(&dir.path().join("p.bpk"), &copus_burn::ParallelLm::spec(&config()).param_specs(), &cfg, &BTreeMap::new()).unwrap_err().to_string();
+    let e = partial
+        .save(&dir.path().join("p.bpk"), &copus_burn::ParallelLm::spec(&config()).param_specs(), &cfg, &BTreeMap::new())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("is missing"), "{e}");
     assert!(!dir.path().join("p.bpk").exists());
 

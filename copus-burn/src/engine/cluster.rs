@@ -16,9 +16,9 @@ use super::fault::Fault;
 use super::rank::{RankError, RankInit, RankState};
 use super::{EngineStep, RankParams};
 use crate::collective::{AbortHandle, Collective, CommError, ThreadComm};
-use std::time::{Duration, Instant};
 use crate::parallel::{ParallelLm, ShardPlan};
 use crate::state::{RankExport, TrainingState};
+use std::time::{Duration, Instant};
 
 /// What the engine asks of every rank.
 pub(super) enum Command {
