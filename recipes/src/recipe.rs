@@ -361,6 +361,12 @@ fn default_output_dir() -> String {
     "runs".into()
 }
 
+/// The largest batch size a recipe may name (the engine's limit).
+const MAX_BATCH: usize = copus_burn::engine::config::MAX_BATCH;
+/// The most steps a recipe may ask for: far beyond any run, small enough that sample and token
+/// counters cannot overflow.
+const MAX_STEPS: u64 = 1 << 32;
+
 fn field(field: &'static str, value: impl ToString, allowed: impl Into<String>) -> RecipeError {
     RecipeError::Field { field, value: value.to_string(), allowed: allowed.into() }
 }
@@ -414,8 +420,10 @@ impl Recipe {
             return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));
         }
         self.model_spec()?;
-        if self.model.seq_len == Some(0) {
-            return Err(field("model.seq_len", 0, "at least 1"));
+        if let Some(n) = self.model.seq_len
+            && !(1..=copus_core::model::MAX_SIZE).contains(&n)
+        {
+            return Err(field("model.seq_len", n, format!("1..={} (larger sizes could overflow)", copus_core::model::MAX_SIZE)));
         }
         if let TokenizerRecipe::Bpe { vocab_size } = self.data.tokenizer
             && !(260..=1 << 20).contains(&vocab_size)
@@ -433,8 +441,11 @@ impl Recipe {
                 format!("a positive multiple of train.micro_batch ({})", t.micro_batch),
             ));
         }
-        if t.max_steps == 0 {
-            return Err(field("train.max_steps", 0, "at least 1"));
+        if t.global_batch > MAX_BATCH {
+            return Err(field("train.global_batch", t.global_batch, format!("at most {MAX_BATCH}")));
+        }
+        if t.max_steps == 0 || t.max_steps > MAX_STEPS {
+            return Err(field("train.max_steps", t.max_steps, format!("1..={MAX_STEPS}")));
         }
         if let Some(b) = t.time_budget_secs
             && !(b.is_finite() && b > 0.0)
@@ -447,6 +458,11 @@ impl Recipe {
         if let Some(p) = &self.parallel {
             if !(1..=64).contains(&p.world_size) {
                 return Err(field("parallel.world_size", p.world_size, "1..=64 in-process ranks"));
+            }
+            for (name, list) in [("parallel.global_batches", &p.global_batches), ("parallel.micro_batches", &p.micro_batches)] {
+                if let Some(b) = list.iter().find(|&&b| b == 0 || b > MAX_BATCH) {
+                    return Err(field(name, b, format!("sizes in 1..={MAX_BATCH}")));
+                }
             }
             if p.profile_steps == 0 {
                 return Err(field("parallel.profile_steps", 0, "at least 1"));
@@ -547,6 +563,12 @@ mod tests {
         assert!(e.contains("max_stepz") && e.contains("max_steps"), "{e}");
         let e = Recipe::parse(&GOOD.replace("tiny-1m", "tiny-2m"), "r").unwrap_err().to_string();
         assert!(e.contains("model.preset") && e.contains("tiny-5m"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("global_batch: 8", "global_batch: 1099511627776"), "r").unwrap_err().to_string();
+        assert!(e.contains("train.global_batch") && e.contains("at most 16777216"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("seq_len: Some(64)", "seq_len: Some(4294967296)"), "r").unwrap_err().to_string();
+        assert!(e.contains("model.seq_len") && e.contains("1..=1048576"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("max_steps: 3", "max_steps: 18446744073709551615"), "r").unwrap_err().to_string();
+        assert!(e.contains("train.max_steps"), "{e}");
         let e = Recipe::parse(&GOOD.replace("global_batch: 8", "global_batch: 7"), "r").unwrap_err().to_string();
         assert_eq!(e, "recipe field `train.global_batch` = 7: a positive multiple of train.micro_batch (2)");
         let bad_optim = GOOD.replace("train:", "optim: (lr: -1.0), train:");
