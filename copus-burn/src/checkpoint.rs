@@ -74,7 +74,7 @@ impl TrainingState {
     /// Reads what [`TrainingState::to_bytes`] wrote.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: "(in memory)".into(), message: m };
-        let (meta, tensors) = wire::unpack(META_KEY, bytes).map_err(|e| {
+        let (meta, tensors, has_header_hash) = wire::unpack_hashed(META_KEY, bytes).map_err(|e| {
             if e.starts_with("no `") {
                 err("no copus metadata (not a copus checkpoint)".into())
             } else {
@@ -95,6 +95,9 @@ impl TrainingState {
             f => return Err(err(format!("format {f} is not supported (this build reads formats 1 and {FORMAT})"))),
         }
         if meta.format == FORMAT {
+            if !has_header_hash {
+                return Err(err("the header's hash is missing (a damaged file)".into()));
+            }
             verify_manifest(&meta.manifest, &tensors).map_err(err)?;
         }
         let mut state = Self {
@@ -182,7 +185,14 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()>
     #[cfg(unix)]
     {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        std::fs::File::open(dir)?.sync_all()?;
+        match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            Ok(()) => {}
+            // Some file systems (network, FUSE) cannot sync a folder: the file itself is synced.
+            Err(e) if matches!(e.raw_os_error(), Some(22) | Some(95)) => {
+                tracing::warn!("{}: the folder cannot be synced here ({e}); the checkpoint file itself is", dir.display());
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

@@ -315,7 +315,10 @@ impl ThreadComm {
         while st.published.is_some() {
             self.world.check()?;
             if start.elapsed() > self.world.timeout {
-                return Err(self.timed_out(op, start, (0..n).filter(|&r| st.unread[r])));
+                let err = self.timed_out(op, start, (0..n).filter(|&r| st.unread[r]));
+                drop(st);
+                self.abort(&err.to_string());
+                return Err(err);
             }
             st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -335,7 +338,15 @@ impl ThreadComm {
             while st.generation == generation {
                 self.world.check()?;
                 if start.elapsed() > self.world.timeout {
-                    return Err(self.timed_out(op, start, (0..n).filter(|&r| st.deposits[r].is_none())));
+                    // Take the deposit back before anyone else can complete the round with it
+                    // (an in-place all-reduce deposits this rank's buffer address), then fail the
+                    // world so every rank stops waiting.
+                    let err = self.timed_out(op, start, (0..n).filter(|&r| st.deposits[r].is_none()));
+                    st.deposits[self.rank] = None;
+                    st.arrived -= 1;
+                    drop(st);
+                    self.abort(&err.to_string());
+                    return Err(err);
                 }
                 st = ex.cv.wait_timeout(st, POLL).unwrap_or_else(|e| e.into_inner()).0;
             }
@@ -598,7 +609,10 @@ impl Collective for ThreadComm {
             }
             self.world.check()?;
             if start.elapsed() > self.world.timeout {
-                return Err(self.timed_out("recv", start, std::iter::once(from)));
+                let err = self.timed_out("recv", start, std::iter::once(from));
+                drop(q);
+                self.abort(&err.to_string());
+                return Err(err);
             }
             q = mb.cv.wait_timeout(q, POLL).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -809,19 +823,29 @@ mod tests {
             })
             .collect();
         let out: Vec<Option<CommError>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        for r in [0, 1] {
-            match &out[r] {
+        // The first rank to time out fails the world; the others either time out themselves or
+        // are released by that failure, whose message is the timeout.
+        let mut timeouts = 0;
+        for (r, e) in out.iter().enumerate().take(3) {
+            match e {
                 Some(CommError::Timeout { op: "all_reduce", secs, missing }) => {
                     // Rank 2 is in a receive, rank 3 nowhere: neither arrived.
-                    assert_eq!(missing, &vec![2, 3], "rank {r}");
-                    assert!(*secs >= 0.3, "{secs}");
+                    assert!(r < 2 && missing == &vec![2, 3] && *secs >= 0.3, "rank {r}: {e:?}");
+                    timeouts += 1;
                 }
+                Some(CommError::Timeout { op: "recv", missing, .. }) => {
+                    assert!(r == 2 && missing == &vec![3], "rank {r}: {e:?}");
+                    timeouts += 1;
+                }
+                Some(CommError::Aborted { message, .. }) => assert!(message.contains("timed out"), "rank {r}: {message}"),
                 other => panic!("rank {r}: {other:?}"),
             }
         }
-        assert!(matches!(&out[2], Some(CommError::Timeout { op: "recv", missing, .. }) if missing == &vec![3]), "{:?}", out[2]);
-        let e = out[0].clone().unwrap().to_string();
-        assert!(e.contains("all_reduce") && e.contains("[2, 3]") && e.contains("timed out"), "{e}");
+        assert!(timeouts >= 1);
+        let e = out.iter().flatten().find(|e| matches!(e, CommError::Timeout { op: "all_reduce", .. })).map(ToString::to_string);
+        if let Some(e) = e {
+            assert!(e.contains("all_reduce") && e.contains("[2, 3]") && e.contains("timed out"), "{e}");
+        }
         assert!(started.elapsed() < Duration::from_secs(10));
     }
 

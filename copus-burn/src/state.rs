@@ -196,6 +196,10 @@ impl TrainingState {
                     check_len(format!("optimizer tensor `{name}#{field}`"), name, v.len())?;
                 }
             }
+            // AdamW's step counts go with its moments.
+            if let Some(spec) = specs.iter().find(|s| self.scalars.get(&s.name).is_none_or(BTreeMap::is_empty)) {
+                return Err(bad(format!("the optimizer's step count of `{}` is missing", spec.name)));
+            }
         } else if self.step > 0 {
             return Err(bad(format!("the optimizer state is missing although {} steps were taken", self.step)));
         }

@@ -32,11 +32,18 @@ pub(crate) fn byte_hash(bytes: &[u8]) -> u64 {
 /// Reads what [`pack`] wrote: the header under `key` (checked against its hash when one is
 /// stored) and the tensors.
 pub(crate) fn unpack(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>), String> {
+    unpack_hashed(key, bytes).map(|(m, t, _)| (m, t))
+}
+
+/// [`unpack`], also telling whether the header carried a hash (files of every current format
+/// do; older ones did not).
+pub(crate) fn unpack_hashed(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>, bool), String> {
     let reader = burn_pack::Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes)).map_err(|e| format!("not readable: {e:?}"))?;
     let meta = reader.metadata().get(key).cloned().ok_or_else(|| format!("no `{key}` header"))?;
-    if let Some(stored) = reader.metadata().get(&format!("{key}.hash")) {
+    let stored_hash = reader.metadata().get(&format!("{key}.hash")).cloned();
+    if let Some(stored) = &stored_hash {
         let computed = format!("{:016x}", byte_hash(meta.as_bytes()));
-        if *stored != computed {
+        if stored != &computed {
             return Err(format!("the `{key}` header is corrupt (hash {computed}, stored {stored})"));
         }
     }
@@ -47,7 +54,7 @@ pub(crate) fn unpack(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>), 
         let shape = data.shape().to_vec();
         out.push((name, shape, data.iter::<f32>().collect()));
     }
-    Ok((meta, out))
+    Ok((meta, out, stored_hash.is_some()))
 }
 
 #[cfg(test)]

@@ -12,8 +12,10 @@ use crate::memory::{MemoryEstimate, MemoryModel};
 use crate::model::ModelSpec;
 use crate::schedule::ScheduleKind;
 
-/// One configuration copus can run.
+/// One configuration copus can run. Deserialising (a wire message, a checkpoint) goes through
+/// [`Candidate::new`], with B_g at most [`MAX_GLOBAL_BATCH`] and the stored `num_micro` checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "RawCandidate")]
 pub struct Candidate {
     /// The layout S.
     pub dims: ParallelDims,
@@ -23,6 +25,32 @@ pub struct Candidate {
     pub micro_batch: usize,
     /// Micro-batches per dp rank per step, `a = B_g / (dp * B_m)`.
     pub num_micro: usize,
+}
+
+/// The largest B_g a deserialised candidate may have (no batch arithmetic on it can overflow).
+pub const MAX_GLOBAL_BATCH: usize = 1 << 30;
+
+/// A candidate as written, before validation.
+#[derive(Deserialize)]
+struct RawCandidate {
+    dims: ParallelDims,
+    global_batch: usize,
+    micro_batch: usize,
+    num_micro: usize,
+}
+
+impl TryFrom<RawCandidate> for Candidate {
+    type Error = String;
+    fn try_from(r: RawCandidate) -> Result<Self, String> {
+        if r.global_batch > MAX_GLOBAL_BATCH {
+            return Err(format!("global_batch {} exceeds {MAX_GLOBAL_BATCH}", r.global_batch));
+        }
+        let c = Candidate::new(r.dims, r.global_batch, r.micro_batch).map_err(|e| e.to_string())?;
+        if c.num_micro != r.num_micro {
+            return Err(format!("num_micro {} does not match B_g / (dp x B_m) = {}", r.num_micro, c.num_micro));
+        }
+        Ok(c)
+    }
 }
 
 impl Candidate {
@@ -215,6 +243,22 @@ mod tests {
 
     fn space(world: usize, gb: Vec<usize>, mb: Vec<usize>, mem_gib: f64) -> CandidateSpace {
         CandidateSpace::new(world, gb, mb, ScheduleKind::OneFOneB, MemoryModel::fp32(), mem_gib * GIB).unwrap()
+    }
+
+    #[test]
+    fn deserialised_candidates_are_checked() {
+        let c = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 8, 2).unwrap();
+        let text = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<Candidate>(&text).unwrap(), c);
+        for (bad, why) in [
+            (text.replace("\"num_micro\":2", "\"num_micro\":3"), "num_micro 3"),
+            (text.replace("\"global_batch\":8", "\"global_batch\":7"), "7"),
+            (text.replace("\"global_batch\":8", "\"global_batch\":18446744073709551615"), "exceeds"),
+            (text.replace("\"dp\":2", "\"dp\":0"), "dp must be at least 1"),
+        ] {
+            let e = serde_json::from_str::<Candidate>(&bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -6,6 +6,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod generate;
+pub mod hf;
 pub mod llama;
 pub mod stage;
 
@@ -15,7 +17,7 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use thiserror::Error;
 
 pub use copus_core::model::ModelSpec;
-pub use llama::{Llama, LlamaConfig};
+pub use llama::{KvCache, Llama, LlamaConfig};
 pub use stage::LlamaStage;
 
 /// Saving or loading weights failed.

@@ -155,10 +155,15 @@ impl Rope {
     /// Tables for positions `0..seq_len` and head dim `head_dim` (rotate-half layout:
     /// frequency i applies to dims i and i + e/2).
     pub fn new(seq_len: usize, head_dim: usize, theta: f64, device: &Device) -> Self {
-        let half = head_dim / 2;
+        Self::positions(0, seq_len, head_dim, theta, device)
+    }
+
+    /// Tables for positions `start..start + len` (decoding with a KV cache).
+    pub fn positions(start: usize, len: usize, head_dim: usize, theta: f64, device: &Device) -> Self {
+        let (seq_len, half) = (len, head_dim / 2);
         let mut cos = Vec::with_capacity(seq_len * head_dim);
         let mut sin = Vec::with_capacity(seq_len * head_dim);
-        for pos in 0..seq_len {
+        for pos in start..start + len {
             for j in 0..head_dim {
                 let i = j % half;
                 let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
@@ -233,13 +238,70 @@ impl Attention {
 /// Additive causal mask `[1, 1, g*s, s]`: row `r` is query position `r % s`; 0 where the key
 /// position is not after it, -inf where it is.
 fn causal_bias(g: usize, s: usize, device: &Device) -> Tensor<4> {
-    let mut v = vec![0f32; g * s * s];
+    causal_bias_from(g, s, 0, device)
+}
+
+/// The causal mask of `s` queries at positions `start..start + s` over keys `0..start + s`,
+/// `[1, 1, g*s, start + s]`.
+fn causal_bias_from(g: usize, s: usize, start: usize, device: &Device) -> Tensor<4> {
+    let t = start + s;
+    let mut v = vec![0f32; g * s * t];
     for r in 0..g * s {
-        for c in (r % s + 1)..s {
-            v[r * s + c] = f32::NEG_INFINITY;
+        for c in (start + r % s + 1)..t {
+            v[r * t + c] = f32::NEG_INFINITY;
         }
     }
-    Tensor::<2>::from_data(TensorData::new(v, [g * s, s]), device).unsqueeze()
+    Tensor::<2>::from_data(TensorData::new(v, [g * s, t]), device).unsqueeze()
+}
+
+/// Keys and values of the positions decoded so far, per layer (after RoPE), for generation.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Attention {
+    /// [`Attention::forward`] for `s` new positions starting at `start`, attending to the cached
+    /// keys and values as well; appends this call's keys and values to `cache`.
+    fn forward_cached(&self, x_bsd: Tensor<3>, rope: &Rope, start: usize, cache: &mut Option<(Tensor<4>, Tensor<4>)>) -> Tensor<3> {
+        let [b, s, _] = x_bsd.dims();
+        let e = self.head_dim;
+        let [_, q_width] = self.q_proj.weight.dims();
+        let [_, kv_width] = self.k_proj.weight.dims();
+        let (h, k) = (q_width / e, kv_width / e);
+        let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
+        let k_new = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
+        let v_new = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
+        let (k_bkte, v_bkte) = match cache.take() {
+            Some((kc, vc)) => (Tensor::cat(vec![kc, k_new], 2), Tensor::cat(vec![vc, v_new], 2)),
+            None => (k_new, v_new),
+        };
+        *cache = Some((k_bkte.clone(), v_bkte.clone()));
+        let g = h / k;
+        let q_bkre = q_bhse.reshape([b, k, g * s, e]);
+        let scores = q_bkre.matmul(k_bkte.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
+        let scores = scores + causal_bias_from(g, s, start, &rope.device());
+        let out_bsd = softmax(scores, 3).matmul(v_bkte).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
+        self.o_proj.forward(out_bsd)
+    }
 }
 
 /// SwiGLU MLP, `down(silu(gate(x)) * up(x))`.
@@ -329,6 +391,35 @@ impl Llama {
     /// Logits `[b, s, v]` of next-token prediction.
     pub fn forward(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3> {
         self.head(self.hidden(tokens_bs))
+    }
+
+    /// Logits `[b, s, v]` of `tokens_bs`, which follow the positions `cache` holds; adds their
+    /// keys and values to it. Equal to the last `s` positions of [`Llama::forward`] over the
+    /// whole sequence, at the cost of the new positions only.
+    pub fn forward_cached(&self, tokens_bs: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let [_, s] = tokens_bs.dims();
+        let start = cache.len;
+        let e = self.layers.first().map_or(2, |l| l.attn.head_dim);
+        let rope = Rope::positions(start, s, e, self.rope_theta, &self.embed_tokens.weight.device());
+        cache.layers.resize(self.layers.len(), None);
+        let mut x_bsd = self.embed_tokens.forward(tokens_bs);
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let h_bsd = x_bsd.clone() + layer.attn.forward_cached(layer.attn_norm.forward(x_bsd), &rope, start, kv);
+            x_bsd = h_bsd.clone() + layer.mlp.forward(layer.mlp_norm.forward(h_bsd));
+        }
+        cache.len += s;
+        self.head(self.norm.forward(x_bsd))
+    }
+
+    /// A model from its parts (the HF import builds one from named weights).
+    pub(crate) fn assemble(
+        embed_tokens: Embedding,
+        layers: Vec<DecoderLayer>,
+        norm: RmsNorm,
+        lm_head: Option<Linear>,
+        rope_theta: f64,
+    ) -> Self {
+        Self { embed_tokens, layers, norm, lm_head, rope_theta }
     }
 
     /// Summed next-token cross entropy over every position, `[1]`: divide by the number of

@@ -837,7 +837,7 @@ fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
                 let addr: std::net::SocketAddr = addr.parse().map_err(|e| anyhow!("recipe field `scenario.service` = {addr:?}: {e}"))?;
                 let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN").unwrap_or_default();
                 let fingerprint = copus_core::orchestrator::RunFingerprint::new(&spec, &space);
-                let client = crate::service::Client::connect(addr, &token, &recipe.name, fingerprint)?;
+                let client = crate::service::Client::connect(addr, &token, &recipe.name, fingerprint, &orch.policy_name())?;
                 // The embedded orchestrator decides while the service is away.
                 let embedded = std::mem::replace(&mut orch, Orchestrator::new(Box::new(copus_core::policy::Static), scorer.clone()));
                 Some(if r.service_synchronous {

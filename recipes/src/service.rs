@@ -102,34 +102,39 @@ enum ReadEnd {
     Bad(ProtocolError),
 }
 
-/// Reads one frame of at most `limit` bytes: its header within `wait`, its body within
-/// `frame_timeout` after the header. The body buffer is sized by the checked header only.
+/// Reads one frame of at most `limit` bytes: its first byte within `wait`, then the whole frame
+/// within `frame_timeout`. The body buffer is sized by the checked header only.
 async fn read_frame(stream: &mut tokio::net::TcpStream, limit: usize, wait: Duration, frame_timeout: Duration) -> Result<Vec<u8>, ReadEnd> {
     let mut header = [0u8; 4];
-    match tokio::time::timeout(wait, stream.read_exact(&mut header)).await {
+    match tokio::time::timeout(wait, stream.read_exact(&mut header[..1])).await {
         Err(_) => return Err(ReadEnd::Timeout),
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ReadEnd::Closed),
         Ok(Err(e)) => return Err(ReadEnd::Bad(ProtocolError::Malformed(e.to_string()))),
         Ok(Ok(_)) => {}
     }
-    let n = frame_len_within(header, limit).map_err(ReadEnd::Bad)?;
-    let mut body = vec![0u8; n];
-    match tokio::time::timeout(frame_timeout, stream.read_exact(&mut body)).await {
-        Err(_) => Err(ReadEnd::Timeout),
-        Ok(Err(e)) => Err(ReadEnd::Bad(ProtocolError::Malformed(e.to_string()))),
-        Ok(Ok(_)) => Ok(body),
-    }
+    let rest = async {
+        stream.read_exact(&mut header[1..]).await.map_err(|e| ReadEnd::Bad(ProtocolError::Malformed(e.to_string())))?;
+        let n = frame_len_within(header, limit).map_err(ReadEnd::Bad)?;
+        let mut body = vec![0u8; n];
+        stream.read_exact(&mut body).await.map_err(|e| ReadEnd::Bad(ProtocolError::Malformed(e.to_string())))?;
+        Ok(body)
+    };
+    tokio::time::timeout(frame_timeout, rest).await.unwrap_or(Err(ReadEnd::Timeout))
 }
 
 async fn session(mut stream: tokio::net::TcpStream, cfg: Arc<ServiceConfig>, make: MakeOrchestrator) {
     let mut orch: Option<Orchestrator> = None;
     loop {
-        // Before the hello: a small frame, soon. After it: full frames, with patience.
-        let (limit, wait) = match orch {
-            None => (MAX_HELLO, cfg.handshake_timeout),
-            Some(_) => (MAX_FRAME, cfg.idle_timeout),
+        // Before the hello: one small frame, whole within the handshake timeout. After it: full
+        // frames, each whole within the frame timeout once it has started.
+        let read = match orch {
+            None => {
+                let hello = read_frame(&mut stream, MAX_HELLO, cfg.handshake_timeout, cfg.handshake_timeout);
+                tokio::time::timeout(cfg.handshake_timeout, hello).await.unwrap_or(Err(ReadEnd::Timeout))
+            }
+            Some(_) => read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await,
         };
-        let reply = match read_frame(&mut stream, limit, wait, cfg.frame_timeout).await {
+        let reply = match read {
             Err(ReadEnd::Closed) | Err(ReadEnd::Timeout) => return,
             Err(ReadEnd::Bad(e)) => Err(e.to_string()),
             Ok(body) => match decode::<Request>(&body) {
@@ -406,6 +411,8 @@ struct Endpoint {
     token: String,
     run: String,
     fingerprint: RunFingerprint,
+    /// The policy the run expects the service to run.
+    policy: String,
 }
 
 impl Endpoint {
@@ -422,6 +429,12 @@ impl Endpoint {
             fingerprint: self.fingerprint.clone(),
         };
         match exchange(&mut stream, &hello)? {
+            Response::Welcome { policy } if policy != self.policy => {
+                return Err(anyhow!(
+                    "orchestrator at {addr} runs policy `{policy}`, this run's is `{}`; start the service with that policy",
+                    self.policy
+                ));
+            }
             Response::Welcome { .. } => {}
             Response::Error(e) => return Err(anyhow!("orchestrator at {addr} refused the session: {e}")),
             other => return Err(anyhow!("orchestrator at {addr}: unexpected answer {other:?}")),
@@ -451,9 +464,10 @@ pub struct Client {
 
 impl Client {
     /// Connects, authenticates and starts the background thread. A refused hello (wrong token,
-    /// protocol version or run) is an error here.
-    pub fn connect(addr: SocketAddr, token: &str, run: &str, fingerprint: RunFingerprint) -> anyhow::Result<Self> {
-        let endpoint = Endpoint { addr, token: token.into(), run: run.into(), fingerprint };
+    /// protocol version or run), or a service running another policy than `policy`, is an
+    /// error here.
+    pub fn connect(addr: SocketAddr, token: &str, run: &str, fingerprint: RunFingerprint, policy: &str) -> anyhow::Result<Self> {
+        let endpoint = Endpoint { addr, token: token.into(), run: run.into(), fingerprint, policy: policy.into() };
         let stream = endpoint.open(None)?;
         let (outgoing, rx) = channel::<Outgoing>();
         let (dtx, decisions) = channel();
@@ -538,7 +552,11 @@ impl Client {
                     self.connected = false;
                     none_for = Some(step);
                 }
-                Status::Back => self.connected = true,
+                Status::Back => {
+                    // Decisions of the old session are stale: the run has moved on since.
+                    while self.decisions.try_recv().is_ok() {}
+                    self.connected = true;
+                }
             }
         }
         none_for
@@ -676,7 +694,7 @@ mod tests {
     }
 
     fn connect(addr: SocketAddr) -> anyhow::Result<Client> {
-        Client::connect(addr, TOKEN, "test", fingerprint())
+        Client::connect(addr, TOKEN, "test", fingerprint(), "copus")
     }
 
     fn obs(step: u64, phi: f64) -> StepObservation {
@@ -795,14 +813,14 @@ mod tests {
 
         let service = spawn("127.0.0.1:0".parse().unwrap(), cfg_of(), make.clone()).unwrap();
         let addr = service.addr;
-        let client = Client::connect(addr, TOKEN, "test", fp.clone()).unwrap();
+        let client = Client::connect(addr, TOKEN, "test", fp.clone(), "copus").unwrap();
         let mut remote = RemoteSource::synchronous(client, orchestrator(), Duration::from_secs(10));
         let by_service = run(&mut remote, &mut |_| {});
         assert_eq!(by_service, in_process);
         assert!(remote.unavailable().is_none());
         assert_eq!(remote.fallback_steps(), 0);
 
-        let client = Client::connect(addr, TOKEN, "test", fp.clone()).unwrap();
+        let client = Client::connect(addr, TOKEN, "test", fp.clone(), "copus").unwrap();
         let mut remote = RemoteSource::synchronous(client, orchestrator(), Duration::from_secs(10));
         let mut service = Some(service);
         let mut restarted = None;
@@ -821,23 +839,22 @@ mod tests {
         // Steps 4 (connection lost) and 5 (nobody listening) were decided in process; from step 6
         // on the restarted service, handed the run's state, decides.
         assert_eq!(remote.fallback_steps(), 2, "{:?}", remote.unavailable());
-        let restarted = restarted.expect("restarted");
-        // The restarted service holds the run's state: its next decision is the embedded one's.
-        let mut client = Client::connect(addr, TOKEN, "test", fp.clone()).unwrap();
-        assert!(client.connected());
-        drop(restarted);
+        drop(restarted.expect("restarted"));
     }
 
     #[test]
     fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
         let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
         let addr = service.addr;
-        let e = Client::connect(addr, "0123456789abcdef-guess", "test", fingerprint()).err().unwrap().to_string();
+        let e = Client::connect(addr, "0123456789abcdef-guess", "test", fingerprint(), "copus").err().unwrap().to_string();
         assert!(e.contains("refused") && e.contains("wrong token"), "{e}");
         // Another run: another world size.
         let other = RunFingerprint { world_size: 8, ..fingerprint() };
-        let e = Client::connect(addr, TOKEN, "test", other).err().unwrap().to_string();
+        let e = Client::connect(addr, TOKEN, "test", other, "copus").err().unwrap().to_string();
         assert!(e.contains("refused") && e.contains("8 ranks") && e.contains("2 ranks"), "{e}");
+        // Another policy.
+        let e = Client::connect(addr, TOKEN, "test", fingerprint(), "dp-only").err().unwrap().to_string();
+        assert!(e.contains("runs policy `copus`") && e.contains("`dp-only`"), "{e}");
         // Another protocol version.
         let old = Request::Hello { version: 1, token: TOKEN.into(), run: "r".into(), fingerprint: fingerprint() };
         let answer = raw_answer(addr, &encode(&old).unwrap());
@@ -953,15 +970,26 @@ mod tests {
         let addr = service.addr;
         let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
         std::thread::sleep(Duration::from_millis(50));
-        let mut extra = TcpStream::connect(addr).unwrap();
-        extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut buf = [0u8; 1];
-        assert_eq!(extra.read(&mut buf).unwrap_or(0), 0, "the fifth connection is closed at once");
-        // The idle ones are closed by the handshake timeout.
-        for mut s in idle {
+        // Closed means end of stream (or a reset), within `within`; a read timeout is not.
+        let closed_within = |s: &mut TcpStream, within: Duration| {
+            let t = Instant::now();
             s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            assert_eq!(s.read(&mut buf).unwrap_or(0), 0);
+            let mut buf = [0u8; 1];
+            let closed = match s.read(&mut buf) {
+                Ok(0) => true,
+                Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+                Ok(_) => false,
+            };
+            closed && t.elapsed() < within
+        };
+        let mut extra = TcpStream::connect(addr).unwrap();
+        assert!(closed_within(&mut extra, Duration::from_secs(1)), "the fifth connection is closed at once");
+        // The idle ones are closed by the handshake timeout (300 ms).
+        let started = Instant::now();
+        for mut s in idle {
+            assert!(closed_within(&mut s, Duration::from_secs(3)));
         }
+        assert!(started.elapsed() < Duration::from_secs(3));
         let mut client = connect(addr).unwrap();
         client.observe(obs(1, 4.0), 10.0, no_state());
         assert!(client.wait_for(1, Duration::from_secs(5)).is_some());

@@ -109,6 +109,9 @@ impl EngineConfig {
                 copus_core::model::MAX_SIZE
             )));
         }
+        if m > b {
+            return Err(EngineError::Batch(format!("micro-batch {m} is larger than the global batch {b}")));
+        }
         if !b.is_multiple_of(dp * m) {
             return Err(EngineError::Batch(format!("global batch {b} is not a multiple of dp x micro-batch = {dp} x {m} = {}", dp * m)));
         }
