@@ -31,6 +31,7 @@ pub(crate) fn byte_hash(bytes: &[u8]) -> u64 {
 
 /// Reads what [`pack`] wrote: the header under `key` (checked against its hash when one is
 /// stored) and the tensors.
+#[cfg(any(feature = "mpi", test))]
 pub(crate) fn unpack(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Named>), String> {
     unpack_hashed(key, bytes).map(|(m, t, _)| (m, t))
 }
