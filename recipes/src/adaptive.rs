@@ -57,6 +57,7 @@ pub(crate) struct Setup {
     train: PackedDataset,
     heldout: PackedDataset,
     checksum: String,
+    tokenizer: tokenizers::Tokenizer,
     cfg: LlamaConfig,
     space: Enumeration,
     b0: f64,
@@ -90,7 +91,7 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
             par.world_size
         ));
     }
-    let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
+    let Prepared { spec, train, heldout, checksum, tokenizer } = prepare(recipe)?;
     let cfg = LlamaConfig::from_spec(&spec);
     let space = par.space()?.enumerate(&spec);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -105,7 +106,7 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let rule = SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() };
     let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
     let script = (!par.script.is_empty()).then(|| par.scripted(&spec).map(Scripted::new)).transpose()?;
-    Ok(Setup { spec, train, heldout, checksum, cfg, space, b0, scorer, orch, script, world_size: par.world_size })
+    Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script, world_size: par.world_size })
 }
 
 /// The run's output files, open for appending.
@@ -181,7 +182,10 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
 fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Result<(PathBuf, Summary)> {
     let mut s = setup(recipe)?;
     let device = Device::flex().autodiff();
-    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device)));
+    let full = match &recipe.init_from {
+        Some(dir) => full_params(&crate::interop::init_from(Path::new(dir), &s.spec, &device)?),
+        None => crate::run::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device))),
+    };
     let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
     let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
     let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())
@@ -195,6 +199,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     // Should a layout change fail and its rollback fail too, the state goes here.
     driver.engine_mut().set_emergency_dir(&folder);
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
+    s.tokenizer.save(folder.join("tokenizer.json"), false).map_err(|e| anyhow!("{}: {e}", folder.join("tokenizer.json").display()))?;
     let mut logs = Logs::open(&folder, true)?;
     let initial_eval = evaluate(&s.cfg, driver.engine_mut().gather()?, &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
@@ -684,9 +689,12 @@ mod tests {
             "summary.md",
             "model.safetensors",
             "recipe.ron",
+            "tokenizer.json",
         ] {
             assert!(folder.join(f).exists(), "{f} missing");
         }
+        // The engine's weights load as the plain model (`recipes eval`, `export`, `generate`).
+        crate::interop::load_run(&folder).unwrap();
         let lines = std::fs::read_to_string(folder.join("metrics.jsonl")).unwrap();
         assert_eq!(lines.lines().count(), 10);
         assert_eq!(s.steps, 10);

@@ -23,6 +23,7 @@ mod compare;
 mod data;
 mod engine_bench;
 mod headline;
+mod interop;
 mod learner;
 mod plot;
 mod profile;
@@ -115,6 +116,49 @@ enum Cmd {
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7450")]
         listen: std::net::SocketAddr,
+    },
+    /// Write a run's model as a Hugging Face Llama directory (config.json, model.safetensors,
+    /// tokenizer.json) that transformers' LlamaForCausalLM loads.
+    Export {
+        /// The run folder.
+        run_dir: PathBuf,
+        /// The directory to write.
+        #[arg(long)]
+        to: PathBuf,
+    },
+    /// Mean next-token loss and perplexity of a run's model on any UTF-8 text.
+    Eval {
+        /// The run folder.
+        run_dir: PathBuf,
+        /// The text file.
+        #[arg(long)]
+        text: PathBuf,
+        /// Window length in tokens (default: the run's sequence length).
+        #[arg(long)]
+        seq: Option<usize>,
+        /// Evaluate at most this many windows.
+        #[arg(long)]
+        max_windows: Option<usize>,
+    },
+    /// Continue a prompt with a run's model (KV cache; greedy at temperature 0).
+    Generate {
+        /// The run folder.
+        run_dir: PathBuf,
+        /// The text to continue.
+        #[arg(long)]
+        prompt: String,
+        /// Tokens to generate at most.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Softmax temperature (0: greedy).
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Nucleus sampling: the smallest set of tokens holding this much probability.
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f64,
+        /// Seed of the sampler.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Measure samples/s of every feasible candidate of a recipe's `parallel` section and write
     /// a throughput profile.
@@ -263,6 +307,29 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         (Some(Cmd::Profile { recipe, out }), _) => run_profile(&recipe, out),
+        (Some(Cmd::Export { run_dir, to }), _) => {
+            interop::export(&run_dir, &to)?;
+            println!("wrote {} (config.json, model.safetensors, tokenizer.json)", to.display());
+            Ok(())
+        }
+        (Some(Cmd::Eval { run_dir, text, seq, max_windows }), _) => {
+            let r = interop::eval_command(&run_dir, &text, seq, max_windows)?;
+            println!(
+                "{}: {} tokens, {} windows; mean loss {:.4} nats/token, perplexity {:.2}",
+                text.display(),
+                r.tokens,
+                r.windows,
+                r.loss,
+                r.perplexity()
+            );
+            Ok(())
+        }
+        (Some(Cmd::Generate { run_dir, prompt, max_tokens, temperature, top_p, seed }), _) => {
+            let sampling = copus_models::generate::Sampling { temperature, top_p, seed };
+            let text = interop::generate_command(&run_dir, &prompt, max_tokens, sampling)?;
+            println!("{prompt}{text}");
+            Ok(())
+        }
         (Some(Cmd::Learner { recipe, fixed, compare, max_samples }), _) => {
             println!("{}", learner::run(&recipe, fixed, compare, max_samples)?);
             Ok(())

@@ -265,6 +265,11 @@ pub struct Recipe {
     /// run (`false`). Default: adaptive exactly when `parallel` is given.
     #[serde(default)]
     pub adaptive: Option<bool>,
+    /// Start from the weights of a Hugging Face Llama directory (`config.json`,
+    /// `model.safetensors`, as `recipes export` writes) instead of a seeded initialisation. Its
+    /// shape must be the recipe's model with the run's tokenizer.
+    #[serde(default)]
+    pub init_from: Option<String>,
     /// Where the ranks train: `Flex` (CPU, the default), `Wgpu`, `Cuda` or `Rocm`. All but
     /// Flex need `recipes` built with the feature of the same name (`--features wgpu`).
     #[serde(default)]

@@ -72,6 +72,9 @@ pub enum RunError {
     /// The recipe's backend is not usable here.
     #[error("backend: {0}")]
     Device(String),
+    /// `init_from` could not be used.
+    #[error("{0}")]
+    Init(String),
     /// Outputs at the end of a run that could not be written (the rest were).
     #[error("{folder}: {failed}")]
     Output {
@@ -156,6 +159,8 @@ pub struct Prepared {
     pub heldout: PackedDataset,
     /// sha256 of the corpus.
     pub checksum: String,
+    /// The tokenizer (runs save it as `tokenizer.json`).
+    pub tokenizer: tokenizers::Tokenizer,
 }
 
 /// Fetches the corpus, trains or loads the tokenizer, and packs both splits.
@@ -187,7 +192,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
         recipe.data.heldout_plays.join(", "),
         spec.seq_len
     );
-    Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone() })
+    Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone(), tokenizer })
 }
 
 /// Seeds `device` and runs `f` (an initialisation) while no other caller in the process does
@@ -230,11 +235,15 @@ pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow:
 /// Runs a recipe's fixed single-rank training to the end; returns the run folder and its
 /// summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), RunError> {
-    let Prepared { spec, train, heldout, checksum } = prepare(recipe)?;
+    let Prepared { spec, train, heldout, checksum, tokenizer } = prepare(recipe)?;
     let t = &recipe.train;
-    // The one rank trains on the recipe's backend, initialised there with the recipe's seed.
+    // The one rank trains on the recipe's backend, initialised there with the recipe's seed (or
+    // from `init_from`).
     let device = recipe.backend.rank_device(0).device().map_err(|e| RunError::Device(e.to_string()))?.autodiff();
-    let model = seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device));
+    let model = match &recipe.init_from {
+        Some(dir) => crate::interop::init_from(Path::new(dir), &spec, &device).map_err(|e| RunError::Init(format!("{e:#}")))?,
+        None => seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device)),
+    };
     let num_params = model.num_params() as u64;
     tracing::info!(
         "model: {} ({:.2}M parameters), B_g {} as {} x {}",
@@ -251,6 +260,10 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         std::fs::write(&p, text).map_err(io(&p))
     };
     write("recipe.ron", &ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default()).unwrap_or_default())?;
+    let tpath = folder.join("tokenizer.json");
+    tokenizer
+        .save(&tpath, false)
+        .map_err(|e| RunError::Io { path: tpath.display().to_string(), err: std::io::Error::other(e.to_string()) })?;
     let metrics_path = folder.join("metrics.jsonl");
     let mut metrics = BufWriter::new(File::create(&metrics_path).map_err(io(&metrics_path))?);
     let eval_path = folder.join("eval.jsonl");
@@ -460,6 +473,15 @@ mod tests {
         assert_eq!(std::fs::read_to_string(folder.join("eval.jsonl")).unwrap().lines().count(), 3);
         assert_eq!(s.steps, 12);
         assert!(s.final_eval_loss < s.initial_eval_loss - 0.3, "held-out {} -> {}", s.initial_eval_loss, s.final_eval_loss);
+        // The run folder's model outside the run: `recipes eval` on the held-out play gives the
+        // run's own final held-out loss (same weights, tokenizer and windows), and it exports.
+        let m = crate::interop::load_run(&folder).unwrap();
+        let plays = data::load_plays(&data::cache_dir()).unwrap();
+        let macbeth = &plays.iter().find(|p| p.name == "macbeth").unwrap().text;
+        let e = crate::interop::eval_text(&m.model, &m.tokenizer, macbeth, 32, Some(16), 4).unwrap();
+        assert!((e.loss - s.final_eval_loss).abs() <= 1e-5 * s.final_eval_loss, "{} vs {}", e.loss, s.final_eval_loss);
+        crate::interop::export(&folder, &out.path().join("hf")).unwrap();
+        assert!(out.path().join("hf/config.json").exists());
         // A second run never overwrites the first.
         let (again, _) = run(&recipe, &RunOptions { max_steps: Some(1) }).unwrap();
         assert_eq!(again, out.path().join("smoke-2"));
