@@ -163,6 +163,24 @@ fn verify_manifest(manifest: &BTreeMap<String, (usize, u64)>, tensors: &[crate::
     Ok(())
 }
 
+/// Removes temporary files of earlier saves to `path` by processes that no longer run (killed
+/// mid-write). Only where running processes can be listed (`/proc`).
+fn remove_stale_temporaries(path: &Path, name: &str) {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let prefix = format!(".{name}.");
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tmp")) else { continue };
+        let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Writes `bytes` to `path` through a temporary file of a name no other save uses, synced
 /// before the rename; then syncs the folder so the new name is durable too.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -182,6 +200,7 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()>
         let _ = std::fs::remove_file(&tmp);
         return result;
     }
+    remove_stale_temporaries(path, &name);
     #[cfg(unix)]
     {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));

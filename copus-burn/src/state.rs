@@ -183,6 +183,9 @@ impl TrainingState {
         // Every parameter carries every field any parameter has (AdamW: both moments).
         let fields: std::collections::BTreeSet<&String> = self.optim.values().flat_map(|f| f.keys()).collect();
         if !fields.is_empty() {
+            if fields.len() != 2 {
+                return Err(bad(format!("the optimizer state has {} field(s) per parameter; AdamW keeps both moments", fields.len())));
+            }
             for spec in specs {
                 let Some(mine) = self.optim.get(&spec.name) else {
                     return Err(bad(format!("optimizer state of `{}` is missing", spec.name)));

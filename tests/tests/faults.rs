@@ -298,6 +298,11 @@ fn killed_while_writing_a_checkpoint_the_previous_one_resumes() {
     let want = train(&mut reference, 0, step as usize + 1);
     let mut e = resume(&dir.path().join("state.bpk")).unwrap();
     assert_eq!(train(&mut e, step as usize, step as usize + 1)[0].to_bits(), want[step as usize].to_bits());
+    // The next save removes the killed process's temporary file.
+    e.save_checkpoint(&dir.path().join("state.bpk"), &BTreeMap::new()).unwrap();
+    let left: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().flatten().map(|d| d.file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, vec!["state.bpk".to_string()]);
 }
 
 /// SIGKILL in the middle of a layout change: the last checkpoint resumes exactly.
