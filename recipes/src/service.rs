@@ -70,6 +70,8 @@ pub struct ServiceConfig {
     pub fingerprint: RunFingerprint,
     /// Open connections at most; more are closed on arrival.
     pub max_connections: usize,
+    /// Connections that have not said hello yet, at most; a new one closes the oldest.
+    pub max_unauthenticated: usize,
     /// Time for a new connection to complete its `Hello`.
     pub handshake_timeout: Duration,
     /// Silence after which an authenticated session is closed.
@@ -79,12 +81,14 @@ pub struct ServiceConfig {
 }
 
 impl ServiceConfig {
-    /// The defaults: 256 connections, 5 s to say hello, 1 h of silence, 10 s per frame.
+    /// The defaults: 256 connections, 64 of them before their hello, 5 s to say hello, 1 h of
+    /// silence, 10 s per frame.
     pub fn new(token: String, fingerprint: RunFingerprint) -> Self {
         Self {
             token,
             fingerprint,
             max_connections: 256,
+            max_unauthenticated: 64,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
             frame_timeout: Duration::from_secs(10),
@@ -122,17 +126,61 @@ async fn read_frame(stream: &mut tokio::net::TcpStream, limit: usize, wait: Dura
     tokio::time::timeout(frame_timeout, rest).await.unwrap_or(Err(ReadEnd::Timeout))
 }
 
-async fn session(mut stream: tokio::net::TcpStream, cfg: Arc<ServiceConfig>, make: MakeOrchestrator) {
-    let mut orch: Option<Orchestrator> = None;
-    loop {
-        // Before the hello: one small frame, whole within the handshake timeout. After it: full
-        // frames, each whole within the frame timeout once it has started.
-        let read = match orch {
-            None => {
-                let hello = read_frame(&mut stream, MAX_HELLO, cfg.handshake_timeout, cfg.handshake_timeout);
-                tokio::time::timeout(cfg.handshake_timeout, hello).await.unwrap_or(Err(ReadEnd::Timeout))
+/// The connections that have not said hello yet, oldest first: when there are
+/// [`ServiceConfig::max_unauthenticated`] of them, a new one closes the oldest, so silent
+/// connections can never keep a real client out.
+#[derive(Default)]
+struct Waiting {
+    next: u64,
+    queue: std::collections::VecDeque<(u64, Arc<tokio::sync::Notify>)>,
+}
+
+/// A connection's place among the [`Waiting`]; it leaves on hello or when the session ends.
+struct Unauthenticated {
+    id: u64,
+    evicted: Arc<tokio::sync::Notify>,
+    waiting: Arc<std::sync::Mutex<Waiting>>,
+}
+
+impl Unauthenticated {
+    fn join(waiting: &Arc<std::sync::Mutex<Waiting>>, cap: usize) -> Self {
+        let mut w = waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while w.queue.len() >= cap.max(1) {
+            if let Some((_, oldest)) = w.queue.pop_front() {
+                oldest.notify_one();
             }
-            Some(_) => read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await,
+        }
+        let (id, evicted) = (w.next, Arc::new(tokio::sync::Notify::new()));
+        w.next += 1;
+        w.queue.push_back((id, evicted.clone()));
+        Self { id, evicted, waiting: waiting.clone() }
+    }
+}
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        let mut w = self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        w.queue.retain(|(id, _)| *id != self.id);
+    }
+}
+
+async fn session(mut stream: tokio::net::TcpStream, cfg: Arc<ServiceConfig>, make: MakeOrchestrator, pending: Unauthenticated) {
+    let mut orch: Option<Orchestrator> = None;
+    let mut pending = Some(pending);
+    loop {
+        // Before the hello: one small frame, whole within the handshake timeout (and before a
+        // newer connection evicts this one). After it: full frames, each whole within the frame
+        // timeout once it has started.
+        let read = match (&orch, &pending) {
+            (None, Some(p)) => {
+                let hello = read_frame(&mut stream, MAX_HELLO, cfg.handshake_timeout, cfg.handshake_timeout);
+                tokio::select! {
+                    _ = p.evicted.notified() => return,
+                    r = tokio::time::timeout(cfg.handshake_timeout, hello) => r.unwrap_or(Err(ReadEnd::Timeout)),
+                }
+            }
+            (None, None) => return,
+            (Some(_), _) => read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await,
         };
         let reply = match read {
             Err(ReadEnd::Closed) | Err(ReadEnd::Timeout) => return,
@@ -144,6 +192,7 @@ async fn session(mut stream: tokio::net::TcpStream, cfg: Arc<ServiceConfig>, mak
                             let o = make();
                             let welcome = Response::Welcome { policy: o.policy_name() };
                             orch = Some(o);
+                            pending = None;
                             Ok(welcome)
                         }
                         Err(e) => Err(e.to_string()),
@@ -177,6 +226,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     check_token(&cfg.token).map_err(std::io::Error::other)?;
     let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
+    let waiting = Arc::new(std::sync::Mutex::new(Waiting::default()));
     let cfg = Arc::new(cfg);
     let mut stop = stop;
     let mut refused = 0u64;
@@ -188,9 +238,10 @@ pub async fn serve(
         match accepted {
             Ok((stream, peer)) => match slots.clone().try_acquire_owned() {
                 Ok(slot) => {
+                    let pending = Unauthenticated::join(&waiting, cfg.max_unauthenticated);
                     let (cfg, make) = (cfg.clone(), make.clone());
                     tokio::spawn(async move {
-                        session(stream, cfg, make).await;
+                        session(stream, cfg, make, pending).await;
                         drop(slot);
                     });
                 }
@@ -958,6 +1009,29 @@ mod tests {
         }
         assert!(worst < Duration::from_secs(1), "slowest decision took {worst:?}");
         drop(hostile);
+        drop(service);
+    }
+
+    /// Silent connections cannot keep a real client out: beyond `max_unauthenticated` a new
+    /// connection closes the oldest silent one, whatever the handshake timeout.
+    #[test]
+    fn silent_connections_make_room_for_new_ones() {
+        let cfg = ServiceConfig { max_unauthenticated: 4, handshake_timeout: Duration::from_secs(60), ..config() };
+        let service = spawn("127.0.0.1:0".parse().unwrap(), cfg, make()).unwrap();
+        let addr = service.addr;
+        let mut silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        let mut client = connect(addr).unwrap();
+        client.observe(obs(1, 4.0), 10.0, no_state());
+        assert!(client.wait_for(1, Duration::from_secs(5)).is_some());
+        assert!(t.elapsed() < Duration::from_secs(2));
+        // The oldest silent connection was closed to make room; the newest is still open.
+        let mut buf = [0u8; 1];
+        silent[0].set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert!(matches!(silent[0].read(&mut buf), Ok(0)), "the oldest silent connection is closed");
+        silent[3].set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        assert!(silent[3].read(&mut buf).is_err(), "the newest waits on (read timed out)");
         drop(service);
     }
 
