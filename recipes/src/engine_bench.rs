@@ -116,18 +116,83 @@ fn step_secs(engine: &mut Engine<LlamaConfig>, spec: &ModelSpec, salt: usize) ->
     t.elapsed().as_secs_f64()
 }
 
-/// In-memory reconfiguration against checkpoint-restart (save, stop the ranks, load, start the
-/// ranks) for the same layout pairs, and the step time at the target layout.
+/// Tries to drop the page cache (root with a writable `/proc/sys`), so a restart reads its
+/// checkpoint from storage; returns whether it did.
+fn drop_page_cache() -> Result<(), String> {
+    // Written data first, then the clean pages.
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "1").map_err(|e| e.to_string())
+}
+
+/// The checkpoint-restart side of one layout change, as a real restart: the checkpoint is
+/// written and synced, then a new process (this binary, `bench restart-child`) starts, loads it
+/// into the target layout and runs one step. Returns the seconds from the decision to the end
+/// of that step, and whether the page cache was dropped before the load.
+fn process_restart(
+    e: Engine<LlamaConfig>,
+    path: &std::path::Path,
+    preset: &str,
+    seq: usize,
+    to: ParallelDims,
+    b_g: usize,
+    b_m: usize,
+) -> (f64, Result<(), String>) {
+    use std::io::BufRead;
+    let mut e = e;
+    let t = Instant::now();
+    e.save_checkpoint(path, &Default::default()).expect("save");
+    drop(e);
+    let dropped = drop_page_cache();
+    let exe = std::env::current_exe().expect("this binary");
+    let mut child = std::process::Command::new(exe)
+        .args(["--quiet", "bench", "restart-child", "--checkpoint"])
+        .arg(path)
+        .args(["--preset", preset, "--seq", &seq.to_string(), "--layout", &format!("{},{},{}", to.dp, to.tp, to.pp)])
+        .args(["--global-batch", &b_g.to_string(), "--micro-batch", &b_m.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the restart process");
+    let out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let mut done = None;
+    for line in out.lines().map_while(Result::ok) {
+        if line.trim() == "first-step-done" {
+            done = Some(t.elapsed().as_secs_f64());
+            break;
+        }
+    }
+    let status = child.wait().expect("the restart process");
+    let secs = done.unwrap_or_else(|| panic!("the restart process ended ({status}) before its first step"));
+    (secs, dropped)
+}
+
+/// `bench restart-child`: a fresh process loads a checkpoint into `layout` and runs one step.
+pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, layout: &str, b_g: usize, b_m: usize) -> anyhow::Result<()> {
+    let mut spec = ModelSpec::preset(preset)?;
+    spec.seq_len = seq;
+    let d: Vec<usize> = layout.split(',').map(str::parse).collect::<Result<_, _>>()?;
+    let [dp, tp, pp] = d[..] else { anyhow::bail!("--layout dp,tp,pp") };
+    let dims = ParallelDims::new(dp, tp, pp, dp * tp * pp)?;
+    let cfg = LlamaConfig::from_spec(&spec);
+    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+    let (mut e, _) = Engine::resume(Arc::new(cfg), checkpoint, Some(EngineConfig::new(dims, b_g, b_m, seq, optim)))?;
+    e.step(synthetic_batch(b_g, seq, spec.vocab_size, 1))?;
+    println!("first-step-done");
+    Ok(())
+}
+
+/// In-memory reconfiguration against a real checkpoint-restart (write and sync the checkpoint,
+/// start a new process that loads it into the new layout), each timed from the decision to the
+/// end of the first step at the target layout, and the steady step time there.
 pub fn run_reconfig() {
     let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let world = 8;
     let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4))];
-    println!("In-memory reconfiguration against checkpoint-restart, {world} in-process ranks, this machine");
-    println!(
-        "| model | params | from -> to | state MB | in-memory s | checkpoint-restart s | ratio | step s at target | in-memory / step |"
-    );
+    println!("In-memory reconfiguration against a process restart, {world} in-process ranks, this machine;");
+    println!("both timed from the decision to the end of the first step at the target layout");
+    println!("| model | params | from -> to | state MB | in-memory s | restart s | ratio | step s at target | in-memory / step |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {
         let mut spec = ModelSpec::preset(preset).expect("preset");
         spec.seq_len = 64;
@@ -144,34 +209,38 @@ pub fn run_reconfig() {
             }
             let (b_g, b_m) = (8, 1);
             let mk = |d| EngineConfig::new(d, b_g, b_m, spec.seq_len, optim.clone());
-            // In memory: one step so AdamW state exists, then switch.
+            // In memory: one step so AdamW state exists, then switch and take the first step.
             let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
             e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            let t = Instant::now();
             let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
-            let step = step_secs(&mut e, &spec, 1);
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
+            let in_memory = t.elapsed().as_secs_f64();
+            let step = step_secs(&mut e, &spec, 2);
             drop(e);
-            // Checkpoint-restart of the same state.
+            // A real restart of the same state.
             let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
             e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
             let path = dir.join("state.bpk");
-            let t = Instant::now();
-            e.save_checkpoint(&path, &Default::default()).expect("save");
-            drop(e);
-            let (e, _) = Engine::resume(Arc::new(cfg.clone()), &path, Some(mk(b))).expect("resume");
-            let restart = t.elapsed().as_secs_f64();
-            drop(e);
+            let (restart, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
+            cache_note.get_or_insert(dropped);
             let _ = std::fs::remove_file(&path);
             println!(
                 "| {preset} | {:.1}M | {a} -> {b} | {:.0} | {:.2} | {:.2} | {:.1}x | {:.2} | {:.2} |",
                 spec.num_params() as f64 / 1e6,
                 report.bytes as f64 / 1e6,
-                report.total_secs,
+                in_memory,
                 restart,
-                restart / report.total_secs,
+                restart / in_memory,
                 step,
-                report.total_secs / step
+                in_memory / step
             );
         }
+    }
+    match cache_note {
+        Some(Ok(())) => println!("\nthe page cache was dropped between writing and loading each checkpoint"),
+        Some(Err(e)) => println!("\nthe page cache could not be dropped here ({e}): restarts read the checkpoint from memory"),
+        None => {}
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

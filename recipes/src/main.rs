@@ -191,8 +191,24 @@ enum BenchMode {
         #[arg(long, default_value_t = 5)]
         steps: usize,
     },
-    /// In-memory reconfiguration against checkpoint-restart.
+    /// In-memory reconfiguration against a real process restart from a checkpoint.
     Reconfig,
+    /// The restart side of `reconfig`: load a checkpoint into a layout, run one step.
+    #[command(hide = true)]
+    RestartChild {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        preset: String,
+        #[arg(long)]
+        seq: usize,
+        #[arg(long)]
+        layout: String,
+        #[arg(long)]
+        global_batch: usize,
+        #[arg(long)]
+        micro_batch: usize,
+    },
     /// The learner add-on's noise probe against the same step without it.
     Probe {
         /// Timed steps.
@@ -295,6 +311,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 BenchMode::Step { steps, warmup, no_torch } => bench::run(steps.max(1), warmup, !no_torch),
                 BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
                 BenchMode::Reconfig => engine_bench::run_reconfig(),
+                BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
+                    engine_bench::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
+                }
                 BenchMode::Probe { steps } => {
                     let (step, probe) = bench::probe_overhead(steps.max(1), 2);
                     println!("| reference step (bench-5m, B_m = 8, one micro-batch per step) | seconds |\n|---|---:|");
