@@ -145,7 +145,7 @@ fn process_restart(
     let dropped = drop_page_cache();
     let exe = std::env::current_exe().expect("this binary");
     let mut child = std::process::Command::new(exe)
-        .args(["--quiet", "bench", "restart-child", "--checkpoint"])
+        .args(["bench", "restart-child", "--quiet", "--checkpoint"])
         .arg(path)
         .args(["--preset", preset, "--seq", &seq.to_string(), "--layout", &format!("{},{},{}", to.dp, to.tp, to.pp)])
         .args(["--global-batch", &b_g.to_string(), "--micro-batch", &b_m.to_string()])
