@@ -49,12 +49,13 @@ impl Rng {
 /// The next token from one position's logits.
 fn choose(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
     let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32;
-    if s.temperature == 0.0 {
+    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    if s.temperature == 0.0 || !max.is_finite() {
         return argmax();
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let mut probs: Vec<(u32, f64)> =
-        logits.iter().enumerate().map(|(i, &x)| (i as u32, ((x as f64 - max) / s.temperature).exp())).collect();
+    // A NaN logit weighs nothing.
+    let weight = |x: f32| if x.is_nan() { 0.0 } else { ((x as f64 - max) / s.temperature).exp() };
+    let mut probs: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &x)| (i as u32, weight(x))).collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
     probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut kept = 0.0;
@@ -83,15 +84,18 @@ fn last_logits(logits_bsv: Tensor<3>) -> Vec<f32> {
     logits_bsv.narrow(1, s - 1, 1).reshape([v]).into_data().iter::<f32>().collect()
 }
 
-/// Continues `prompt` (token ids, at least one) by up to `max_tokens` tokens, stopping early at
-/// `stop` or at the model's longest sequence. With `cache` each new token costs one position;
+/// Continues `prompt` (token ids, at least one) by up to `max_tokens` tokens among ids below
+/// `allowed` (the tokenizer's, when the embedding is padded), stopping early at `stop` or at the
+/// model's longest sequence. With `cache` each new token costs one position;
 /// without it every token runs the whole sequence again (the reference the cache is tested
 /// against). Returns the new tokens only.
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     model: &Llama,
     prompt: &[u32],
     max_tokens: usize,
     max_len: usize,
+    allowed: usize,
     s: &Sampling,
     stop: Option<u32>,
     cache: bool,
@@ -107,7 +111,8 @@ pub fn generate(
     let mut pending: Vec<u32> = prompt.to_vec();
     while out.len() < max_tokens && seq.len() < max_len && !prompt.is_empty() {
         let logits = if cache { model.forward_cached(ids(&pending), &mut kv) } else { model.forward(ids(&seq)) };
-        let next = choose(&last_logits(logits), s, &mut rng);
+        let logits = last_logits(logits);
+        let next = choose(&logits[..allowed.clamp(1, logits.len())], s, &mut rng);
         out.push(next);
         seq.push(next);
         pending = vec![next];
@@ -139,8 +144,8 @@ mod tests {
     fn the_kv_cache_changes_nothing_but_the_cost() {
         let m = model();
         let prompt = [5u32, 17, 3, 99, 42];
-        let with = generate(&m, &prompt, 32, 64, &Sampling::GREEDY, None, true);
-        let without = generate(&m, &prompt, 32, 64, &Sampling::GREEDY, None, false);
+        let with = generate(&m, &prompt, 32, 64, usize::MAX, &Sampling::GREEDY, None, true);
+        let without = generate(&m, &prompt, 32, 64, usize::MAX, &Sampling::GREEDY, None, false);
         assert_eq!(with.len(), 32);
         assert_eq!(with, without);
         // Logits of a prompt in two pieces through the cache against one full pass.
@@ -161,17 +166,25 @@ mod tests {
     fn sampling_is_seeded_and_respects_top_p() {
         let m = model();
         let s = Sampling { temperature: 1.0, top_p: 0.9, seed: 3 };
-        let a = generate(&m, &[1, 2, 3], 16, 64, &s, None, true);
-        assert_eq!(a, generate(&m, &[1, 2, 3], 16, 64, &s, None, true), "same seed, same text");
-        assert_ne!(a, generate(&m, &[1, 2, 3], 16, 64, &Sampling { seed: 4, ..s }, None, true));
+        let a = generate(&m, &[1, 2, 3], 16, 64, usize::MAX, &s, None, true);
+        assert_eq!(a, generate(&m, &[1, 2, 3], 16, 64, usize::MAX, &s, None, true), "same seed, same text");
+        assert_ne!(a, generate(&m, &[1, 2, 3], 16, 64, usize::MAX, &Sampling { seed: 4, ..s }, None, true));
         // A tiny nucleus keeps only the most likely token: greedy.
         let narrow = Sampling { temperature: 1.0, top_p: 1e-9, seed: 9 };
-        assert_eq!(generate(&m, &[1, 2, 3], 8, 64, &narrow, None, true), generate(&m, &[1, 2, 3], 8, 64, &Sampling::GREEDY, None, true));
+        assert_eq!(
+            generate(&m, &[1, 2, 3], 8, 64, usize::MAX, &narrow, None, true),
+            generate(&m, &[1, 2, 3], 8, 64, usize::MAX, &Sampling::GREEDY, None, true)
+        );
         // The sequence never exceeds the model's length, and a stop token ends it.
-        assert_eq!(generate(&m, &[1, 2, 3], 100, 10, &Sampling::GREEDY, None, true).len(), 7);
-        let first = generate(&m, &[1, 2, 3], 1, 64, &Sampling::GREEDY, None, true)[0];
-        assert_eq!(generate(&m, &[1, 2, 3], 10, 64, &Sampling::GREEDY, Some(first), true), vec![first]);
+        assert_eq!(generate(&m, &[1, 2, 3], 100, 10, usize::MAX, &Sampling::GREEDY, None, true).len(), 7);
+        let first = generate(&m, &[1, 2, 3], 1, 64, usize::MAX, &Sampling::GREEDY, None, true)[0];
+        assert_eq!(generate(&m, &[1, 2, 3], 10, 64, usize::MAX, &Sampling::GREEDY, Some(first), true), vec![first]);
         assert!(Sampling { temperature: -1.0, ..s }.validate().unwrap_err().contains("temperature"));
         assert!(Sampling { top_p: 0.0, ..s }.validate().unwrap_err().contains("top-p"));
+        // Only allowed ids are chosen; NaN or all -inf logits do not break the choice.
+        assert!(generate(&m, &[1, 2, 3], 8, 64, 5, &s, None, true).iter().all(|&t| t < 5));
+        let mut rng = Rng(1);
+        assert_eq!(choose(&[f32::NEG_INFINITY; 4], &s, &mut rng), 0);
+        assert_eq!(choose(&[0.0, f32::NAN, 50.0, 0.0], &Sampling { temperature: 0.01, ..s }, &mut rng), 2);
     }
 }

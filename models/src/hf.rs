@@ -115,10 +115,10 @@ pub fn hf_config(cfg: &LlamaConfig, eos: Option<u32>) -> Result<serde_json::Valu
         "mlp_bias": false,
         "torch_dtype": "float32",
     });
-    if let Some(id) = eos {
-        c["bos_token_id"] = id.into();
-        c["eos_token_id"] = id.into();
-    }
+    // Without an end-of-text token, null (HF's Llama defaults of 1 and 2 would be wrong).
+    let id = eos.map_or(serde_json::Value::Null, serde_json::Value::from);
+    c["bos_token_id"] = id.clone();
+    c["eos_token_id"] = id;
     Ok(c)
 }
 
@@ -153,6 +153,14 @@ pub fn config_from_hf(c: &serde_json::Value) -> Result<LlamaConfig, HfError> {
     {
         return Err(bad("head_dim", format!("{e}; this model needs hidden_size / num_attention_heads = {}", hidden / heads)));
     }
+    // Newer configs keep RoPE settings under `rope_parameters`.
+    let rope = c.get("rope_parameters").filter(|v| v.is_object());
+    if let Some(t) = rope.and_then(|r| r.get("rope_type")).and_then(|v| v.as_str())
+        && t != "default"
+    {
+        return Err(bad("rope_parameters.rope_type", format!("{t:?}; only plain RoPE (`default`) is supported")));
+    }
+    let rope_theta = rope.and_then(|r| r.get("rope_theta")).or_else(|| c.get("rope_theta")).and_then(|v| v.as_f64()).unwrap_or(10000.0);
     let kv = c.get("num_key_value_heads").and_then(|v| v.as_u64()).map_or(heads, |v| v as usize);
     let cfg = LlamaConfig::new(
         uint("num_hidden_layers")?,
@@ -164,7 +172,7 @@ pub fn config_from_hf(c: &serde_json::Value) -> Result<LlamaConfig, HfError> {
         uint("max_position_embeddings")?,
     )
     .with_tied_embeddings(c.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false))
-    .with_rope_theta(c.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0))
+    .with_rope_theta(rope_theta)
     .with_norm_eps(c.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6));
     cfg.spec("llama").validate().map_err(|e| bad("(shape)", e.to_string()))?;
     Ok(cfg)
@@ -235,7 +243,8 @@ pub fn import(dir: &Path, device: &Device) -> Result<(LlamaConfig, Llama), HfErr
     }
     let mut shards = HashMap::new();
     for (name, view) in st.tensors() {
-        if name.ends_with("rotary_emb.inv_freq") {
+        // RoPE buffers some exports carry, and a tied head written out anyway.
+        if name.ends_with("rotary_emb.inv_freq") || (cfg.tied_embeddings && name == "lm_head.weight") {
             continue;
         }
         let Some((copus, t, shape)) = by_hf.remove(&name) else {
@@ -406,6 +415,14 @@ mod tests {
         assert!(with("architectures", serde_json::json!(["GPT2LMHeadModel"])).contains("`architectures`"));
         assert!(with("hidden_act", serde_json::json!("gelu")).contains("`hidden_act`"));
         assert!(with("rope_scaling", serde_json::json!({"type": "linear", "factor": 2.0})).contains("`rope_scaling`"));
+        let e = with("rope_parameters", serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0}));
+        assert!(e.contains("`rope_parameters.rope_type`"), "{e}");
+        let nested = {
+            let mut c = good.clone();
+            c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+            config_from_hf(&c).unwrap()
+        };
+        assert_eq!(nested.rope_theta, 500000.0);
         let e = with("intermediate_size", serde_json::json!(512));
         assert!(e.contains("_proj.weight") && e.contains("344") && e.contains("512"), "{e}");
         let e = with("num_hidden_layers", serde_json::json!(3));

@@ -59,8 +59,26 @@ pub fn vocab_of(tokenizer: &Tokenizer) -> usize {
 /// `recipes export`: the run's model in the HF Llama layout, with its tokenizer.
 pub fn export(run_dir: &Path, to: &Path) -> anyhow::Result<()> {
     let m = load_run(run_dir)?;
+    if let (Ok(a), Ok(b)) = (run_dir.canonicalize(), to.canonicalize())
+        && a == b
+    {
+        return Err(anyhow!("--to {} is the run folder itself; export to another directory", to.display()));
+    }
     hf::export(&m.model, &m.cfg, to, m.eot())?;
     m.tokenizer.save(to.join("tokenizer.json"), true).map_err(|e| anyhow!("{}: {e}", to.join("tokenizer.json").display()))?;
+    // Without this, transformers' AutoTokenizer would take the Llama tokenizer class and its
+    // `<s>`/`</s>` defaults; the run's tokenizer adds no BOS and ends texts with end-of-text.
+    let eot = m.eot().map(|_| "<|endoftext|>");
+    let config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eot,
+        "eos_token": eot,
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "model_max_length": m.cfg.max_seq_len,
+    });
+    let tc = to.join("tokenizer_config.json");
+    std::fs::write(&tc, serde_json::to_string_pretty(&config)? + "\n").with_context(|| format!("writing {}", tc.display()))?;
     Ok(())
 }
 
@@ -68,6 +86,17 @@ pub fn export(run_dir: &Path, to: &Path) -> anyhow::Result<()> {
 /// shape that differs is an error naming the config.json field.
 pub fn init_from(dir: &Path, spec: &ModelSpec, device: &Device) -> anyhow::Result<Llama> {
     let (cfg, model) = hf::import(dir, device).with_context(|| format!("`init_from` = {}", dir.display()))?;
+    let ours = LlamaConfig::from_spec(spec);
+    if spec.qkv_bias {
+        return Err(anyhow!("`init_from`: the recipe's model has q/k/v biases (`attention_bias`), which HF Llama checkpoints do not hold"));
+    }
+    // The run trains with the recipe's RoPE base and norm epsilon; different ones would change
+    // the model that was imported.
+    for (field, a, b) in [("rope_theta", cfg.rope_theta, ours.rope_theta), ("rms_norm_eps", cfg.norm_eps, ours.norm_eps)] {
+        if a != b {
+            return Err(anyhow!("`init_from` = {}: config.json `{field}` is {a}, the recipe's model uses {b}", dir.display()));
+        }
+    }
     let theirs = cfg.spec(&spec.name);
     for (field, a, b) in [
         ("num_hidden_layers", theirs.num_layers, spec.num_layers),
@@ -118,14 +147,21 @@ pub fn eval_text(
     max_windows: Option<usize>,
     micro: usize,
 ) -> anyhow::Result<TextLoss> {
+    if max_windows == Some(0) {
+        return Err(anyhow!("--max-windows 0: evaluate at least one window"));
+    }
     let tokens = data::encode(tokenizer, &[text])?;
     let n = tokens.len();
+    if n < seq + 1 {
+        return Err(anyhow!("the text has {n} tokens; one window needs {} (lower --seq)", seq + 1));
+    }
     let windows = PackedDataset::new(tokens, seq, 0, "text")?;
     let count = max_windows.unwrap_or(usize::MAX).min(windows.num_seqs());
     let bar = Progress::new("eval", count.div_ceil(micro.max(1)) as u64);
     let loss = crate::run::heldout_loss(&windows, count, micro, &model.embed_tokens.weight.device(), |b| {
+        let l = f64::from(model.loss_sum(b.inputs, b.targets).into_scalar::<f32>());
         bar.inc(1);
-        f64::from(model.loss_sum(b.inputs, b.targets).into_scalar::<f32>())
+        l
     });
     bar.finish();
     Ok(TextLoss { tokens: n, windows: count, loss })
@@ -153,7 +189,9 @@ pub fn generate_command(run_dir: &Path, prompt: &str, max_tokens: usize, samplin
     if ids.len() >= m.cfg.max_seq_len {
         return Err(anyhow!("the prompt has {} tokens; the model reads at most {}", ids.len(), m.cfg.max_seq_len));
     }
-    let out = copus_models::generate::generate(&m.model, &ids, max_tokens, m.cfg.max_seq_len, &sampling, m.eot(), true);
+    // Only ids the tokenizer has (the embedding is padded to a multiple of 64).
+    let allowed = m.tokenizer.get_vocab_size(true);
+    let out = copus_models::generate::generate(&m.model, &ids, max_tokens, m.cfg.max_seq_len, allowed, &sampling, m.eot(), true);
     m.tokenizer.decode(&out, true).map_err(|e| anyhow!("decoding: {e}"))
 }
 
@@ -207,7 +245,7 @@ mod tests {
         let (recipe, _) = fake_run(dir.path());
         let out = dir.path().join("hf");
         export(dir.path(), &out).unwrap();
-        for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
             assert!(out.join(f).exists(), "{f}");
         }
         let m = load_run(dir.path()).unwrap();
@@ -221,9 +259,16 @@ mod tests {
             assert_eq!(na, nb);
             assert!(va.iter().zip(vb).all(|(x, y)| x.to_bits() == y.to_bits()), "{na}");
         }
-        let bigger = ModelSpec { hidden: 256, ..spec };
+        let bigger = ModelSpec { hidden: 256, ..spec.clone() };
         let e = init_from(&out, &bigger, &Device::flex()).err().unwrap().to_string();
         assert!(e.contains("`hidden_size` is 128") && e.contains("has 256"), "{e}");
+        let cpath = out.join("config.json");
+        let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+        c["rope_theta"] = serde_json::json!(500000.0);
+        std::fs::write(&cpath, c.to_string()).unwrap();
+        let e = init_from(&out, &spec, &Device::flex()).err().unwrap().to_string();
+        assert!(e.contains("`rope_theta` is 500000"), "{e}");
+        assert!(export(dir.path(), dir.path()).unwrap_err().to_string().contains("the run folder itself"));
     }
 
     #[test]
