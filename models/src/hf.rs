@@ -15,10 +15,12 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::tensor::{Device, TensorData};
-use copus_burn::parallel::ShardSource;
+use copus_burn::ParallelLm;
+use copus_burn::parallel::{ShardError, ShardPlan, ShardSource};
+use copus_core::layout::ParallelDims;
 use thiserror::Error;
 
-use crate::llama::{Attention, DecoderLayer, Llama, LlamaConfig, Mlp, RmsNorm};
+use crate::llama::{Llama, LlamaConfig};
 
 /// Why an export or import failed.
 #[derive(Debug, Error)]
@@ -265,52 +267,19 @@ pub fn import(dir: &Path, device: &Device) -> Result<(LlamaConfig, Llama), HfErr
     Ok((cfg, model))
 }
 
-/// Builds a model of `cfg` from full parameters by copus name.
-pub fn from_params(
-    cfg: &LlamaConfig,
-    params: HashMap<String, TensorData>,
-    device: &Device,
-) -> Result<Llama, copus_burn::parallel::ShardError> {
+/// Builds a model of `cfg` from full parameters by copus name: the serial layout's one stage
+/// (the engine's own builder) as a whole model.
+pub fn from_params(cfg: &LlamaConfig, params: HashMap<String, TensorData>, device: &Device) -> Result<Llama, ShardError> {
     let mut src = ShardSource::new(params);
-    let e = cfg.hidden / cfg.num_heads;
-    let linear = |src: &mut ShardSource, name: &str, bias: bool| -> Result<burn::nn::Linear, copus_burn::parallel::ShardError> {
-        Ok(burn::nn::Linear {
-            weight: src.param::<2>(&format!("{name}.weight"), device)?,
-            bias: if bias { Some(src.param::<1>(&format!("{name}.bias"), device)?) } else { None },
-        })
-    };
-    let norm = |src: &mut ShardSource, name: &str| -> Result<RmsNorm, copus_burn::parallel::ShardError> {
-        Ok(RmsNorm { weight: src.param::<1>(name, device)?, eps: cfg.norm_eps })
-    };
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for i in 0..cfg.num_layers {
-        let n = |s: &str| format!("layers.{i}.{s}");
-        layers.push(DecoderLayer {
-            attn_norm: norm(&mut src, &n("attn_norm.weight"))?,
-            attn: Attention {
-                q_proj: linear(&mut src, &n("attn.q_proj"), cfg.qkv_bias)?,
-                k_proj: linear(&mut src, &n("attn.k_proj"), cfg.qkv_bias)?,
-                v_proj: linear(&mut src, &n("attn.v_proj"), cfg.qkv_bias)?,
-                o_proj: linear(&mut src, &n("attn.o_proj"), false)?,
-                num_heads: cfg.num_heads,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: e,
-            },
-            mlp_norm: norm(&mut src, &n("mlp_norm.weight"))?,
-            mlp: Mlp {
-                gate_proj: linear(&mut src, &n("mlp.gate_proj"), false)?,
-                up_proj: linear(&mut src, &n("mlp.up_proj"), false)?,
-                down_proj: linear(&mut src, &n("mlp.down_proj"), false)?,
-            },
-        });
-    }
-    let embed_tokens = burn::nn::Embedding { weight: src.param::<2>("embed_tokens.weight", device)? };
-    let final_norm = norm(&mut src, "norm.weight")?;
-    let lm_head = if cfg.tied_embeddings { None } else { Some(linear(&mut src, "lm_head", false)?) };
+    let plan = ShardPlan::new(ParallelDims::serial(), 0, 0, cfg.num_layers);
+    let stage = cfg.build_stage(&plan, &mut src, device)?;
     if let Some(extra) = src.remaining().first() {
-        return Err(copus_burn::parallel::ShardError::Layout(format!("parameter `{extra}` is not part of the model")));
+        return Err(ShardError::Layout(format!("parameter `{extra}` is not part of the model")));
     }
-    Ok(Llama::assemble(embed_tokens, layers, final_norm, lm_head, cfg.rope_theta))
+    let (Some(embed_tokens), Some(norm)) = (stage.embed_tokens, stage.norm) else {
+        return Err(ShardError::Layout("the serial stage holds the embedding and the final norm".into()));
+    };
+    Ok(Llama::assemble(embed_tokens, stage.layers, norm, stage.lm_head, cfg.rope_theta))
 }
 
 #[cfg(test)]

@@ -214,6 +214,13 @@ impl Attention {
     /// Attention of `x_bsd` over itself with a causal mask. Head counts are those of this
     /// module's weights (a tensor-parallel shard holds fewer heads).
     pub fn forward(&self, x_bsd: Tensor<3>, rope: &Rope) -> Tensor<3> {
+        self.attend(x_bsd, rope, 0, None)
+    }
+
+    /// Attention of `s` positions starting at `start` (`rope` holds their tables) over
+    /// themselves and, with `cache`, the cached keys and values before them; appends this
+    /// call's keys and values to the cache.
+    fn attend(&self, x_bsd: Tensor<3>, rope: &Rope, start: usize, cache: Option<&mut Option<(Tensor<4>, Tensor<4>)>>) -> Tensor<3> {
         let [b, s, _] = x_bsd.dims();
         let e = self.head_dim;
         let [_, q_width] = self.q_proj.weight.dims();
@@ -222,28 +229,35 @@ impl Attention {
         let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
         let k_bkse = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
         let v_bkse = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
+        // With a cache, the keys and values of every position so far, [b, k, start + s, e].
+        let (k_bkte, v_bkte) = match cache {
+            None => (k_bkse, v_bkse),
+            Some(cache) => {
+                let kv = match cache.take() {
+                    Some((kc, vc)) => (Tensor::cat(vec![kc, k_bkse], 2), Tensor::cat(vec![vc, v_bkse], 2)),
+                    None => (k_bkse, v_bkse),
+                };
+                *cache = Some(kv.clone());
+                kv
+            }
+        };
         // Query head i reads kv head i / g (g = h / k). Fold the g query heads of each kv head
         // into the row dim, [b, k, g*s, e], so one batched matmul serves them without copying
         // K and V g times.
         let g = h / k;
         let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        let scores_bkrs = q_bkre.matmul(k_bkse.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
-        let scores_bkrs = scores_bkrs + causal_bias(g, s, &rope.device());
-        let probs_bkrs = softmax(scores_bkrs, 3);
-        let out_bsd = probs_bkrs.matmul(v_bkse).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
+        let scores_bkrt = q_bkre.matmul(k_bkte.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
+        let scores_bkrt = scores_bkrt + causal_bias(g, s, start, &rope.device());
+        let probs_bkrt = softmax(scores_bkrt, 3);
+        let out_bsd = probs_bkrt.matmul(v_bkte).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
         self.o_proj.forward(out_bsd)
     }
 }
 
-/// Additive causal mask `[1, 1, g*s, s]`: row `r` is query position `r % s`; 0 where the key
-/// position is not after it, -inf where it is.
-fn causal_bias(g: usize, s: usize, device: &Device) -> Tensor<4> {
-    causal_bias_from(g, s, 0, device)
-}
-
-/// The causal mask of `s` queries at positions `start..start + s` over keys `0..start + s`,
-/// `[1, 1, g*s, start + s]`.
-fn causal_bias_from(g: usize, s: usize, start: usize, device: &Device) -> Tensor<4> {
+/// The additive causal mask of `s` queries at positions `start..start + s` over keys
+/// `0..start + s`, `[1, 1, g*s, start + s]`: row `r` is query position `start + r % s`; 0 where
+/// the key position is not after it, -inf where it is.
+fn causal_bias(g: usize, s: usize, start: usize, device: &Device) -> Tensor<4> {
     let t = start + s;
     let mut v = vec![0f32; g * s * t];
     for r in 0..g * s {
@@ -275,32 +289,6 @@ impl KvCache {
     /// Whether no position is held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-}
-
-impl Attention {
-    /// [`Attention::forward`] for `s` new positions starting at `start`, attending to the cached
-    /// keys and values as well; appends this call's keys and values to `cache`.
-    fn forward_cached(&self, x_bsd: Tensor<3>, rope: &Rope, start: usize, cache: &mut Option<(Tensor<4>, Tensor<4>)>) -> Tensor<3> {
-        let [b, s, _] = x_bsd.dims();
-        let e = self.head_dim;
-        let [_, q_width] = self.q_proj.weight.dims();
-        let [_, kv_width] = self.k_proj.weight.dims();
-        let (h, k) = (q_width / e, kv_width / e);
-        let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
-        let k_new = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
-        let v_new = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
-        let (k_bkte, v_bkte) = match cache.take() {
-            Some((kc, vc)) => (Tensor::cat(vec![kc, k_new], 2), Tensor::cat(vec![vc, v_new], 2)),
-            None => (k_new, v_new),
-        };
-        *cache = Some((k_bkte.clone(), v_bkte.clone()));
-        let g = h / k;
-        let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        let scores = q_bkre.matmul(k_bkte.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
-        let scores = scores + causal_bias_from(g, s, start, &rope.device());
-        let out_bsd = softmax(scores, 3).matmul(v_bkte).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
-        self.o_proj.forward(out_bsd)
     }
 }
 
@@ -338,7 +326,12 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// `x + attn(norm(x))`, then `h + mlp(norm(h))`.
     pub fn forward(&self, x_bsd: Tensor<3>, rope: &Rope) -> Tensor<3> {
-        let h_bsd = x_bsd.clone() + self.attn.forward(self.attn_norm.forward(x_bsd), rope);
+        self.forward_from(x_bsd, rope, 0, None)
+    }
+
+    /// [`DecoderLayer::forward`] of positions from `start`, attending to `cache` too.
+    fn forward_from(&self, x_bsd: Tensor<3>, rope: &Rope, start: usize, cache: Option<&mut Option<(Tensor<4>, Tensor<4>)>>) -> Tensor<3> {
+        let h_bsd = x_bsd.clone() + self.attn.attend(self.attn_norm.forward(x_bsd), rope, start, cache);
         h_bsd.clone() + self.mlp.forward(self.mlp_norm.forward(h_bsd))
     }
 }
@@ -404,8 +397,7 @@ impl Llama {
         cache.layers.resize(self.layers.len(), None);
         let mut x_bsd = self.embed_tokens.forward(tokens_bs);
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let h_bsd = x_bsd.clone() + layer.attn.forward_cached(layer.attn_norm.forward(x_bsd), &rope, start, kv);
-            x_bsd = h_bsd.clone() + layer.mlp.forward(layer.mlp_norm.forward(h_bsd));
+            x_bsd = layer.forward_from(x_bsd, &rope, start, Some(kv));
         }
         cache.len += s;
         self.head(self.norm.forward(x_bsd))

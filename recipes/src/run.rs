@@ -181,7 +181,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
         }
     };
     // The embedding covers the tokenizer, rounded up to a multiple of 64 for sharding.
-    spec.vocab_size = tokenizer.get_vocab_size(true).div_ceil(64) * 64;
+    spec.vocab_size = crate::interop::vocab_of(&tokenizer);
     let t = &recipe.train;
     let train = PackedDataset::new(data::encode(&tokenizer, &train_texts)?, spec.seq_len, t.seed, "training")?;
     let heldout = PackedDataset::new(data::encode(&tokenizer, &heldout_texts)?, spec.seq_len, t.seed, "held-out")?;
