@@ -681,6 +681,27 @@ impl AbortHandle {
         }
         self.world.aborted.store(true, Ordering::Release);
     }
+
+    /// Whether some rank of the world has aborted.
+    pub fn is_aborted(&self) -> bool {
+        self.world.aborted.load(Ordering::Acquire)
+    }
+
+    /// Drops every queued message whose tag is at least `from`, and the mailboxes that held
+    /// them; returns how many messages there were. Only for when no rank sends or receives such
+    /// tags any more.
+    pub fn discard_messages(&self, from: u32) -> usize {
+        let mut boxes = lock(&self.world.mailboxes);
+        let mut dropped = 0;
+        boxes.retain(|&(_, _, tag), mb| {
+            if tag < from {
+                return true;
+            }
+            dropped += lock(&mb.queue).len();
+            false
+        });
+        dropped
+    }
 }
 
 impl ThreadComm {

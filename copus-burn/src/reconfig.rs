@@ -1,18 +1,27 @@
-//! In-memory reconfiguration with rollback. A layout change stages the whole training state in
-//! host memory ([`TrainingState`]), stops the old ranks (dropping their process groups), starts
-//! the new ones from the staged state and verifies element counts and checksums of every
-//! parameter and optimizer tensor each rank loaded. Any failure after staging restarts the old
-//! configuration from the staged state, so nothing is lost. A change of B_g or B_m alone only
-//! changes the data split, the accumulation count and the learning rate.
+//! In-memory reconfiguration with rollback. Two paths:
+//! - *live* (every rank a thread of this process): the ranks stay up and exchange exactly the
+//!   slices of weights, AdamW moments and previous gradient that copus-core's reshard plan
+//!   names, build the new layout beside the old one, and verify each piece's checksum at sender
+//!   and receiver; a failure drops what was built, so rollback costs nothing (`engine/live.rs`);
+//! - *staged* (ranks in other processes): the whole training state is staged in host memory
+//!   ([`TrainingState`]), the old ranks stop, the new ones start from it and verify element
+//!   counts and checksums of every tensor they loaded; a failure restarts the old configuration
+//!   from the staged state.
 //!
-//! It uses the engine's narrow crate API (stage, relaunch, set the batch), never its fields.
+//! Either way nothing is lost; when even the rollback fails, the state goes to an emergency
+//! checkpoint. A change of B_g or B_m alone only changes the data split, the accumulation count
+//! and the learning rate.
+//!
+//! It uses the engine's narrow crate API (stage, relaunch, switch live, set the batch), never its
+//! fields.
 
 use std::time::Instant;
 
 use copus_core::layout::ParallelDims;
 
-use crate::engine::{Engine, EngineConfig, EngineError, ReconfigPhase};
+use crate::engine::{Engine, EngineConfig, EngineError, LiveFailure, ReconfigPhase};
 use crate::parallel::ParallelLm;
+use crate::state::TrainingState;
 
 /// What a reconfiguration did and how long it took.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,14 +32,20 @@ pub struct ReconfigReport {
     pub to: String,
     /// Whether the layout changed (otherwise only B_g / B_m).
     pub layout_changed: bool,
-    /// Seconds to stage the state in host memory.
+    /// Whether the ranks stayed up and exchanged only their shards' slices (otherwise the state
+    /// was staged on the host and the ranks restarted).
+    pub live: bool,
+    /// Seconds to send every rank's pieces (live) or to stage the state in host memory.
     pub stage_secs: f64,
-    /// Seconds to stop the old ranks, start the new ones, load and verify.
+    /// Seconds to receive, build the new layout and verify (live), or to stop the old ranks,
+    /// start the new ones, load and verify.
     pub rebuild_secs: f64,
     /// Seconds in all.
     pub total_secs: f64,
-    /// Bytes staged.
+    /// Bytes copied: the plan's pieces (live) or the staged state.
     pub bytes: u64,
+    /// Of them, bytes that went from one rank to another (live); the staged state otherwise.
+    pub remote_bytes: u64,
 }
 
 fn describe(cfg: &EngineConfig) -> String {
@@ -52,25 +67,64 @@ impl<L: ParallelLm> Engine<L> {
                 reason: format!("has {} ranks; this engine runs {}", dims.world_size(), old.dims.world_size()),
             });
         }
-        let report = |layout_changed: bool, stage_secs: f64, bytes: u64| {
+        let report = |layout_changed: bool, live: bool, stage_secs: f64, bytes: u64, remote_bytes: u64| {
             let total = start.elapsed().as_secs_f64();
             ReconfigReport {
                 from: describe(&old),
                 to: describe(&target),
                 layout_changed,
+                live,
                 stage_secs,
                 rebuild_secs: total - stage_secs,
                 total_secs: total,
                 bytes,
+                remote_bytes,
             }
         };
         if dims == old.dims {
             self.set_batch(global_batch, micro_batch)?;
-            return Ok(report(false, 0.0, 0));
+            return Ok(report(false, false, 0.0, 0, 0));
+        }
+        let fault = self.take_fault();
+        if self.runs_locally() {
+            return match self.switch_live(&target, fault) {
+                Ok(s) => {
+                    let r = report(true, true, s.send_secs, s.bytes, s.remote_bytes);
+                    tracing::debug!(
+                        "reconfigured {} -> {} live in {:.3} s ({} bytes moved, {} between ranks)",
+                        r.from,
+                        r.to,
+                        r.total_secs,
+                        r.bytes,
+                        r.remote_bytes
+                    );
+                    Ok(r)
+                }
+                Err(LiveFailure::Refused(e) | LiveFailure::Engine(e)) => Err(e),
+                Err(LiveFailure::RolledBack((phase, message))) => {
+                    tracing::warn!(
+                        "reconfiguration to {} failed at {phase:?} ({message}); rolled back to {}",
+                        describe(&target),
+                        describe(&old)
+                    );
+                    Err(EngineError::RolledBack { phase, message, target: describe(&target), restored: describe(&old) })
+                }
+                Err(LiveFailure::Broken((phase, message))) => {
+                    // The ranks still hold the old state but can no longer train together:
+                    // stage it (no collective needed) and write it out before giving up.
+                    let saved = match self.stage_state() {
+                        Ok(state) => self.save_emergency(&state, &old),
+                        Err(e) => format!("the state could not be staged for an emergency checkpoint ({e})"),
+                    };
+                    let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too; {saved}");
+                    tracing::error!("{msg}");
+                    self.mark_dead(&msg);
+                    Err(EngineError::Dead(msg))
+                }
+            };
         }
         let state = self.stage_state()?;
         let stage_secs = start.elapsed().as_secs_f64();
-        let fault = self.take_fault();
         let attempt = if fault.hits(ReconfigPhase::AfterStaging) {
             self.stop_ranks();
             Err((ReconfigPhase::AfterStaging, "injected failure after staging".to_string()))
@@ -85,7 +139,7 @@ impl<L: ParallelLm> Engine<L> {
         };
         match attempt {
             Ok(()) => {
-                let r = report(true, stage_secs, state.bytes());
+                let r = report(true, false, stage_secs, state.bytes(), state.bytes());
                 tracing::debug!("reconfigured {} -> {} in {:.3} s ({} bytes staged)", r.from, r.to, r.total_secs, r.bytes);
                 Ok(r)
             }
@@ -100,17 +154,25 @@ impl<L: ParallelLm> Engine<L> {
                 }
                 Err(e) => {
                     // The staged state is now the only intact copy: write it out before giving up.
-                    let path = self.emergency_path(state.step);
-                    let saved = match state.save(&path, self.specs(), &old, &Default::default()) {
-                        Ok(()) => format!("the state is saved to the emergency checkpoint {}", path.display()),
-                        Err(w) => format!("the emergency checkpoint could not be written either ({w})"),
-                    };
+                    let saved = self.save_emergency(&state, &old);
                     let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too ({e}); {saved}");
                     tracing::error!("{msg}");
                     self.mark_dead(&msg);
                     Err(EngineError::Dead(msg))
                 }
             },
+        }
+    }
+}
+
+impl<L: ParallelLm> Engine<L> {
+    /// Writes `state` (of configuration `cfg`) to the emergency checkpoint; says where, or why
+    /// it could not.
+    fn save_emergency(&self, state: &TrainingState, cfg: &EngineConfig) -> String {
+        let path = self.emergency_path(state.step);
+        match state.save(&path, self.specs(), cfg, &Default::default()) {
+            Ok(()) => format!("the state is saved to the emergency checkpoint {}", path.display()),
+            Err(w) => format!("the emergency checkpoint could not be written either ({w})"),
         }
     }
 }

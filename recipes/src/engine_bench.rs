@@ -107,13 +107,24 @@ pub fn run(steps: usize) {
     }
 }
 
-/// Seconds of one training step of `engine` (after a warm-up step).
+/// Waits until every rank has finished its queued work (the backend may still be applying the
+/// last update when `step` returns) by reading the weights back; returns the seconds it took.
+fn settle(engine: &mut Engine<LlamaConfig>) -> f64 {
+    let t = Instant::now();
+    engine.rank_params().expect("read the weights");
+    t.elapsed().as_secs_f64()
+}
+
+/// Seconds of one training step of `engine` (after a warm-up step), from settled to settled,
+/// less the cost of settling itself.
 fn step_secs(engine: &mut Engine<LlamaConfig>, spec: &ModelSpec, salt: usize) -> f64 {
     let b = engine.config().global_batch;
     engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt)).expect("step");
+    settle(engine);
     let t = Instant::now();
     engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt + 1)).expect("step");
-    t.elapsed().as_secs_f64()
+    settle(engine);
+    t.elapsed().as_secs_f64() - settle(engine)
 }
 
 /// Tries to drop the page cache (root with a writable `/proc/sys`), so a restart reads its
@@ -176,6 +187,8 @@ pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, lay
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
     let (mut e, _) = Engine::resume(Arc::new(cfg), checkpoint, Some(EngineConfig::new(dims, b_g, b_m, seq, optim)))?;
     e.step(synthetic_batch(b_g, seq, spec.vocab_size, 1))?;
+    // Finished as the in-memory side counts it: every rank's update applied.
+    e.rank_params()?;
     println!("first-step-done");
     Ok(())
 }
@@ -188,10 +201,16 @@ pub fn run_reconfig() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let world = 8;
     let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4))];
-    println!("In-memory reconfiguration against a process restart, {world} in-process ranks, this machine;");
-    println!("both timed from the decision to the end of the first step at the target layout");
-    println!("| model | params | from -> to | state MB | in-memory s | restart s | ratio | step s at target | in-memory / step |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("In-memory reconfiguration against a process restart, {world} in-process ranks, this machine.");
+    println!("switch: the layout change alone; in-memory and restart: from the decision to the end of the");
+    println!("first step at the target layout; cost: that time less one steady step, in steady steps;");
+    println!("ratio: restart cost / in-memory cost. moved: bytes the plan copied (weights, both moments,");
+    println!("previous gradient), of which rank-to-rank crossed between ranks. Every clock starts and stops");
+    println!("with all ranks' queued work done (the weights read back, that read's own time taken off).");
+    println!(
+        "| model | params | from -> to | path | state MB | moved MB | rank-to-rank MB | switch s | in-memory s | restart s | step s | in-memory cost | restart cost | ratio |"
+    );
+    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {
         let mut spec = ModelSpec::preset(preset).expect("preset");
@@ -212,28 +231,33 @@ pub fn run_reconfig() {
             // In memory: one step so AdamW state exists, then switch and take the first step.
             let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
             e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            // The clock starts once the last step is wholly done, on both sides.
+            settle(&mut e);
             let t = Instant::now();
             let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
             e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
-            let in_memory = t.elapsed().as_secs_f64();
+            settle(&mut e);
+            let in_memory = t.elapsed().as_secs_f64() - settle(&mut e);
             let step = step_secs(&mut e, &spec, 2);
+            let state_mb = e.stage_state().expect("stage").bytes() as f64 / 1e6;
             drop(e);
             // A real restart of the same state.
             let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
             e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            settle(&mut e);
             let path = dir.join("state.bpk");
             let (restart, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
             cache_note.get_or_insert(dropped);
             let _ = std::fs::remove_file(&path);
+            let (cost, restart_cost) = ((in_memory - step).max(0.0) / step, (restart - step).max(0.0) / step);
             println!(
-                "| {preset} | {:.1}M | {a} -> {b} | {:.0} | {:.2} | {:.2} | {:.1}x | {:.2} | {:.2} |",
+                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {:.1}x |",
                 spec.num_params() as f64 / 1e6,
+                if report.live { "live" } else { "staged" },
                 report.bytes as f64 / 1e6,
-                in_memory,
-                restart,
-                restart / in_memory,
-                step,
-                in_memory / step
+                report.remote_bytes as f64 / 1e6,
+                report.total_secs,
+                restart_cost / cost.max(1e-9),
             );
         }
     }

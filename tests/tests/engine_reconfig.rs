@@ -113,6 +113,49 @@ fn switching_layouts_changes_nothing_but_the_layout() {
     switch_matches_staying(dims(1, 2, 4), dims(2, 4, 1), (16, 2), (16, 2));
 }
 
+/// Bytes a layout must receive: every rank's shards of every parameter it holds, `kinds`
+/// tensors each (weights, two AdamW moments, maybe the previous gradient). Computed from the
+/// parameter specs alone, not from the reshard plan.
+fn bytes_held(specs: &[copus_core::model::ParamSpec], d: ParallelDims, kinds: u64) -> u64 {
+    use copus_core::model::{Placement, TpSplit};
+    let mut elements = 0u64;
+    for s in specs {
+        let stages: u64 = match s.placement {
+            Placement::FirstAndLast if d.pp > 1 => 2,
+            Placement::Layer(_) | Placement::First | Placement::Last | Placement::FirstAndLast => 1,
+        };
+        // Every rank of a holding stage has a shard: dp * tp ranks per stage; a split parameter
+        // gives each of them numel / tp, a replicated one numel.
+        let per_rank = match s.tp {
+            TpSplit::Split { .. } => s.numel() as u64 / d.tp as u64,
+            TpSplit::Replicated => s.numel() as u64,
+        };
+        elements += stages * (d.dp * d.tp) as u64 * per_rank;
+    }
+    4 * elements * kinds
+}
+
+#[test]
+fn a_live_switch_moves_every_piece_of_the_plan_exactly_once() {
+    let spec = config();
+    let specs = spec.param_specs();
+    for (a, b) in [(dims(2, 2, 2), dims(1, 4, 2)), (dims(8, 1, 1), dims(2, 1, 4)), (dims(1, 2, 4), dims(4, 2, 1))] {
+        let mut e = engine(a, 16, 2);
+        train(&mut e, 0, 2);
+        let before = e.stage_state().unwrap();
+        let kinds = 3 + u64::from(before.previous.is_some());
+        let r = e.reconfigure(b, 16, 2).unwrap();
+        assert!(r.live && r.layout_changed, "{a} -> {b}: {r:?}");
+        assert_eq!(r.bytes, bytes_held(&specs, b, kinds), "{a} -> {b}: bytes moved");
+        // What crosses between ranks is what the new rank did not hold at the same place before.
+        let plan =
+            copus_core::reshard::ReshardPlan::new(&specs, copus_core::reshard::Placer { num_layers: spec.num_layers }, a, b).unwrap();
+        assert_eq!(r.remote_bytes, 4 * kinds * plan.remote_elements(&specs), "{a} -> {b}");
+        assert!(r.remote_bytes < r.bytes, "{a} -> {b}: some pieces stay on their rank");
+        assert_same_state(&before, &e.stage_state().unwrap(), &format!("{a} -> {b}"));
+    }
+}
+
 #[test]
 fn switching_layout_and_batch_together_matches_a_batch_only_switch() {
     // dp1,tp4,pp2 -> dp4,tp2,pp1 with B_g 16 -> 32 and B_m 2 -> 4

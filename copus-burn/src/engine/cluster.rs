@@ -13,6 +13,7 @@ use copus_core::model::ParamSpec;
 use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
+use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
 use super::rank::{RankError, RankInit, RankState};
 use super::{EngineStep, RankParams};
 use crate::collective::{AbortHandle, Collective, CommError, ThreadComm};
@@ -31,6 +32,14 @@ pub(super) enum Command {
         global_batch: usize,
         micro_batch: usize,
     },
+    /// A live layout change, step 1: send this rank's pieces of the plan.
+    LiveSend(Arc<LiveJob>),
+    /// Step 2: receive and build the new state beside the current one.
+    LiveBuild(Arc<LiveJob>, Arc<Agreed>),
+    /// Step 3: switch to the state built in step 2.
+    LiveCommit,
+    /// Step 3 after a failure: drop whatever step 2 built, keep the current state.
+    LiveAbort,
     Stop,
 }
 
@@ -39,6 +48,8 @@ pub(super) enum Reply {
     Step(Box<EngineStep>),
     Params(RankParams),
     Export(Box<RankExport>),
+    Sent(Result<Sent, String>),
+    Built(Result<Received, PhaseError>),
     Done,
 }
 
@@ -286,6 +297,20 @@ impl Cluster {
         Ok(out)
     }
 
+    /// Whether every rank runs in this process (a live layout change needs that).
+    pub(super) fn is_local(&self) -> bool {
+        #[cfg(feature = "mpi")]
+        if self.remote.is_some() {
+            return false;
+        }
+        self.abort.is_some()
+    }
+
+    /// The in-process world's handle (local clusters only).
+    pub(super) fn world(&self) -> Option<&AbortHandle> {
+        self.abort.as_ref()
+    }
+
     /// Stops every rank and joins its thread. A rank that does not end within a short grace
     /// (hung) is left behind, detached, so stopping never hangs.
     pub(super) fn stop(&mut self) {
@@ -384,7 +409,7 @@ fn spawn_ranks<L: ParallelLm, C: Collective + 'static>(
                         return;
                     }
                 };
-                worker_loop(state, rx, reply_tx);
+                worker_loop(state, &*model, rx, reply_tx);
             })
             .map_err(|e| EngineError::Rank { rank: r, message: format!("could not start its thread: {e}") })?;
         workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
@@ -404,12 +429,41 @@ pub(super) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 
 fn worker_loop<L: ParallelLm, C: Collective>(
     mut state: RankState<L, C>,
+    model: &L,
     rx: Receiver<Command>,
     tx: Sender<(usize, Result<Reply, RankFailure>)>,
 ) {
     let r = state.rank;
+    // The state a live layout change built, until the driver commits or aborts it.
+    let mut pending: Option<RankState<L, C>> = None;
     while let Ok(cmd) = rx.recv() {
         let result = match cmd {
+            // A live layout change reports its failures as replies: the old state trains on.
+            Command::LiveSend(job) => {
+                let sent = catch_unwind(AssertUnwindSafe(|| state.live_send(&job))).unwrap_or_else(|p| Err(panic_message(&p)));
+                Ok(Ok(Reply::Sent(sent)))
+            }
+            Command::LiveBuild(job, agreed) => {
+                let built = catch_unwind(AssertUnwindSafe(|| state.live_build(&job, &agreed, model)))
+                    .unwrap_or_else(|p| Err((ReconfigPhase::Load, panic_message(&p))));
+                pending = None;
+                let reply = built.map(|(next, received)| {
+                    pending = Some(next);
+                    received
+                });
+                Ok(Ok(Reply::Built(reply)))
+            }
+            Command::LiveCommit => match pending.take() {
+                Some(next) => {
+                    state = next;
+                    Ok(Ok(Reply::Done))
+                }
+                None => Ok(Err(RankError::Train(crate::trainer::TrainError::Batch("no layout change to commit".into())))),
+            },
+            Command::LiveAbort => {
+                pending = None;
+                Ok(Ok(Reply::Done))
+            }
             Command::Stop => return,
             Command::Step(_, _, Some(stall)) if stall == r && cfg!(feature = "fault-injection") => loop {
                 // A hung rank: it never replies and never returns.

@@ -67,12 +67,13 @@ pub enum EngineError {
 /// Where a reconfiguration can fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReconfigPhase {
-    /// After the state is staged in host memory and the old ranks are stopped.
+    /// While or right after the state leaves the old layout: staged in host memory (the old
+    /// ranks then stop), or cut and sent by every rank (a live change).
     AfterStaging,
     /// While the new ranks build their process groups.
     GroupRebuild,
     /// While the new ranks load their shards and optimizer state.
     Load,
-    /// When the loaded state is checked against the staged one.
+    /// When the loaded state is checked against the staged or the sent one.
     Verify,
 }

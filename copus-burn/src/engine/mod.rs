@@ -30,6 +30,7 @@ pub mod error;
 mod executor;
 mod fault;
 mod grad_index;
+mod live;
 #[cfg(feature = "mpi")]
 mod processes;
 mod rank;
@@ -44,6 +45,7 @@ use copus_core::model::ParamSpec;
 pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
+pub(crate) use live::LiveFailure;
 #[cfg(feature = "mpi")]
 pub(crate) use processes::exit_message;
 #[cfg(feature = "mpi")]

@@ -126,6 +126,9 @@ impl Remote {
                 self.send(&Header::SetBatch { global_batch: *global_batch, micro_batch: *micro_batch }, &[])
             }
             Command::Stop => self.send(&Header::Stop, &[]),
+            Command::LiveSend(_) | Command::LiveBuild(..) | Command::LiveCommit | Command::LiveAbort => {
+                Err(EngineError::Dead("a live layout change runs only between in-process ranks".into()))
+            }
         }
     }
 

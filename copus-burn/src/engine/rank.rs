@@ -72,6 +72,8 @@ pub(super) struct RankState<L: ParallelLm, C: Collective = ThreadComm> {
     pub(super) d_model: usize,
     pub(super) vocab_start: usize,
     pub(super) vocab_local: usize,
+    /// The model's parallel plan (a layout change builds the next stage with it).
+    pub(super) parallel: Arc<ParallelPlan>,
 }
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
@@ -86,32 +88,44 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         cfg: EngineConfig,
     ) -> Result<(Self, Vec<(String, u64)>), EngineError> {
         let RankInit { plan, mut source, resume, fault, device, hidden, parallel } = init;
-        let dims = cfg.dims;
-        let grid = RankGrid::new(dims);
+        let grid = RankGrid::new(cfg.dims);
         let comm_err = |e: CommError| EngineError::Rank { rank, message: e.to_string() };
         if fault.hits(ReconfigPhase::GroupRebuild) {
             return Err(EngineError::Rank { rank, message: "injected failure while building process groups".into() });
         }
-        let split = |axis: Axis| world.split(&grid.groups(axis));
-        let tp = split(Axis::Tp).map_err(comm_err)?;
-        let dp = split(Axis::Dp).map_err(comm_err)?;
-        let pp = split(Axis::Pp).map_err(comm_err)?;
-        let mp_groups: Vec<Vec<usize>> =
-            (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
-        let mp = world.split(&mp_groups).map_err(comm_err)?;
+        let groups = Groups::split(world, &grid).map_err(comm_err)?;
         if fault.hits(ReconfigPhase::Load) {
             return Err(EngineError::Rank { rank, message: "injected failure while loading shards".into() });
         }
-        let stage = model.build_stage(&plan, &mut source, &device)?;
+        let state = Self::build(rank, groups, plan, &mut source, resume, model, &specs, &parallel, hidden, cfg, device)?;
+        let hashes = state.checksums()?;
+        Ok((state, hashes))
+    }
+
+    /// Builds this rank's stage from its shards in `source` with process groups `groups`, then
+    /// restores `resume`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn build(
+        rank: usize,
+        groups: Groups<C>,
+        plan: ShardPlan,
+        source: &mut ShardSource,
+        resume: RankResume,
+        model: &L,
+        specs: &[ParamSpec],
+        parallel: &Arc<ParallelPlan>,
+        hidden: usize,
+        cfg: EngineConfig,
+        device: Device,
+    ) -> Result<Self, EngineError> {
+        let stage = model.build_stage(&plan, source, &device)?;
         let left = source.remaining();
         if !left.is_empty() {
             return Err(EngineError::Shard(ShardError::Layout(format!("the model's stage builder did not take {left:?}"))));
         }
-        let groups = Groups { world, tp, dp, pp, mp };
-        let mut state = Self::new(rank, groups, plan, stage, &specs, &parallel, hidden, cfg, device)?;
+        let mut state = Self::new(rank, groups, plan, stage, specs, parallel, hidden, cfg, device)?;
         state.resume(resume)?;
-        let hashes = state.checksums()?;
-        Ok((state, hashes))
+        Ok(state)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -121,7 +135,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         plan: ShardPlan,
         stage: L::Stage,
         specs: &[ParamSpec],
-        parallel: &ParallelPlan,
+        parallel: &Arc<ParallelPlan>,
         hidden: usize,
         cfg: EngineConfig,
         device: Device,
@@ -179,6 +193,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             device,
             d_model: hidden,
             vocab_local,
+            parallel: parallel.clone(),
         })
     }
 
@@ -248,7 +263,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Optimizer state as (global name, field, shape, values) tensors and (name, field, value)
     /// scalars.
-    fn optim_entries(&self) -> Result<(OptimTensors, OptimScalars), RankError> {
+    pub(super) fn optim_entries(&self) -> Result<(OptimTensors, OptimScalars), RankError> {
         let fail = |e: String| RankError::Train(TrainError::Batch(format!("optimizer state: {e}")));
         let bytes = self.optim.into_bytes().map_err(|e| fail(e.to_string()))?;
         let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| fail(format!("{e:?}")))?;
@@ -309,6 +324,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(out)
     }
 
+    /// The global name of a parameter of this rank's stage.
+    pub(super) fn param_name(&self, id: ParamId) -> &str {
+        &self.names[&id]
+    }
+
     pub(super) fn stage(&self) -> &L::Stage {
         self.stage.as_ref().expect("stage present between steps")
     }
@@ -329,10 +349,26 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 }
 
 /// A rank's process groups.
-struct Groups<C> {
+pub(super) struct Groups<C> {
     world: C,
     tp: C,
     dp: C,
     pp: C,
     mp: C,
+}
+
+impl<C: Collective> Groups<C> {
+    /// The tp, dp, pp and model-parallel groups of `grid`'s layout, split from `world` (a
+    /// collective call: every rank of `world` makes it).
+    pub(super) fn split(world: C, grid: &RankGrid) -> Result<Self, CommError> {
+        let dims = grid.dims();
+        let split = |axis: Axis| world.split(&grid.groups(axis));
+        let tp = split(Axis::Tp)?;
+        let dp = split(Axis::Dp)?;
+        let pp = split(Axis::Pp)?;
+        let mp_groups: Vec<Vec<usize>> =
+            (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
+        let mp = world.split(&mp_groups)?;
+        Ok(Self { world, tp, dp, pp, mp })
+    }
 }

@@ -1,0 +1,541 @@
+//! Live layout changes between in-process ranks: the rank threads stay up and exchange exactly
+//! the slices copus-core's [`ReshardPlan`] names, of the weights, both AdamW moments and the
+//! probe's previous gradient, point to point through the world communicator. Nothing is gathered
+//! on the host.
+//!
+//! Three commands, each run by every rank in parallel:
+//! 1. *send*: each rank cuts the plan's moves whose source it is from its own shards and sends
+//!    them (a send never blocks), with a checksum of each piece;
+//! 2. *build*: each rank splits its new process groups from the world, receives the moves whose
+//!    destination it is (all already sent), assembles its new shards, builds the new stage and
+//!    optimizer beside the old ones and checks what it loaded against what it received;
+//! 3. *commit* or *abort*: the driver compares every piece's checksum at the sender and the
+//!    receiver, and checks that each move of the plan went exactly once; then every rank swaps
+//!    to the new state, or drops it and keeps the old one (rollback costs nothing).
+//!
+//! A failure on a rank in steps 1-2 is reported as a reply, not as a rank failure: the world is
+//! not aborted and the old state keeps training.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::TensorData;
+use burn_pack::Scalar;
+use copus_core::layout::RankGrid;
+use copus_core::model::{ParamSpec, TpSplit};
+use copus_core::reshard::{Placer, ReshardPlan};
+
+use super::Engine;
+use super::cluster::{Cluster, Command, Reply};
+use super::config::EngineConfig;
+use super::error::{EngineError, ReconfigPhase};
+use super::fault::Fault;
+use super::rank::{Groups, RankState};
+use crate::collective::Collective;
+use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
+use crate::state::{OptimScalars, RankResume, checksum};
+
+/// Tags of reshard messages: above every tag the step uses.
+pub(super) const TAG_BASE: u32 = 1 << 31;
+
+/// One layout change, shared by every rank.
+pub(crate) struct LiveJob {
+    pub(super) plan: ReshardPlan,
+    /// The configuration to switch to.
+    pub(super) cfg: EngineConfig,
+    pub(super) specs: Arc<Vec<ParamSpec>>,
+    pub(super) num_layers: usize,
+    /// A planted failure (rollback tests), struck on world rank `fault_rank`.
+    pub(super) fault: Fault,
+    pub(super) fault_rank: usize,
+}
+
+/// What a rank sent: each piece's tag and checksum, the elements, and what the build step needs
+/// from every rank.
+#[derive(Debug)]
+pub(crate) struct Sent {
+    pub(super) sums: Vec<(u32, u64)>,
+    pub(super) elements: u64,
+    /// Optimizer state scalars (step counts) of the parameters this rank holds.
+    pub(super) scalars: OptimScalars,
+    /// The optimizer's tensor fields, sorted.
+    pub(super) fields: Vec<String>,
+    pub(super) has_previous: bool,
+}
+
+/// What every rank agrees on before building: the pieces per move and the step counts.
+pub(crate) struct Agreed {
+    pub(super) fields: Vec<String>,
+    pub(super) has_previous: bool,
+    pub(super) scalars: HashMap<String, Vec<(String, Scalar)>>,
+}
+
+impl Agreed {
+    /// Pieces per move: the weights, each optimizer field, and the previous gradient if kept.
+    pub(super) fn kinds(&self) -> usize {
+        kinds(&self.fields, self.has_previous)
+    }
+}
+
+fn kinds(fields: &[String], has_previous: bool) -> usize {
+    1 + fields.len() + usize::from(has_previous)
+}
+
+/// What a rank received.
+#[derive(Debug)]
+pub(crate) struct Received {
+    pub(super) sums: Vec<(u32, u64)>,
+    pub(super) elements: u64,
+}
+
+/// The tag of piece `kind` of move `index`.
+pub(super) fn tag(index: usize, kind: usize, kinds: usize) -> u32 {
+    TAG_BASE + (index * kinds + kind) as u32
+}
+
+/// Whether a plan's pieces fit the tag space.
+pub(super) fn tags_fit(moves: usize, kinds: usize) -> bool {
+    moves.saturating_mul(kinds) < (u32::MAX - TAG_BASE) as usize
+}
+
+/// The local shape of a rank's shard of `spec` under `tp`.
+fn local_shape(spec: &ParamSpec, tp: usize) -> Vec<usize> {
+    let mut shape = spec.shape.clone();
+    if let TpSplit::Split { dim, .. } = spec.tp {
+        shape[dim] /= tp;
+    }
+    shape
+}
+
+/// (outer, extent, inner) of a row-major tensor of `shape` around `dim`.
+fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    let outer = shape[..dim].iter().product();
+    let inner = shape[dim + 1..].iter().product();
+    (outer, shape[dim], inner)
+}
+
+/// Entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`).
+pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<Vec<f32>, String> {
+    let (outer, extent, inner) = around(shape, dim);
+    if offset + len > extent || values.len() != outer * extent * inner {
+        return Err(format!("slice {offset}..{} along dim {dim} of a {shape:?} shard of {} values", offset + len, values.len()));
+    }
+    let mut out = Vec::with_capacity(outer * len * inner);
+    for o in 0..outer {
+        let base = (o * extent + offset) * inner;
+        out.extend_from_slice(&values[base..base + len * inner]);
+    }
+    Ok(out)
+}
+
+/// Writes `piece` (what [`slice_along`] cut) at `[offset, offset + len)` along `dim`.
+pub(super) fn place_along(values: &mut [f32], shape: &[usize], dim: usize, offset: usize, len: usize, piece: &[f32]) -> Result<(), String> {
+    let (outer, extent, inner) = around(shape, dim);
+    if offset + len > extent || values.len() != outer * extent * inner || piece.len() != outer * len * inner {
+        return Err(format!(
+            "a piece of {} values does not fit {offset}..{} along dim {dim} of a {shape:?} shard",
+            piece.len(),
+            offset + len
+        ));
+    }
+    for o in 0..outer {
+        let base = (o * extent + offset) * inner;
+        values[base..base + len * inner].copy_from_slice(&piece[o * len * inner..(o + 1) * len * inner]);
+    }
+    Ok(())
+}
+
+/// A failure at a phase, reported by a rank without aborting the world.
+pub(crate) type PhaseError = (ReconfigPhase, String);
+
+impl<L: ParallelLm, C: Collective> RankState<L, C> {
+    /// Step 1: sends this rank's pieces of the plan.
+    pub(super) fn live_send(&self, job: &LiveJob) -> Result<Sent, String> {
+        let me = self.rank;
+        // This rank's shards by name: the local shape, then the weights, each optimizer field in
+        // sorted order and the previous gradient.
+        let mut local: HashMap<String, (Vec<usize>, Vec<Vec<f32>>)> =
+            self.params().into_iter().map(|(n, shape, v)| (n, (shape, vec![v]))).collect();
+        let (tensors, scalars) = self.optim_entries().map_err(|e| e.to_string())?;
+        let mut by_field: BTreeMap<String, HashMap<String, Vec<f32>>> = BTreeMap::new();
+        for (name, field, _, v) in tensors {
+            by_field.entry(field).or_default().insert(name, v);
+        }
+        let fields: Vec<String> = by_field.keys().cloned().collect();
+        for (field, mut tensors) in by_field {
+            for (name, (_, bufs)) in local.iter_mut() {
+                let v = tensors.remove(name).ok_or_else(|| format!("`{name}` has no optimizer tensor `{field}`"))?;
+                bufs.push(v);
+            }
+        }
+        let previous = self.closer.memory().get().map(|g| self.index.per_param(self.stage(), g));
+        let has_previous = previous.is_some();
+        if let Some(prev) = previous {
+            let mut prev: HashMap<String, Vec<f32>> = prev.into_iter().map(|(id, v)| (self.param_name(id).to_string(), v)).collect();
+            for (name, (_, bufs)) in local.iter_mut() {
+                bufs.push(prev.remove(name).ok_or_else(|| format!("`{name}` has no previous gradient"))?);
+            }
+        }
+        let kinds = kinds(&fields, has_previous);
+        if !tags_fit(job.plan.moves.len(), kinds) {
+            return Err(format!("{} moves of {kinds} pieces do not fit the message tags", job.plan.moves.len()));
+        }
+        let mut sums = Vec::new();
+        let mut elements = 0u64;
+        for (i, m) in job.plan.moves.iter().enumerate().filter(|(_, m)| m.src_rank == me) {
+            let name = &job.specs[m.param].name;
+            let (shape, bufs) = local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
+            for (kind, buf) in bufs.iter().enumerate() {
+                let piece = slice_along(buf, shape, m.dim, m.src_offset, m.len).map_err(|e| format!("`{name}`: {e}"))?;
+                let t = tag(i, kind, kinds);
+                sums.push((t, checksum(&piece)));
+                elements += piece.len() as u64;
+                self.world.send(m.dst_rank, t, piece).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(Sent { sums, elements, scalars, fields, has_previous })
+    }
+
+    /// Step 2: receives this rank's pieces and builds its state in the new layout beside the
+    /// current one.
+    pub(super) fn live_build(&self, job: &LiveJob, agreed: &Agreed, model: &L) -> Result<(Self, Received), PhaseError> {
+        let me = self.rank;
+        let dims = job.cfg.dims;
+        let struck = |phase: ReconfigPhase| me == job.fault_rank && job.fault.hits(phase);
+        let grid = RankGrid::new(dims);
+        let c = grid.coord(me).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
+        let plan = ShardPlan::new(dims, c.tp, c.pp, job.num_layers);
+        // Process groups first: every rank makes these collective calls, whatever fails later.
+        let all: Vec<usize> = (0..self.world.size()).collect();
+        let groups = self
+            .world
+            .split(&[all])
+            .and_then(|world| Groups::split(world, &grid))
+            .map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
+        if struck(ReconfigPhase::GroupRebuild) {
+            return Err((ReconfigPhase::GroupRebuild, "injected failure while building process groups".into()));
+        }
+        let load = |e: String| (ReconfigPhase::Load, e);
+        let kinds = agreed.kinds();
+        let mut shards: HashMap<usize, (Vec<usize>, Vec<Vec<f32>>)> = HashMap::new();
+        for (p, spec) in job.specs.iter().enumerate() {
+            if holds(spec, &plan, job.num_layers) {
+                let shape = local_shape(spec, dims.tp);
+                let n = shape.iter().product();
+                shards.insert(p, (shape, vec![vec![0f32; n]; kinds]));
+            }
+        }
+        let mut sums = Vec::new();
+        let mut elements = 0u64;
+        for (i, m) in job.plan.moves.iter().enumerate().filter(|(_, m)| m.dst_rank == me) {
+            let name = &job.specs[m.param].name;
+            let (shape, bufs) =
+                shards.get_mut(&m.param).ok_or_else(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")))?;
+            for (kind, buf) in bufs.iter_mut().enumerate() {
+                let t = tag(i, kind, kinds);
+                let piece = self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?;
+                let mut sum = checksum(&piece);
+                if struck(ReconfigPhase::Verify) && sums.is_empty() {
+                    sum ^= 1;
+                }
+                sums.push((t, sum));
+                elements += piece.len() as u64;
+                place_along(buf, shape, m.dim, m.dst_offset, m.len, &piece).map_err(|e| load(format!("`{name}`: {e}")))?;
+            }
+        }
+        if struck(ReconfigPhase::Load) {
+            return Err(load("injected failure while loading shards".into()));
+        }
+        // What the new stage must hold once built: the weights that arrived. (The optimizer
+        // tensors are checked piece by piece against the senders' sums; reading them back out
+        // of the optimizer would cost another serialisation of the whole state.)
+        let mut expected = Vec::new();
+        let mut source = HashMap::new();
+        let mut resume = RankResume {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            gns: Some(self.closer.gns().clone()),
+            previous: agreed.has_previous.then(HashMap::new),
+            ..RankResume::default()
+        };
+        for (p, (shape, mut bufs)) in shards {
+            let name = job.specs[p].name.clone();
+            if let (Some(prev), true) = (resume.previous.as_mut(), agreed.has_previous) {
+                prev.insert(name.clone(), bufs.pop().expect("a previous-gradient piece"));
+            }
+            let mut bufs = bufs.into_iter();
+            let values = bufs.next().expect("a weight piece");
+            expected.push((name.clone(), checksum(&values)));
+            source.insert(name.clone(), TensorData::new(values, shape.clone()));
+            for (field, values) in agreed.fields.iter().zip(bufs) {
+                resume.optim.push((name.clone(), field.clone(), shape.clone(), values));
+            }
+            for (field, v) in agreed.scalars.get(&name).into_iter().flatten() {
+                resume.scalars.push((name.clone(), field.clone(), *v));
+            }
+        }
+        let mut source = ShardSource::new(source);
+        let cfg = job.cfg.clone();
+        let state = RankState::build(
+            me,
+            groups,
+            plan,
+            &mut source,
+            resume,
+            model,
+            &job.specs,
+            &self.parallel,
+            self.d_model,
+            cfg,
+            self.device.clone(),
+        )
+        .map_err(|e| load(e.to_string()))?;
+        let mut loaded: Vec<(String, u64)> = state.params().into_iter().map(|(n, _, v)| (n, checksum(&v))).collect();
+        loaded.sort();
+        expected.sort();
+        if loaded != expected {
+            let diff = expected.iter().find(|w| !loaded.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
+            return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {diff} does not match what it received")));
+        }
+        Ok((state, Received { sums, elements }))
+    }
+}
+
+/// The step counts of every parameter, from the ranks' step-1 replies, and the pieces per move
+/// they agree on.
+pub(super) fn agree(sent: &[Sent]) -> Result<Agreed, String> {
+    let first = sent.first().ok_or("no ranks")?;
+    if let Some((r, s)) = sent.iter().enumerate().find(|(_, s)| s.fields != first.fields || s.has_previous != first.has_previous) {
+        return Err(format!(
+            "rank {r} keeps optimizer fields {:?} (previous gradient: {}), rank 0 {:?} ({})",
+            s.fields, s.has_previous, first.fields, first.has_previous
+        ));
+    }
+    let mut scalars: HashMap<String, Vec<(String, Scalar)>> = HashMap::new();
+    for s in sent {
+        for (name, field, v) in &s.scalars {
+            let entry = scalars.entry(name.clone()).or_default();
+            match entry.iter().find(|(f, _)| f == field) {
+                Some((_, w)) if w != v => return Err(format!("ranks disagree on the optimizer's `{field}` of `{name}`")),
+                Some(_) => {}
+                None => entry.push((field.clone(), *v)),
+            }
+        }
+    }
+    Ok(Agreed { fields: first.fields.clone(), has_previous: first.has_previous, scalars })
+}
+
+/// Checks that every piece of every move of the plan was sent once and received once with the
+/// same checksum; returns the elements moved.
+pub(super) fn check_pieces(moves: usize, kinds: usize, sent: &[Sent], received: &[Received]) -> Result<u64, String> {
+    let mut sums: HashMap<u32, (Option<u64>, Option<u64>)> = HashMap::new();
+    for (r, s) in sent.iter().enumerate() {
+        for &(t, sum) in &s.sums {
+            let e = sums.entry(t).or_default();
+            if e.0.replace(sum).is_some() {
+                return Err(format!("piece {} was sent twice (again by rank {r})", t - TAG_BASE));
+            }
+        }
+    }
+    for (r, s) in received.iter().enumerate() {
+        for &(t, sum) in &s.sums {
+            let e = sums.entry(t).or_default();
+            if e.1.replace(sum).is_some() {
+                return Err(format!("piece {} was received twice (again by rank {r})", t - TAG_BASE));
+            }
+        }
+    }
+    for i in 0..moves {
+        for kind in 0..kinds {
+            match sums.get(&tag(i, kind, kinds)) {
+                Some((Some(a), Some(b))) if a == b => {}
+                Some((Some(_), Some(_))) => return Err(format!("move {i}, piece {kind}: the checksums at sender and receiver differ")),
+                _ => return Err(format!("move {i}, piece {kind} was not both sent and received")),
+            }
+        }
+    }
+    if sums.len() != moves * kinds {
+        return Err(format!("{} pieces moved; the plan has {}", sums.len(), moves * kinds));
+    }
+    let out: u64 = sent.iter().map(|s| s.elements).sum();
+    let back: u64 = received.iter().map(|s| s.elements).sum();
+    if out != back {
+        return Err(format!("{out} elements sent, {back} received"));
+    }
+    Ok(out)
+}
+
+/// What a live layout change did.
+pub(crate) struct LiveSwitch {
+    /// Seconds until every rank had sent its pieces.
+    pub(crate) send_secs: f64,
+    /// Bytes copied (weights, moments and previous gradient), within and between ranks.
+    pub(crate) bytes: u64,
+    /// Of them, bytes that went from one rank to another.
+    pub(crate) remote_bytes: u64,
+}
+
+/// Why a live layout change did not happen.
+pub(crate) enum LiveFailure {
+    /// Refused before any rank was touched.
+    Refused(EngineError),
+    /// Failed at a phase; every rank dropped what it built and runs the old layout, untouched.
+    RolledBack(PhaseError),
+    /// Failed at a phase and the old layout cannot go on (its world was aborted, or a planted
+    /// fault struck the rollback); every rank still holds its old state.
+    Broken(PhaseError),
+    /// A rank thread failed outright: the engine is dead.
+    Engine(EngineError),
+}
+
+impl<L: ParallelLm> Engine<L> {
+    /// Whether a layout change can run live: every rank is a thread of this process.
+    pub(crate) fn runs_locally(&self) -> bool {
+        self.dead.is_none() && self.cluster.as_ref().is_some_and(Cluster::is_local)
+    }
+
+    /// Switches the running ranks to `target` (same world size) by executing the reshard plan
+    /// between them; see the module documentation.
+    pub(crate) fn switch_live(&mut self, target: &EngineConfig, fault: Fault) -> Result<LiveSwitch, LiveFailure> {
+        let num_layers = self.model.spec().num_layers;
+        let plan = ReshardPlan::new(&self.specs, Placer { num_layers }, self.cfg.dims, target.dims)
+            .map_err(|e| LiveFailure::Refused(EngineError::Layout { dims: target.dims.to_string(), reason: e.to_string() }))?;
+        let remote = plan.remote_elements(&self.specs);
+        let job = Arc::new(LiveJob {
+            plan,
+            cfg: target.clone(),
+            specs: Arc::new(self.specs.clone()),
+            num_layers,
+            fault,
+            fault_rank: self.cfg.dims.world_size() - 1,
+        });
+        let start = Instant::now();
+        let outcome = self.live_steps(&job, start);
+        // No piece of this change may stay queued, whatever happened.
+        if let Some(world) = self.cluster.as_ref().and_then(Cluster::world) {
+            let left = world.discard_messages(TAG_BASE);
+            if left > 0 && outcome.is_ok() {
+                tracing::warn!("{left} reshard piece(s) were sent but never received");
+            }
+        }
+        match outcome {
+            Ok((send_secs, elements, kinds)) => {
+                self.broadcast(|| Command::LiveCommit).map_err(LiveFailure::Engine)?;
+                self.cfg = target.clone();
+                Ok(LiveSwitch { send_secs, bytes: 4 * elements, remote_bytes: 4 * remote * kinds as u64 })
+            }
+            Err(LiveFailure::RolledBack(failure)) => {
+                self.broadcast(|| Command::LiveAbort).map_err(LiveFailure::Engine)?;
+                let aborted = self.cluster.as_ref().and_then(Cluster::world).is_some_and(|w| w.is_aborted());
+                if aborted {
+                    Err(LiveFailure::Broken((failure.0, format!("{}; the ranks' world was aborted", failure.1))))
+                } else if fault.for_rollback().phase().is_some() {
+                    Err(LiveFailure::Broken((failure.0, format!("{}; injected failure of the rollback", failure.1))))
+                } else {
+                    Err(LiveFailure::RolledBack(failure))
+                }
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Steps 1 and 2 and the check of every piece: (seconds to send, elements moved, pieces per
+    /// move).
+    fn live_steps(&mut self, job: &Arc<LiveJob>, start: Instant) -> Result<(f64, u64, usize), LiveFailure> {
+        let failed = |phase: ReconfigPhase, m: String| LiveFailure::RolledBack((phase, m));
+        let replies = self.broadcast(|| Command::LiveSend(job.clone())).map_err(LiveFailure::Engine)?;
+        let mut sent = Vec::with_capacity(replies.len());
+        for (r, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Reply::Sent(Ok(s)) => sent.push(s),
+                Reply::Sent(Err(e)) => return Err(failed(ReconfigPhase::AfterStaging, format!("rank {r}: {e}"))),
+                _ => unreachable!("send reply"),
+            }
+        }
+        let send_secs = start.elapsed().as_secs_f64();
+        if job.fault.hits(ReconfigPhase::AfterStaging) {
+            return Err(failed(ReconfigPhase::AfterStaging, "injected failure after sending".into()));
+        }
+        let agreed = agree(&sent).map_err(|e| failed(ReconfigPhase::AfterStaging, e))?;
+        let kinds = agreed.kinds();
+        let agreed = Arc::new(agreed);
+        let replies = self.broadcast(|| Command::LiveBuild(job.clone(), agreed.clone())).map_err(LiveFailure::Engine)?;
+        let mut received = Vec::with_capacity(replies.len());
+        let mut first: Option<PhaseError> = None;
+        for (r, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Reply::Built(Ok(x)) => received.push(x),
+                // Prefer a rank's own failure over another rank's report of the abort it caused.
+                Reply::Built(Err((phase, e))) => {
+                    let echo = |m: &str| m.starts_with("rank ") && m.contains(" failed: ");
+                    if first.as_ref().is_none_or(|f| echo(&f.1) && !echo(&e)) {
+                        first = Some((phase, format!("rank {r}: {e}")));
+                    }
+                }
+                _ => unreachable!("build reply"),
+            }
+        }
+        if let Some((phase, e)) = first {
+            return Err(failed(phase, e));
+        }
+        let elements = check_pieces(job.plan.moves.len(), kinds, &sent, &received).map_err(|e| failed(ReconfigPhase::Verify, e))?;
+        Ok((send_secs, elements, kinds))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slice_placed_back_restores_the_tensor() {
+        // [2, 6, 3] split along dim 1: entries 1..4 of each of the two outer rows.
+        let shape = [2, 6, 3];
+        let values: Vec<f32> = (0..36).map(|v| v as f32).collect();
+        let piece = slice_along(&values, &shape, 1, 1, 3).unwrap();
+        // Hand-computed: outer 0 takes values 3..12, outer 1 values 21..30.
+        let want: Vec<f32> = (3..12).chain(21..30).map(|v| v as f32).collect();
+        assert_eq!(piece, want);
+        let mut back = vec![0f32; 36];
+        place_along(&mut back, &shape, 1, 1, 3, &piece).unwrap();
+        for (i, (a, b)) in back.iter().zip(&values).enumerate() {
+            let row = (i / 3) % 6;
+            assert_eq!(*a, if (1..4).contains(&row) { *b } else { 0.0 }, "index {i}");
+        }
+        assert!(slice_along(&values, &shape, 1, 4, 3).is_err());
+        assert!(place_along(&mut back, &shape, 1, 0, 2, &piece).is_err());
+    }
+
+    #[test]
+    fn the_checksum_sees_a_flipped_bit_a_swap_and_a_length() {
+        let v: Vec<f32> = (0..37).map(|i| i as f32 * 0.37 - 3.0).collect();
+        let base = checksum(&v);
+        assert_eq!(base, checksum(&v.clone()));
+        for i in [0, 7, 8, 36] {
+            let mut w = v.clone();
+            w[i] = f32::from_bits(w[i].to_bits() ^ 1);
+            assert_ne!(checksum(&w), base, "bit flip at {i}");
+        }
+        // Within one lane and across lanes.
+        for (a, b) in [(0, 8), (0, 1), (3, 36)] {
+            let mut w = v.clone();
+            w.swap(a, b);
+            assert_ne!(checksum(&w), base, "swap {a} <-> {b}");
+        }
+        assert_ne!(checksum(&v[..36]), base);
+        assert_ne!(checksum(&[]), checksum(&[0.0]));
+    }
+
+    #[test]
+    fn pieces_sent_twice_missing_or_changed_are_caught() {
+        let sent =
+            |sums: Vec<(u32, u64)>| Sent { elements: 4 * sums.len() as u64, sums, scalars: vec![], fields: vec![], has_previous: false };
+        let got = |sums: Vec<(u32, u64)>| Received { elements: 4 * sums.len() as u64, sums };
+        let (a, b) = (tag(0, 0, 1), tag(1, 0, 1));
+        assert_eq!(check_pieces(2, 1, &[sent(vec![(a, 7)]), sent(vec![(b, 9)])], &[got(vec![(b, 9), (a, 7)])]), Ok(8));
+        assert!(check_pieces(2, 1, &[sent(vec![(a, 7), (b, 9)])], &[got(vec![(a, 7), (b, 8)])]).unwrap_err().contains("differ"));
+        assert!(check_pieces(2, 1, &[sent(vec![(a, 7)])], &[got(vec![(a, 7)])]).unwrap_err().contains("move 1"));
+        assert!(check_pieces(1, 1, &[sent(vec![(a, 7)]), sent(vec![(a, 7)])], &[got(vec![(a, 7)])]).unwrap_err().contains("twice"));
+    }
+}
