@@ -261,7 +261,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         };
         for (p, (shape, mut bufs)) in shards {
             let name = job.specs[p].name.clone();
-            if let (Some(prev), true) = (resume.previous.as_mut(), agreed.has_previous) {
+            if let Some(prev) = resume.previous.as_mut() {
                 prev.insert(name.clone(), bufs.pop().expect("a previous-gradient piece"));
             }
             let mut bufs = bufs.into_iter();

@@ -123,23 +123,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if !left.is_empty() {
             return Err(EngineError::Shard(ShardError::Layout(format!("the model's stage builder did not take {left:?}"))));
         }
-        let mut state = Self::new(rank, groups, plan, stage, specs, parallel, hidden, cfg, device)?;
-        state.resume(resume)?;
-        Ok(state)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        rank: usize,
-        groups: Groups<C>,
-        plan: ShardPlan,
-        stage: L::Stage,
-        specs: &[ParamSpec],
-        parallel: &Arc<ParallelPlan>,
-        hidden: usize,
-        cfg: EngineConfig,
-        device: Device,
-    ) -> Result<Self, EngineError> {
         let dims = cfg.dims;
         let grid = RankGrid::new(dims);
         let dp_rank = grid.coord(rank).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?.dp;
@@ -171,7 +154,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let optim = adamw_optimizer(&cfg.optim, &stage.no_decay_predicates());
         let closer = StepCloser::new(cfg.optim.gns_theta).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
         let Groups { world, tp, dp, pp, mp } = groups;
-        Ok(Self {
+        let mut state = Self {
             rank,
             world,
             tp,
@@ -194,7 +177,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             d_model: hidden,
             vocab_local,
             parallel: parallel.clone(),
-        })
+        };
+        state.resume(resume)?;
+        Ok(state)
     }
 
     /// Restores optimizer state, counters, the estimator and the previous gradient.
