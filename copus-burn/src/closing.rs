@@ -108,13 +108,27 @@ impl StepCloser {
     ) -> Result<Closed, GnsError> {
         self.gns.observe(stats)?;
         self.memory.remember(module, stats.num_micro, &mean);
-        let grad_norm = stats.grad_sq_norm.sqrt();
+        Ok(self.close_unprobed(module, cfg, step, global_batch, stats.grad_sq_norm, mean))
+    }
+
+    /// [`close`](Self::close) without the probe: nothing observed or remembered; the estimate
+    /// is the one from before. Only to measure what the probe costs.
+    pub fn close_unprobed<M: Module>(
+        &self,
+        module: &M,
+        cfg: &OptimConfig,
+        step: u64,
+        global_batch: usize,
+        grad_sq_norm: f64,
+        mean: GradientsParams,
+    ) -> Closed {
+        let grad_norm = grad_sq_norm.sqrt();
         let grads = match cfg.clip_norm {
             Some(c) if grad_norm > c => grads::scaled(module, &mean, c / grad_norm),
             _ => mean,
         };
         let estimate = self.gns.estimate();
         let lr = cfg.lr_at(step, global_batch, estimate.and_then(|e| e.b_simple()));
-        Ok(Closed { grads, grad_norm, lr, estimate })
+        Closed { grads, grad_norm, lr, estimate }
     }
 }

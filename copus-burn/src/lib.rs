@@ -6,7 +6,8 @@
 //! - [`closing`]: closing an optimizer step (probe memory, estimator, clipping, LR), shared by
 //!   the trainer, the engine's ranks and the Learner strategy;
 //! - [`grads`]: whole-model gradient arithmetic (squared norms, scaling, sums);
-//! - [`cross_entropy_sum`]: the summed next-token loss models use;
+//! - [`fused`]: the fused softmax cross entropy ([`cross_entropy_sum`], the summed next-token
+//!   loss models use) and the row kernels the vocabulary-parallel loss shares;
 //! - [`collective`]: the `Collective` trait and its in-process backend (a thread per rank);
 //! - [`parallel`]: what a model implements to be sharded (`ParallelLm` with its
 //!   `ParallelPlan`, `StageModel`), shard slicing and the vocabulary-parallel embedding;
@@ -29,6 +30,7 @@ pub mod closing;
 pub mod collective;
 pub mod driver;
 pub mod engine;
+pub mod fused;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod gpu_comm;
 pub mod grads;
@@ -42,38 +44,23 @@ pub mod state;
 pub mod trainer;
 mod wire;
 
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{Int, Tensor};
-
 pub use closing::{Closed, ProbeMemory, StepCloser};
 pub use driver::{Clock, DataSource, DecisionSource, Divergence, Driver, DriverError, DriverStep, Position, Scripted};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
+pub use fused::{cross_entropy_sum, cross_entropy_sum_reference};
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;
 pub use state::TrainingState;
-pub use trainer::{Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, adamw_optimizer};
-
-/// `-sum log softmax(logits)[target]` over all positions, `[1]`, as
-/// `sum(logsumexp(logits)) - sum(logits[target])`. The max used for stability is detached: the
-/// shift cancels in both the value and the gradient, so `max_dim` need not be differentiated.
-pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
-    let max_bs1 = logits_bsv.clone().detach().max_dim(2);
-    let lse_bs1 = (logits_bsv.clone() - max_bs1.clone()).exp().sum_dim(2).log() + max_bs1;
-    let picked_bs1 = logits_bsv.gather(2, targets_bs.unsqueeze_dim::<3>(2));
-    lse_bs1.sum() - picked_bs1.sum()
-}
-
-/// The same loss through `log_softmax`: the reference the fast form is tested against.
-pub fn cross_entropy_sum_reference(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
-    log_softmax(logits_bsv, 2).gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
-}
+pub use trainer::{
+    Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, accumulate_with, adamw_optimizer,
+};
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::module::Module;
     use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-    use burn::tensor::{Device, TensorData};
+    use burn::tensor::{Device, Int, Tensor};
 
     /// A next-token model small enough for exact checks: embedding then a linear head.
     #[derive(Module, Debug)]
@@ -157,23 +144,6 @@ mod tests {
         assert!((joint.mean_micro_sq_norm - mean).abs() < 1e-5 * mean, "{} vs {mean}", joint.mean_micro_sq_norm);
         // And T is the norm of the mean of those gradients, which is smaller than their mean norm.
         assert!(joint.grad_sq_norm < joint.mean_micro_sq_norm);
-    }
-
-    #[test]
-    fn cross_entropy_matches_log_softmax_in_value_and_gradient() {
-        let d = device();
-        let base: Tensor<3> = Tensor::random([2, 5, V], burn::tensor::Distribution::Normal(0.0, 4.0), &d);
-        let tgt: Tensor<2, Int> = Tensor::from_data(TensorData::new((0..10).map(|i| (i * 3 % V) as i64).collect::<Vec<_>>(), [2, 5]), &d);
-        let a = base.clone().require_grad();
-        let b = base.require_grad();
-        let la = cross_entropy_sum(a.clone(), tgt.clone());
-        let lb = cross_entropy_sum_reference(b.clone(), tgt);
-        let (va, vb) = (la.clone().into_scalar::<f32>(), lb.clone().into_scalar::<f32>());
-        assert!((va - vb).abs() < 1e-5 * vb.abs(), "{va} vs {vb}");
-        let ga = a.grad(&la.backward()).unwrap().into_data().try_to_vec::<f32>().unwrap();
-        let gb = b.grad(&lb.backward()).unwrap().into_data().try_to_vec::<f32>().unwrap();
-        let worst = ga.iter().zip(&gb).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(worst < 1e-6, "gradient difference {worst}");
     }
 
     #[test]

@@ -212,6 +212,12 @@ pub struct Accumulated {
 
 /// Computes the step's gradient over micro-batches without updating anything.
 pub fn accumulate<M: CausalLm>(model: &M, micro: &[MicroBatch]) -> Result<Accumulated, TrainError> {
+    accumulate_with(model, micro, true)
+}
+
+/// [`accumulate`], with the probe's per-micro-batch norms only if `probe` (else
+/// `mean_micro_sq_norm` is NaN).
+pub fn accumulate_with<M: CausalLm>(model: &M, micro: &[MicroBatch], probe: bool) -> Result<Accumulated, TrainError> {
     let Some(first) = micro.first() else { return Err(TrainError::Batch("got none".into())) };
     let shape = first.inputs.dims();
     for (k, m) in micro.iter().enumerate() {
@@ -234,11 +240,16 @@ pub fn accumulate<M: CausalLm>(model: &M, micro: &[MicroBatch]) -> Result<Accumu
         let g = GradientsParams::from_grads(loss_k.backward(), model);
         loss += f64::from(loss_k.into_scalar::<f32>());
         // g is this micro-batch's share of the step mean; its own mean gradient is n times it.
-        sum_micro_sq += grads::sq_norm(model, &g) * (n * n) as f64;
+        if probe {
+            sum_micro_sq += grads::sq_norm(model, &g) * (n * n) as f64;
+        } else {
+            sum_micro_sq = f64::NAN;
+        }
         acc = Some(grads::add(model, acc, g));
     }
     let grads = acc.expect("at least one micro-batch");
-    let grad_sq_norm = grads::sq_norm(model, &grads);
+    // With one micro-batch its norm is the step's: read the gradients once.
+    let grad_sq_norm = if n == 1 && probe { sum_micro_sq } else { grads::sq_norm(model, &grads) };
     Ok(Accumulated { grads, loss, mean_micro_sq_norm: sum_micro_sq / n as f64, grad_sq_norm })
 }
 
@@ -278,6 +289,7 @@ pub struct Trainer<M: CausalLm> {
     step: u64,
     tokens_seen: u64,
     last_stats: Option<StepStats>,
+    probe: bool,
 }
 
 impl<M: CausalLm> Trainer<M> {
@@ -286,7 +298,15 @@ impl<M: CausalLm> Trainer<M> {
         cfg.validate()?;
         let optim = cfg.init(&model.no_decay_predicates());
         let closer = StepCloser::new(cfg.gns_theta)?;
-        Ok(Self { model: Some(model), optim, cfg, closer, step: 0, tokens_seen: 0, last_stats: None })
+        Ok(Self { model: Some(model), optim, cfg, closer, step: 0, tokens_seen: 0, last_stats: None, probe: true })
+    }
+
+    /// The same trainer with the noise-scale probe off: no per-micro-batch norms, no
+    /// difference against the previous step, no estimate. Only to measure what the probe costs
+    /// (`recipes bench` runs the same split both ways).
+    pub fn without_probe(mut self) -> Self {
+        self.probe = false;
+        self
     }
 
     /// The model.
@@ -319,23 +339,28 @@ impl<M: CausalLm> Trainer<M> {
         let start = Instant::now();
         // Everything that can fail only borrows the model; it is moved out just for the update.
         let model = self.model.as_ref().expect("model present between steps");
-        let acc = accumulate(model, micro)?;
+        let acc = accumulate_with(model, micro, self.probe)?;
         if !acc.loss.is_finite() {
             return Err(TrainError::NonFinite(acc.loss, self.step));
         }
         let [b_m, seq] = micro[0].inputs.dims();
         let n = micro.len();
         let global_batch = b_m * n;
-        let diff = self.closer.memory().previous(n).map(|p| grads::diff_sq_norm(model, &acc.grads, p));
-        let stats = StepStats {
-            micro_batch: b_m,
-            num_micro: n,
-            mean_micro_sq_norm: acc.mean_micro_sq_norm,
-            grad_sq_norm: acc.grad_sq_norm,
-            diff_sq_norm: diff,
+        let closed = if self.probe {
+            let diff = self.closer.memory().previous(n).map(|p| grads::diff_sq_norm(model, &acc.grads, p));
+            let stats = StepStats {
+                micro_batch: b_m,
+                num_micro: n,
+                mean_micro_sq_norm: acc.mean_micro_sq_norm,
+                grad_sq_norm: acc.grad_sq_norm,
+                diff_sq_norm: diff,
+            };
+            let closed = self.closer.close(model, &self.cfg, self.step, global_batch, &stats, acc.grads)?;
+            self.last_stats = Some(stats);
+            closed
+        } else {
+            self.closer.close_unprobed(model, &self.cfg, self.step, global_batch, acc.grad_sq_norm, acc.grads)
         };
-        let closed = self.closer.close(model, &self.cfg, self.step, global_batch, &stats, acc.grads)?;
-        self.last_stats = Some(stats);
         let model = self.model.take().expect("model present between steps");
         self.model = Some(self.optim.step(closed.lr, model, closed.grads));
         self.step += 1;

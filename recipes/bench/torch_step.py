@@ -1,8 +1,10 @@
 """The copus benchmark step in PyTorch eager, for a same-run comparison.
 
 Same shape and work as `recipes bench`: Llama-style decoder (RMSNorm, rotate-half RoPE,
-grouped-query attention, SwiGLU), d_model 256, 4 layers, 8 heads, 4 kv heads, ffn 688,
-vocab 4096, untied head, sequence 256, micro-batch 8, fp32, AdamW. Prints JSON step times.
+grouped-query attention, SwiGLU), untied head, fp32, AdamW; by default d_model 256, 4 layers,
+8 heads, 4 kv heads, ffn 688, vocab 4096, sequence 256, micro-batch 8 (`--shape` sets
+d,layers,heads,kv_heads,ffn,vocab,seq,batch). Prints JSON: seconds of each phase per timed step
+(body forward, head and loss forward, backward, optimizer), the threads, and the reference GEMM.
 """
 import argparse, json, math, time
 
@@ -12,6 +14,12 @@ import torch.nn.functional as F
 
 D, L, H, KV, FF, V, S, B = 256, 4, 8, 4, 688, 4096, 256, 8
 E = D // H
+
+
+def set_shape(text):
+    global D, L, H, KV, FF, V, S, B, E
+    D, L, H, KV, FF, V, S, B = (int(x) for x in text.split(","))
+    E = D // H
 
 
 class RMSNorm(nn.Module):
@@ -67,10 +75,13 @@ class Model(nn.Module):
         self.norm = RMSNorm(D)
         self.head = nn.Linear(D, V, bias=False)
 
-    def forward(self, ids, cos, sin, mask):
+    def body(self, ids, cos, sin, mask):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
+        return x
+
+    def head_logits(self, x):
         return self.head(self.norm(x))
 
 
@@ -78,32 +89,42 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shape", type=str, default="")
     a = p.parse_args()
+    if a.shape:
+        set_shape(a.shape)
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(a.threads)
     model = Model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     cos, sin = rope_tables(S, E)
     mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
-    times = []
+    phases = {"body": [], "head_loss": [], "backward": [], "optimizer": []}
     for i in range(a.warmup + a.steps):
         ids = torch.randint(0, V, (B, S))
         tgt = torch.randint(0, V, (B, S))
-        t = time.perf_counter()
-        logits = model(ids, cos, sin, mask)
-        loss = F.cross_entropy(logits.view(-1, V), tgt.view(-1))
         opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        x = model.body(ids, cos, sin, mask)
+        t1 = time.perf_counter()
+        loss = F.cross_entropy(model.head_logits(x).view(-1, V), tgt.view(-1))
+        loss.item()
+        t2 = time.perf_counter()
         loss.backward()
+        t3 = time.perf_counter()
         opt.step()
+        t4 = time.perf_counter()
         if i >= a.warmup:
-            times.append(time.perf_counter() - t)
+            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[k].append(v)
     a_, b_ = torch.rand(2048, 256), torch.rand(256, 4096)
     (a_ @ b_).sum().item()
     t = time.perf_counter()
     for _ in range(5):
         (a_ @ b_).sum().item()
     gflops = 2 * 2048 * 256 * 4096 * 5 / (time.perf_counter() - t) / 1e9
-    print(json.dumps({"step_secs": times, "threads": torch.get_num_threads(), "gemm_gflops": gflops}))
+    print(json.dumps({**phases, "threads": torch.get_num_threads(), "gemm_gflops": gflops}))
 
 
 if __name__ == "__main__":

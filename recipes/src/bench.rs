@@ -1,15 +1,17 @@
-//! `recipes bench`: training-step throughput of the reference shape (d_model 256, 4 layers,
-//! 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence 256, micro-batch 8, fp32, AdamW) on the
-//! Flex CPU backend, and PyTorch eager on the same shape in the same run when torch is installed.
+//! `recipes bench`: training-step time on the Flex CPU backend against PyTorch eager, on the
+//! reference shape (d_model 256, 4 layers, 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence
+//! 256, micro-batch 8, fp32, AdamW) and on tiny-20m at sequence 256, with the thread count set
+//! on both sides, a per-phase breakdown of each step, and the noise-scale probe's own cost (the
+//! same micro-batch split with the probe on and off).
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, anyhow};
-use burn::module::Module;
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::{MicroBatch, OptimConfig, Trainer};
+use copus_burn::{CausalLm, MicroBatch, OptimConfig, Trainer, cross_entropy_sum, grads};
 use copus_core::model::ModelSpec;
 use copus_models::LlamaConfig;
 
@@ -21,52 +23,137 @@ pub fn spec() -> ModelSpec {
 /// Micro-batch of the reference step.
 pub const MICRO_BATCH: usize = 8;
 
-/// Seconds per timed step of copus on Flex: forward only (no autodiff), forward + backward
-/// with the probe's gradient norms, and the whole optimizer step.
-pub struct CopusTimes {
-    /// Forward and loss on a plain (non-autodiff) copy.
-    pub forward: Vec<f64>,
-    /// Forward, backward and the per-micro-batch squared norms.
-    pub forward_backward: Vec<f64>,
-    /// Everything a training step does, AdamW included.
-    pub step: Vec<f64>,
+/// A benchmarked shape: the model (its `seq_len` is the sequence) and the micro-batch.
+pub struct Shape {
+    /// The model.
+    pub spec: ModelSpec,
+    /// Sequences per step.
+    pub micro_batch: usize,
 }
 
-/// Times the reference step.
-pub fn time_copus(steps: usize, warmup: usize) -> CopusTimes {
-    let s = spec();
+/// The reference shape and tiny-20m at sequence 256, both at micro-batch 8.
+pub fn shapes() -> Vec<Shape> {
+    vec![
+        Shape { spec: spec(), micro_batch: MICRO_BATCH },
+        Shape { spec: ModelSpec { seq_len: 256, ..ModelSpec::tiny_20m() }, micro_batch: 8 },
+    ]
+}
+
+/// Seconds of each phase of one training step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Phases {
+    /// Embedding and decoder layers, forward, under autodiff.
+    pub body: f64,
+    /// Final norm, LM head and the loss, forward.
+    pub head_loss: f64,
+    /// The backward pass, gradients collected per parameter.
+    pub backward: f64,
+    /// The probe's work at one micro-batch per step: |g - g_prev|^2 and keeping g (|g|^2 is the
+    /// clipping norm, read with or without the probe).
+    pub probe: f64,
+    /// |g|^2 for clipping, then AdamW.
+    pub optimizer: f64,
+}
+
+impl Phases {
+    /// The whole step.
+    pub fn step(&self) -> f64 {
+        self.body + self.head_loss + self.backward + self.probe + self.optimizer
+    }
+}
+
+/// Tokens of step `i` (inputs, targets), the same on both sides of every comparison.
+fn tokens(s: &ModelSpec, micro_batch: usize, i: usize) -> (Vec<i64>, Vec<i64>) {
+    let n = micro_batch * s.seq_len;
+    ((0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect(), (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect())
+}
+
+fn int2(v: Vec<i64>, shape: [usize; 2], device: &Device) -> Tensor<2, Int> {
+    Tensor::<2, Int>::from_data(TensorData::new(v, shape), device)
+}
+
+/// Times each phase of the copus step on `shape`, per timed step.
+pub fn time_copus(shape: &Shape, steps: usize, warmup: usize) -> Vec<Phases> {
+    let s = &shape.spec;
     let device = Device::flex().autodiff();
     device.seed(0);
-    let model = LlamaConfig::from_spec(&s).init(&device);
+    let mut model = LlamaConfig::from_spec(s).init(&device);
     let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
-    let mut trainer = Trainer::new(model, cfg).expect("valid settings");
-    let n = MICRO_BATCH * s.seq_len;
-    let mut out = CopusTimes { forward: Vec::new(), forward_backward: Vec::new(), step: Vec::new() };
+    let mut optim = copus_burn::adamw_optimizer(&cfg, &model.no_decay_predicates());
+    let n = (shape.micro_batch * s.seq_len) as f64;
+    let mut previous: Option<GradientsParams> = None;
+    let mut out = Vec::new();
     for i in 0..warmup + steps {
-        let ids: Vec<i64> = (0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect();
-        let tgt: Vec<i64> = (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect();
-        let on = |d: &Device| MicroBatch {
-            inputs: Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [MICRO_BATCH, s.seq_len]), d),
-            targets: Tensor::<2, Int>::from_data(TensorData::new(tgt.clone(), [MICRO_BATCH, s.seq_len]), d),
-        };
-        let plain = trainer.model().valid();
-        let mb = on(&plain.embed_tokens.weight.device());
+        let (ids, tgt) = tokens(s, shape.micro_batch, i);
+        let inputs = int2(ids, [shape.micro_batch, s.seq_len], &device);
+        let targets = int2(tgt, [shape.micro_batch, s.seq_len], &device);
+        let mut p = Phases::default();
         let t = Instant::now();
-        let _ = plain.loss_sum(mb.inputs, mb.targets).into_scalar::<f32>();
-        let fwd = t.elapsed().as_secs_f64();
+        let h = model.hidden(inputs);
+        p.body = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let acc = copus_burn::accumulate(trainer.model(), &[on(&device)]).expect("bench step");
-        let fwd_bwd = t.elapsed().as_secs_f64();
-        drop(acc);
+        let loss = cross_entropy_sum(model.head(h), targets).div_scalar(n);
+        let value = loss.clone().into_scalar::<f32>();
+        p.head_loss = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        trainer.step(&[on(&device)]).expect("bench step");
+        let g = GradientsParams::from_grads(loss.backward(), &model);
+        p.backward = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let diff = previous.as_ref().map(|prev| grads::diff_sq_norm(&model, &g, prev));
+        previous = Some(grads::scaled(&model, &g, 1.0));
+        p.probe = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        // |g|^2 for clipping, which a step does with or without the probe.
+        let sq = grads::sq_norm(&model, &g);
+        assert!(value.is_finite() && sq.is_finite() && diff.is_none_or(f64::is_finite));
+        model = optim.step(1e-3, model, g);
+        // The step is done once its weights can be read.
+        let _ = model.embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
+        p.optimizer = t.elapsed().as_secs_f64();
         if i >= warmup {
-            out.forward.push(fwd);
-            out.forward_backward.push(fwd_bwd);
-            out.step.push(t.elapsed().as_secs_f64());
+            out.push(p);
         }
     }
     out
+}
+
+/// Median seconds per trainer step with the probe on and off, for `num_micro` micro-batches of
+/// `shape.micro_batch / num_micro` sequences; the two trainers step alternately so that drift
+/// on a shared machine falls on both.
+pub fn probe_on_off(shape: &Shape, num_micro: usize, steps: usize, warmup: usize) -> (f64, f64) {
+    let s = &shape.spec;
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let model = LlamaConfig::from_spec(s).init(&device);
+    let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
+    let mut on = Trainer::new(model.clone(), cfg.clone()).expect("valid settings");
+    let mut off = Trainer::new(model, cfg).expect("valid settings").without_probe();
+    let b = shape.micro_batch / num_micro.max(1);
+    let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
+    for i in 0..warmup + steps {
+        let (ids, tgt) = tokens(s, shape.micro_batch, i);
+        let row = b * s.seq_len;
+        let micro: Vec<MicroBatch> = (0..num_micro)
+            .map(|k| MicroBatch {
+                inputs: int2(ids[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device),
+                targets: int2(tgt[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device),
+            })
+            .collect();
+        for (trainer, times) in [(&mut on, &mut t_on), (&mut off, &mut t_off)] {
+            let t = Instant::now();
+            trainer.step(&micro).expect("bench step");
+            let _ = trainer.model().embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
+            if i >= warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    (median(t_on), median(t_off))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The learner add-on's noise probe against the same step without it, on the reference shape:
@@ -74,8 +161,6 @@ pub fn time_copus(steps: usize, warmup: usize) -> CopusTimes {
 /// micro-batch per step (the squared norm of the gradient and of its difference from the
 /// previous step's, each reduced on the device with one small readback), medians over `steps`.
 pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
-    use burn::optim::GradientsParams;
-    use copus_burn::grads;
     let s = spec();
     let device = Device::flex().autodiff();
     device.seed(0);
@@ -86,10 +171,8 @@ pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
     let (mut step_secs, mut probe_secs) = (Vec::new(), Vec::new());
     let mut previous: Option<GradientsParams> = None;
     for i in 0..warmup + steps {
-        let ids: Vec<i64> = (0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect();
-        let tgt: Vec<i64> = (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect();
-        let inputs = Tensor::<2, Int>::from_data(TensorData::new(ids, [MICRO_BATCH, s.seq_len]), &device);
-        let targets = Tensor::<2, Int>::from_data(TensorData::new(tgt, [MICRO_BATCH, s.seq_len]), &device);
+        let (ids, tgt) = tokens(&s, MICRO_BATCH, i);
+        let (inputs, targets) = (int2(ids, [MICRO_BATCH, s.seq_len], &device), int2(tgt, [MICRO_BATCH, s.seq_len], &device));
         let t = Instant::now();
         let loss = model.loss_sum(inputs, targets).div_scalar(n as f64);
         let g = GradientsParams::from_grads(loss.backward(), &model);
@@ -107,10 +190,6 @@ pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
             probe_secs.push(probe);
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     (median(step_secs), median(probe_secs))
 }
 
@@ -128,12 +207,27 @@ pub fn gemm_gflops(reps: usize) -> f64 {
     2.0 * 2048.0 * 256.0 * 4096.0 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// PyTorch's step times and GEMM GFLOP/s from `bench/torch_step.py`, or why there are none.
-pub fn time_torch(steps: usize, warmup: usize) -> anyhow::Result<(Vec<f64>, f64)> {
+/// PyTorch's side of one shape, from `bench/torch_step.py`.
+pub struct TorchTimes {
+    /// Per timed step: body, head and loss, backward, optimizer (no probe).
+    pub phases: Vec<Phases>,
+    /// Threads PyTorch ran on, as it reports them.
+    pub threads: usize,
+    /// The reference GEMM in GFLOP/s.
+    pub gemm_gflops: f64,
+}
+
+/// PyTorch eager on `shape` with `threads` threads, or why it could not run.
+pub fn time_torch(shape: &Shape, steps: usize, warmup: usize, threads: usize) -> anyhow::Result<TorchTimes> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
+    let s = &shape.spec;
+    let dims = format!(
+        "{},{},{},{},{},{},{},{}",
+        s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
+    );
     let out = Command::new("python3")
         .arg(&script)
-        .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string()])
+        .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string(), "--threads", &threads.to_string(), "--shape", &dims])
         .output()
         .map_err(|e| anyhow!("cannot run python3: {e}"))?;
     if !out.status.success() {
@@ -141,51 +235,187 @@ pub fn time_torch(steps: usize, warmup: usize) -> anyhow::Result<(Vec<f64>, f64)
         return Err(anyhow!("{}", err.lines().last().unwrap_or("failed")));
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let steps = v["step_secs"].as_array().context("no step_secs")?.iter().filter_map(|x| x.as_f64()).collect();
-    Ok((steps, v["gemm_gflops"].as_f64().unwrap_or(f64::NAN)))
+    let list = |k: &str| -> anyhow::Result<Vec<f64>> {
+        Ok(v[k].as_array().with_context(|| format!("no {k}"))?.iter().filter_map(|x| x.as_f64()).collect())
+    };
+    let (body, head, back, opt) = (list("body")?, list("head_loss")?, list("backward")?, list("optimizer")?);
+    let phases = (0..body.len().min(head.len()).min(back.len()).min(opt.len()))
+        .map(|i| Phases { body: body[i], head_loss: head[i], backward: back[i], probe: 0.0, optimizer: opt[i] })
+        .collect();
+    Ok(TorchTimes {
+        phases,
+        threads: v["threads"].as_u64().unwrap_or(0) as usize,
+        gemm_gflops: v["gemm_gflops"].as_f64().unwrap_or(f64::NAN),
+    })
 }
 
-/// Prints the table.
-pub fn run(steps: usize, warmup: usize, torch: bool) {
-    let s = spec();
-    let tokens = (MICRO_BATCH * s.seq_len) as f64;
-    println!(
-        "training step: d_model {}, {} layers, {} heads, {} kv heads, ffn {}, vocab {}, seq {}, micro-batch {}, fp32, AdamW, {} threads",
-        s.hidden,
-        s.num_layers,
-        s.num_heads,
-        s.num_kv_heads,
-        s.ffn_hidden,
-        s.vocab_size,
-        s.seq_len,
-        MICRO_BATCH,
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    );
-    println!("{:<28} {:>10} {:>10} {:>12}", "what", "mean s", "min s", "tokens/s");
-    let row = |name: &str, t: &[f64]| {
-        let mean = t.iter().sum::<f64>() / t.len().max(1) as f64;
-        let min = t.iter().cloned().fold(f64::INFINITY, f64::min);
-        println!("{name:<28} {mean:>10.3} {min:>10.3} {:>12.0}", tokens / mean);
-        mean
+/// Sets the number of threads of rayon's global pool (Flex's GEMM and the fused loss run on
+/// it); returns how many it has, which differs if the pool had already started.
+pub fn set_threads(threads: usize) -> usize {
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    rayon::current_num_threads()
+}
+
+/// Reads one phase (or the whole step) of a step's times.
+type PhaseOf = fn(&Phases) -> f64;
+
+/// Medians of each phase over steps.
+fn median_phases(v: &[Phases]) -> Phases {
+    let m = |f: fn(&Phases) -> f64| median(v.iter().map(f).collect());
+    Phases {
+        body: m(|p| p.body),
+        head_loss: m(|p| p.head_loss),
+        backward: m(|p| p.backward),
+        probe: m(|p| p.probe),
+        optimizer: m(|p| p.optimizer),
+    }
+}
+
+/// Median milliseconds of `f` over 5 runs after one.
+fn millis(mut f: impl FnMut()) -> f64 {
+    f();
+    median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
+}
+
+/// Forward and backward of `op` on a fresh leaf holding `x`; the gradient is read back.
+fn forward_backward<const D: usize>(x: &Tensor<D>, op: impl Fn(Tensor<D>) -> Tensor<D>) {
+    let a = x.clone().require_grad();
+    let g = op(a.clone()).sum().backward();
+    let _ = a.grad(&g).expect("a gradient").into_data();
+}
+
+/// Per-op table on the reference shape's tensors: each fused op against Burn's decomposed form
+/// (forward and backward under autodiff), and the LM head's backward GEMMs with transposed and
+/// with contiguous operands.
+pub fn op_table() {
+    use burn::tensor::Distribution;
+    use burn::tensor::activation;
+    use copus_burn::fused;
+    let device = Device::flex().autodiff();
+    device.seed(1);
+    let scores: Tensor<4> = Tensor::random([8, 4, 512, 256], Distribution::Normal(0.0, 2.0), &device);
+    let gate: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 2.0), &device);
+    let logits: Tensor<3> = Tensor::random([8, 256, 4096], Distribution::Normal(0.0, 2.0), &device);
+    let targets = int2((0..8 * 256).map(|j| (j * 17 % 4096) as i64).collect(), [8, 256], &device);
+    let ce = |f: fn(Tensor<3>, Tensor<2, Int>) -> Tensor<1>| {
+        let a = logits.clone().require_grad();
+        let g = f(a.clone(), targets.clone()).backward();
+        let _ = a.grad(&g).expect("a gradient").into_data();
     };
-    let t = time_copus(steps, warmup);
-    row("copus: forward only", &t.forward);
-    row("copus: forward + backward", &t.forward_backward);
-    let ours = row("copus: training step", &t.step);
-    let gemm = gemm_gflops(5);
-    if torch {
-        match time_torch(steps, warmup) {
-            Ok((t, torch_gemm)) => {
-                let theirs = row("PyTorch eager: training step", &t);
-                println!("ratio (PyTorch step time / copus step time): {:.2}", theirs / ours);
-                println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s, PyTorch {torch_gemm:.1} GFLOP/s");
-            }
-            Err(e) => {
-                println!("PyTorch eager: not measured ({e})");
-                println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s");
+    println!("\n| op, forward + backward under autodiff | fused ms | Burn ms | Burn / fused |\n|---|---:|---:|---:|");
+    let rows = [
+        (
+            "softmax over [8,4,512,256] (attention)",
+            millis(|| forward_backward(&scores, fused::softmax)),
+            millis(|| forward_backward(&scores, |x| activation::softmax(x, 3))),
+        ),
+        (
+            "SiLU of [8,256,688] (SwiGLU gate)",
+            millis(|| forward_backward(&gate, fused::silu)),
+            millis(|| forward_backward(&gate, activation::silu)),
+        ),
+        (
+            "cross entropy of [8,256,4096] logits",
+            millis(|| ce(fused::cross_entropy_sum)),
+            millis(|| ce(fused::cross_entropy_sum_reference)),
+        ),
+    ];
+    for (name, ours, theirs) in rows {
+        println!("| {name} | {ours:.2} | {theirs:.2} | {:.2} |", theirs / ours);
+    }
+    let plain = Device::flex();
+    let x: Tensor<2> = Tensor::random([2048, 256], Distribution::Default, &plain);
+    let g: Tensor<2> = Tensor::random([2048, 4096], Distribution::Default, &plain);
+    let w: Tensor<2> = Tensor::random([256, 4096], Distribution::Default, &plain);
+    let (xt, wt) = (x.clone().transpose().add_scalar(0.0), w.clone().transpose().add_scalar(0.0));
+    let run = |f: &dyn Fn() -> Tensor<2>| millis(|| drop(f().slice([0..1, 0..1]).into_data()));
+    println!("\n| LM-head backward GEMM | transposed operand ms | contiguous operand ms |\n|---|---:|---:|");
+    println!(
+        "| dW = x^T g, [256,2048]x[2048,4096] | {:.2} | {:.2} |",
+        run(&|| x.clone().transpose().matmul(g.clone())),
+        run(&|| xt.clone().matmul(g.clone()))
+    );
+    println!(
+        "| dx = g W^T, [2048,4096]x[4096,256] | {:.2} | {:.2} |",
+        run(&|| g.clone().matmul(w.clone().transpose())),
+        run(&|| g.clone().matmul(wt.clone()))
+    );
+}
+
+/// Prints the tables: per shape, each phase for copus and PyTorch with the ratio, then the
+/// probe's cost on and off for two micro-batch splits.
+pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
+    let ours_threads = set_threads(threads);
+    println!(
+        "threads: copus {ours_threads} (rayon pool of Flex and the fused kernels), PyTorch {threads} (torch.set_num_threads); medians of {steps} steps after {warmup} warm-up"
+    );
+    for shape in shapes() {
+        let s = &shape.spec;
+        let tokens = (shape.micro_batch * s.seq_len) as f64;
+        println!(
+            "\n{}: d_model {}, {} layers, {} heads, {} kv heads, ffn {}, vocab {}, seq {}, micro-batch {}, fp32, AdamW",
+            s.name, s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
+        );
+        let ours = median_phases(&time_copus(&shape, steps, warmup));
+        let theirs = if torch { Some(time_torch(&shape, steps, warmup, threads)) } else { None };
+        let theirs_phases = match &theirs {
+            Some(Ok(t)) => Some(median_phases(&t.phases)),
+            _ => None,
+        };
+        println!("| phase | copus s | PyTorch s | PyTorch / copus |\n|---|---:|---:|---:|");
+        let rows: [(&str, PhaseOf); 6] = [
+            ("embedding + decoder layers, forward", |p| p.body),
+            ("final norm + LM head + loss, forward", |p| p.head_loss),
+            ("backward", |p| p.backward),
+            ("noise-scale probe: |g - g_prev|^2", |p| p.probe),
+            ("|g|^2 (clipping) + AdamW", |p| p.optimizer),
+            ("training step", Phases::step),
+        ];
+        for (name, f) in rows {
+            let (a, b) = (f(&ours), theirs_phases.as_ref().map(f));
+            match b {
+                Some(b) if name.starts_with("noise-scale probe") => println!("| {name} | {a:.4} | {b:.4} (none) | |"),
+                Some(b) => println!("| {name} | {a:.4} | {b:.4} | {:.2} |", b / a),
+                None => println!("| {name} | {a:.4} | | |"),
             }
         }
-    } else {
-        println!("GEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s");
+        let step = ours.step();
+        match &theirs {
+            Some(Ok(t)) => {
+                let their_step = theirs_phases.map_or(f64::NAN, |p| p.step());
+                println!(
+                    "tokens/s: copus {:.0}, PyTorch {:.0}; ratio (PyTorch step time / copus step time): {:.2} (PyTorch reported {} threads)",
+                    tokens / step,
+                    tokens / their_step,
+                    their_step / step,
+                    t.threads
+                );
+            }
+            Some(Err(e)) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
+            None => println!("tokens/s: copus {:.0}", tokens / step),
+        }
+        println!("| probe (whole trainer step, same split) | on s | off s | cost |\n|---|---:|---:|---:|");
+        for num_micro in [1, 4] {
+            let (on, off) = probe_on_off(&shape, num_micro, steps, warmup.max(1));
+            println!(
+                "| {num_micro} x {} sequences | {on:.4} | {off:.4} | {:+.2}% |",
+                shape.micro_batch / num_micro,
+                100.0 * (on - off) / off
+            );
+        }
+    }
+    op_table();
+    let gemm = gemm_gflops(5);
+    match (torch, time_torch(&shapes().remove(0), 1, 0, threads)) {
+        (true, Ok(t)) => println!("\nGEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s, PyTorch {:.1} GFLOP/s", t.gemm_gflops),
+        _ => println!("\nGEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s"),
     }
 }

@@ -173,7 +173,8 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchMode {
-    /// Training-step throughput of the reference shape, against PyTorch when it is installed.
+    /// Training-step time per phase on the reference shape and tiny-20m, against PyTorch when it
+    /// is installed, and the noise-scale probe's cost.
     Step {
         /// Timed steps.
         #[arg(long, default_value_t = 5)]
@@ -184,6 +185,9 @@ enum BenchMode {
         /// Skip the PyTorch comparison.
         #[arg(long)]
         no_torch: bool,
+        /// Threads on both sides (rayon's pool for copus, torch.set_num_threads for PyTorch).
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// The parallel engine: all-reduce bandwidth and the step time of every layout.
     Engine {
@@ -307,8 +311,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match (cli.command, cli.recipe) {
         (Some(Cmd::Run { recipe, max_steps, resume }), _) => run_recipe(&recipe, max_steps, resume.as_deref()),
         (Some(Cmd::Bench { mode }), _) => {
-            match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false }) {
-                BenchMode::Step { steps, warmup, no_torch } => bench::run(steps.max(1), warmup, !no_torch),
+            match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
+                BenchMode::Step { steps, warmup, no_torch, threads } => bench::run(steps.max(1), warmup, !no_torch, threads.max(1)),
                 BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
                 BenchMode::Reconfig => engine_bench::run_reconfig(),
                 BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {

@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::grads::host_sq;
+use crate::grads::{host_diff_sq, host_sq};
 
 /// How a parameter's gradient is counted and reduced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +128,7 @@ impl GradIndex {
                 let x = self.a.get::<D>(p.id);
                 let y = self.b.and_then(|b| b.get::<D>(p.id));
                 self.acc += match (x, y) {
-                    (Some(x), Some(y)) => host_sq(x - y),
+                    (Some(x), Some(y)) => host_diff_sq(x, y),
                     (Some(x), None) => host_sq(x),
                     (None, Some(y)) if self.b.is_some() => host_sq(y),
                     _ => 0.0,

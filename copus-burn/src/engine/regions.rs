@@ -9,6 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use super::rank::{RankError, RankState};
 use crate::collective::{Collective, ReduceOp};
+use crate::fused;
 use crate::grads;
 use crate::parallel::{ParallelLm, StageModel};
 
@@ -101,35 +102,21 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let v = self.vocab_local;
         let rows = z.len() / v;
         let targets = self.token_rows(batch, mb, false);
-        let mut max: Vec<f32> = z.chunks(v).map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+        let start = self.vocab_start as i64;
+        // One pass over this rank's slice: its max and sum of exponentials per row. The ranks
+        // agree on the max, rescale their sums to it, then add sums and target logits at once.
+        let (local_max, mut sum_exp) = fused::row_stats(&z, v);
+        let mut max = local_max.clone();
         self.tp.all_reduce(&mut max, ReduceOp::Max)?;
-        let mut sum_exp: Vec<f32> = z.chunks(v).zip(&max).map(|(r, &m)| r.iter().map(|&x| (x - m).exp()).sum()).collect();
-        let mut picked = vec![0f32; rows];
-        for (i, &t) in targets.iter().enumerate() {
-            let local = t - self.vocab_start as i64;
-            if (0..v as i64).contains(&local) {
-                picked[i] = z[i * v + local as usize];
-            }
-        }
-        let mut both: Vec<f32> = sum_exp.iter().chain(&picked).copied().collect();
+        fused::rescale_sums(&mut sum_exp, &local_max, &max);
+        let mut both = sum_exp;
+        both.extend(fused::picked(&z, v, &targets, start));
         self.tp.all_reduce(&mut both, ReduceOp::Sum)?;
-        sum_exp.copy_from_slice(&both[..rows]);
+        let (sum_exp, picked) = both.split_at(rows);
         let global_tokens = (self.cfg.global_batch * self.cfg.seq_len) as f32;
-        let mut loss = 0f64;
-        for i in 0..rows {
-            loss += f64::from(sum_exp[i].ln() + max[i] - both[rows + i]);
-        }
+        let loss: f64 = (0..rows).map(|i| f64::from(sum_exp[i].ln() + max[i] - picked[i])).sum();
         let mut dz = z;
-        for (i, row) in dz.chunks_mut(v).enumerate() {
-            let (m, s) = (max[i], sum_exp[i]);
-            for x in row.iter_mut() {
-                *x = (*x - m).exp() / s / global_tokens;
-            }
-            let local = targets[i] - self.vocab_start as i64;
-            if (0..v as i64).contains(&local) {
-                row[local as usize] -= 1.0 / global_tokens;
-            }
-        }
+        fused::softmax_grad_in_place(&mut dz, v, &max, sum_exp, &targets, start, 1.0 / global_tokens);
         Ok((loss / f64::from(global_tokens), dz))
     }
 

@@ -1,0 +1,567 @@
+//! Fused softmax cross entropy: the loss in one pass over the logits and its gradient in one
+//! more, never materialising probabilities or log-probabilities as tensors, in parallel over
+//! rows on the host (rayon, the pool Flex's GEMM already uses).
+//!
+//! [`cross_entropy_sum`] attaches the hand-written gradient to Burn's autodiff graph through a
+//! linear surrogate. With `g` the gradient computed here (a constant to autodiff), `sum(z * g)`
+//! has gradient exactly `g` with respect to the logits `z`, and
+//! `sum(z * g) - detach(sum(z * g)) + loss` has exactly the value `loss`. Whatever scales the
+//! loss downstream (the division by the step's token count) scales `g` as it would the true
+//! gradient. The backward pass is then one multiply over the logits, against about a dozen
+//! element-wise passes for the decomposed `log_softmax`.
+//!
+//! The engine's vocabulary-parallel loss runs the same row kernels around its all-reduces: each
+//! rank computes `(max, sum of exp)` of its vocabulary slice in one pass ([`row_stats`]), the
+//! ranks agree on the global max and rescale their sums ([`rescale_sums`]), and each rank
+//! writes its slice's gradient in a second pass ([`softmax_grad_in_place`]).
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rayon::prelude::*;
+
+/// Below this many logits one thread does the work: spawning tasks costs more.
+const PARALLEL_MIN: usize = 1 << 15;
+
+/// Lanes of the vectorised reductions.
+const LANES: usize = 8;
+
+/// `e^x` in f32 with a relative error of about 1e-7, free of branches and of float-to-int
+/// conversions so that loops over slices vectorise. Range reduction `x = n ln 2 + r` with
+/// `|r| <= ln 2 / 2` (ln 2 split in two parts so `n ln 2` is exact), a degree-6 polynomial for
+/// `e^r`, and `2^n` built from its bits (`n` read from the mantissa of `x log2 e + 1.5 * 2^23`).
+/// Returns 0 below -87.3 (where `e^x` leaves the normal range), saturates near 88, gives NaN
+/// for NaN and +inf.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    const ROUND_BITS: u32 = 0x4B40_0000;
+    let c = x.clamp(-87.0, 88.0);
+    let t = c * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = c - n * LN2_HI - n * LN2_LO;
+    let p = 1.987_569_2e-4;
+    let p = p * r + 1.398_2e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 0.166_666_65;
+    let p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUND_BITS).wrapping_add(127) << 23);
+    // `x * 0` is 0, or NaN for NaN and infinities.
+    if x < -87.3 { 0.0 } else { y * scale + x * 0.0 }
+}
+
+/// Largest value of a row (NaN values are skipped here; they reach the sum through `exp`).
+fn row_max(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let mut m = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    for a in acc {
+        m = if a > m { a } else { m };
+    }
+    m
+}
+
+/// `sum(e^(x - max))` of a row.
+fn row_sum_exp(row: &[f32], max: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let mut s: f32 = chunks.remainder().iter().map(|&x| exp(x - max)).sum();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += exp(x - max);
+        }
+    }
+    s += acc.iter().sum::<f32>();
+    s
+}
+
+/// Replaces each `x` by `e^(x - max)`; returns their sum (in lanes, so the loop vectorises).
+fn exp_in_place(row: &mut [f32], max: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
+            *x = exp(*x - max);
+            *a += *x;
+        }
+    }
+    let mut s = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp(*x - max);
+        s += *x;
+    }
+    s + acc.iter().sum::<f32>()
+}
+
+/// `sum(a * b)` in independent lanes, so the loop vectorises.
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x8, y8) in ca.zip(cb) {
+        for ((a, x), y) in acc.iter_mut().zip(x8).zip(y8) {
+            *a += x * y;
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// Rows per parallel task, so that each task holds about `PARALLEL_MIN` logits.
+fn rows_per_task(v: usize) -> usize {
+    (PARALLEL_MIN / v.max(1)).max(1)
+}
+
+/// `(max, sum of e^(x - max))` of each row of `z` (rows of `v` logits), in one pass: each row
+/// is read once from memory and twice from cache.
+pub fn row_stats(z: &[f32], v: usize) -> (Vec<f32>, Vec<f32>) {
+    assert!(v > 0 && z.len().is_multiple_of(v), "{} logits are not rows of {v}", z.len());
+    let one = |row: &[f32]| {
+        let m = row_max(row);
+        (m, row_sum_exp(row, m))
+    };
+    let stats: Vec<(f32, f32)> = if z.len() < PARALLEL_MIN {
+        z.chunks(v).map(one).collect()
+    } else {
+        z.par_chunks(v).with_min_len(rows_per_task(v)).map(one).collect()
+    };
+    stats.into_iter().unzip()
+}
+
+/// Rescales each row's `sum_exp` from its local `max` to the agreed `global` max (vocabulary
+/// parallelism: each rank's sum is over its own slice; after this, the ranks' sums add up).
+pub fn rescale_sums(sum_exp: &mut [f32], max: &[f32], global: &[f32]) {
+    for ((s, &m), &g) in sum_exp.iter_mut().zip(max).zip(global) {
+        // A slice whose max is -inf (all logits -inf) contributes nothing.
+        *s = if m == f32::NEG_INFINITY { 0.0 } else { *s * exp(m - g) };
+    }
+}
+
+/// The target's logit of each row, for targets in `start..start + v`, else 0 (the slice of
+/// another rank).
+pub fn picked(z: &[f32], v: usize, targets: &[i64], start: i64) -> Vec<f32> {
+    targets
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let local = t - start;
+            if (0..v as i64).contains(&local) { z[i * v + local as usize] } else { 0.0 }
+        })
+        .collect()
+}
+
+/// Overwrites the logits `z` with `scale * (softmax(z) - onehot(target))` row by row, from the
+/// agreed `max` and `sum_exp` of each row; targets outside `start..start + v` belong to another
+/// slice and take no one-hot term here.
+pub fn softmax_grad_in_place(z: &mut [f32], v: usize, max: &[f32], sum_exp: &[f32], targets: &[i64], start: i64, scale: f32) {
+    assert!(v > 0 && z.len() == v * max.len() && max.len() == sum_exp.len() && max.len() == targets.len());
+    let one = |(i, row): (usize, &mut [f32])| {
+        let (m, k) = (max[i], scale / sum_exp[i]);
+        for x in row.iter_mut() {
+            *x = exp(*x - m) * k;
+        }
+        let local = targets[i] - start;
+        if (0..v as i64).contains(&local) {
+            row[local as usize] -= scale;
+        }
+    };
+    if z.len() < PARALLEL_MIN {
+        z.chunks_mut(v).enumerate().for_each(one);
+    } else {
+        z.par_chunks_mut(v).with_min_len(rows_per_task(v)).enumerate().for_each(one);
+    }
+}
+
+/// Summed cross entropy of the rows of `z` against `targets`, and its gradient written over
+/// `z`, in f64 for the sum. Errors name a target outside the vocabulary.
+pub fn cross_entropy_rows(z: &mut [f32], v: usize, targets: &[i64]) -> Result<f64, String> {
+    if v == 0 || z.len() != v * targets.len() {
+        return Err(format!("{} logits are not {} rows of {v}", z.len(), targets.len()));
+    }
+    if let Some(t) = targets.iter().find(|&&t| !(0..v as i64).contains(&t)) {
+        return Err(format!("target token id {t} is outside the vocabulary of {v} logits"));
+    }
+    let (max, sum_exp) = row_stats(z, v);
+    let picked = picked(z, v, targets, 0);
+    let loss = (0..targets.len()).map(|i| f64::from(sum_exp[i].ln() + max[i] - picked[i])).sum();
+    softmax_grad_in_place(z, v, &max, &sum_exp, targets, 0, 1.0);
+    Ok(loss)
+}
+
+/// Whether tensors on `device` live in host memory, where the fused kernels read them without a
+/// transfer.
+fn on_host(device: &Device) -> bool {
+    device.clone().inner() == Device::flex()
+}
+
+/// `-sum log softmax(logits)[target]` over all positions, `[1]`, fused (see the module docs).
+/// On devices other than Flex it takes the decomposed form, which keeps the logits on the device.
+///
+/// # Panics
+/// If a target id is outside the vocabulary, like the gather of the decomposed form.
+pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    let device = logits_bsv.device();
+    if !on_host(&device) {
+        return cross_entropy_sum_decomposed(logits_bsv, targets_bs);
+    }
+    let [b, s, v] = logits_bsv.dims();
+    let mut z: Vec<f32> = logits_bsv.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 logits");
+    let targets: Vec<i64> = targets_bs.into_data().convert::<i64>().try_into_vec::<i64>().expect("i64 targets");
+    let loss = cross_entropy_rows(&mut z, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
+    if !logits_bsv.is_tracked() {
+        return Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device);
+    }
+    let plain = device.clone().inner();
+    let loss_t = Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &plain);
+    let grad = Tensor::<3>::from_data(TensorData::new(z, [b, s, v]), &plain);
+    let surrogate = (logits_bsv * grad).sum();
+    surrogate.clone() - surrogate.detach() + loss_t
+}
+
+/// Chunk of element-wise host kernels per parallel task.
+const CHUNK: usize = 1 << 14;
+
+/// SiLU `x * sigmoid(x)`, its value and derivative from one host pass (on Flex). Under autodiff
+/// the result is the linearisation `x * d + c` with the constants `d = silu'(x)` and
+/// `c = silu(x) - x * d`: its gradient is exactly `d`, its value `silu(x)` to one rounding, and
+/// its backward one multiply, against the decomposed sigmoid's chain. Elsewhere Burn's `silu`.
+pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let device = x.device();
+    if !on_host(&device) {
+        return burn::tensor::activation::silu(x);
+    }
+    let shape = x.shape();
+    let v: Vec<f32> = x.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 activations");
+    if !x.is_tracked() {
+        let mut y = v;
+        y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= sigmoid(*x)));
+        return Tensor::<D>::from_data(TensorData::new(y, shape), &device);
+    }
+    let (mut d, mut c) = (vec![0f32; v.len()], vec![0f32; v.len()]);
+    v.par_chunks(CHUNK).zip(d.par_chunks_mut(CHUNK)).zip(c.par_chunks_mut(CHUNK)).for_each(|((x, d), c)| {
+        for ((&x, d), c) in x.iter().zip(d.iter_mut()).zip(c.iter_mut()) {
+            let s = sigmoid(x);
+            *d = s * (1.0 + x * (1.0 - s));
+            *c = x * s - x * *d;
+        }
+    });
+    let plain = device.clone().inner();
+    let d = Tensor::<D>::from_data(TensorData::new(d, shape.clone()), &plain);
+    let c = Tensor::<D>::from_data(TensorData::new(c, shape), &plain);
+    x * d + c
+}
+
+/// Softmax over the last dimension, values from one host pass per row (on Flex). Under autodiff
+/// the result is the linearisation `y * (x - sum(y * x)) + c` with the constants `y =
+/// softmax(x)` and `c = y - y * (x - sum(y * x))` (the row sums over the last dimension): its
+/// Jacobian is softmax's, `diag(y) - y y^T` per row, its value `y` to rounding, and no
+/// exponential is taken under autodiff, forward or backward. Masked entries must be large
+/// negative finite numbers, not -inf (`0 * -inf` is NaN). Elsewhere Burn's `softmax`.
+pub fn softmax<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let device = x.device();
+    let last = D - 1;
+    if !on_host(&device) {
+        return burn::tensor::activation::softmax(x, last);
+    }
+    let shape = x.shape();
+    let v = shape[last];
+    let mut y: Vec<f32> = x.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 activations");
+    if y.is_empty() || v == 0 {
+        return x;
+    }
+    let tracked = x.is_tracked();
+    let mut c = if tracked { vec![0f32; y.len()] } else { Vec::new() };
+    let rows = rows_per_task(v);
+    let one = |row: &mut [f32], c: &mut [f32]| {
+        let m = row_max(row);
+        if c.is_empty() {
+            let k = 1.0 / exp_in_place(row, m);
+            row.iter_mut().for_each(|x| *x *= k);
+            return;
+        }
+        // c = y, r = sum(y * x) of the row, then c = y - y * (x - r); the row becomes y.
+        c.copy_from_slice(row);
+        let k = 1.0 / exp_in_place(c, m);
+        c.iter_mut().for_each(|p| *p *= k);
+        let r = lane_dot(row, c);
+        for (x, c) in row.iter_mut().zip(c.iter_mut()) {
+            let p = *c;
+            *c = p - p * (*x - r);
+            *x = p;
+        }
+    };
+    if tracked {
+        y.par_chunks_mut(v * rows).zip(c.par_chunks_mut(v * rows)).for_each(|(ys, cs)| {
+            ys.chunks_mut(v).zip(cs.chunks_mut(v)).for_each(|(row, c)| one(row, c));
+        });
+    } else {
+        y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(|row| one(row, &mut [])));
+        return Tensor::<D>::from_data(TensorData::new(y, shape), &device);
+    }
+    let plain = device.clone().inner();
+    let y = Tensor::<D>::from_data(TensorData::new(y, shape.clone()), &plain);
+    let c = Tensor::<D>::from_data(TensorData::new(c, shape), &plain);
+    let r = (x.clone() * y.clone()).sum_dim(last);
+    y * (x - r) + c
+}
+
+/// `1 / (1 + e^-x)` with [`exp`].
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+/// The loss as `sum(logsumexp(logits)) - sum(logits[target])` in tensor ops, with the max used
+/// for stability detached (the shift cancels in value and gradient).
+pub fn cross_entropy_sum_decomposed(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    let max_bs1 = logits_bsv.clone().detach().max_dim(2);
+    let lse_bs1 = (logits_bsv.clone() - max_bs1.clone()).exp().sum_dim(2).log() + max_bs1;
+    let picked_bs1 = logits_bsv.gather(2, targets_bs.unsqueeze_dim::<3>(2));
+    lse_bs1.sum() - picked_bs1.sum()
+}
+
+/// The same loss through `log_softmax`: the reference the fused form is tested against.
+pub fn cross_entropy_sum_reference(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    log_softmax(logits_bsv, 2).gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Distribution;
+
+    /// Relative difference, with a floor so values near 0 compare absolutely.
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / b.abs().max(1e-3)
+    }
+
+    #[test]
+    fn exp_matches_std_to_a_few_ulps_and_handles_the_edges() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (a, b) = (f64::from(exp(x)), f64::from(x).exp());
+            worst = worst.max((a - b).abs() / b);
+            x += 0.003_7;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+        assert!(exp(1000.0).is_finite());
+    }
+
+    /// Logits and targets with a seeded generator; `spread` widens the logits.
+    fn case(rows: usize, v: usize, spread: f32, seed: u64) -> (Vec<f32>, Vec<i64>) {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let z = (0..rows * v).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * spread).collect();
+        let t = (0..rows).map(|_| (next() % v as u64) as i64).collect();
+        (z, t)
+    }
+
+    /// Loss and gradient in f64, written out from the definition.
+    fn by_definition(z: &[f32], v: usize, t: &[i64]) -> (f64, Vec<f64>) {
+        let mut loss = 0.0;
+        let mut g = Vec::with_capacity(z.len());
+        for (row, &ti) in z.chunks(v).zip(t) {
+            let m = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+            let s: f64 = row.iter().map(|&x| (f64::from(x) - m).exp()).sum();
+            loss += s.ln() + m - f64::from(row[ti as usize]);
+            for (j, &x) in row.iter().enumerate() {
+                g.push((f64::from(x) - m).exp() / s - if j as i64 == ti { 1.0 } else { 0.0 });
+            }
+        }
+        (loss, g)
+    }
+
+    #[test]
+    fn row_kernels_match_the_definition_on_odd_sizes() {
+        // Rows and vocabularies below, at and above the lane width and the parallel threshold.
+        for (k, &(rows, v, spread)) in
+            [(1, 1, 1.0), (3, 7, 4.0), (5, 9, 30.0), (17, 33, 8.0), (9, 4097, 12.0), (40, 1031, 2.0), (2, 70_001, 6.0)].iter().enumerate()
+        {
+            let (z, t) = case(rows, v, spread, k as u64 + 1);
+            let (want_loss, want_g) = by_definition(&z, v, &t);
+            let mut g = z.clone();
+            let loss = cross_entropy_rows(&mut g, v, &t).unwrap();
+            assert!(rel(loss, want_loss) < 1e-5, "rows {rows} v {v}: loss {loss} vs {want_loss}");
+            let worst = g.iter().zip(&want_g).map(|(&a, &b)| (f64::from(a) - b).abs()).fold(0f64, f64::max);
+            // Gradients lie in [-1, 1]: compare absolutely at 1e-5 of that range.
+            assert!(worst < 1e-6, "rows {rows} v {v}: gradient off by {worst}");
+        }
+    }
+
+    #[test]
+    fn a_vocabulary_split_over_ranks_gives_the_unsplit_loss_and_gradient() {
+        // The engine's tensor-parallel order: local stats, max all-reduce, rescale, sum
+        // all-reduce, then each slice's gradient; simulated here over uneven slices.
+        let (rows, v) = (6, 101);
+        let (z, t) = case(rows, v, 10.0, 42);
+        let (want_loss, want_g) = by_definition(&z, v, &t);
+        for cuts in [vec![0, 50, 101], vec![0, 1, 60, 101], vec![0, 25, 50, 75, 101]] {
+            let slices: Vec<(usize, Vec<f32>)> =
+                cuts.windows(2).map(|w| (w[0], z.chunks(v).flat_map(|r| r[w[0]..w[1]].to_vec()).collect::<Vec<f32>>())).collect();
+            let widths: Vec<usize> = cuts.windows(2).map(|w| w[1] - w[0]).collect();
+            let stats: Vec<(Vec<f32>, Vec<f32>)> = slices.iter().zip(&widths).map(|((_, s), &w)| row_stats(s, w)).collect();
+            let global: Vec<f32> = (0..rows).map(|i| stats.iter().map(|(m, _)| m[i]).fold(f32::NEG_INFINITY, f32::max)).collect();
+            let mut sums = vec![0f32; rows];
+            let mut picks = vec![0f32; rows];
+            for (((start, s), &w), (m, se)) in slices.iter().zip(&widths).zip(&stats) {
+                let mut se = se.clone();
+                rescale_sums(&mut se, m, &global);
+                let p = picked(s, w, &t, *start as i64);
+                for i in 0..rows {
+                    sums[i] += se[i];
+                    picks[i] += p[i];
+                }
+            }
+            let loss: f64 = (0..rows).map(|i| f64::from(sums[i].ln() + global[i] - picks[i])).sum();
+            assert!(rel(loss, want_loss) < 1e-5, "cuts {cuts:?}: {loss} vs {want_loss}");
+            for ((start, s), &w) in slices.iter().zip(&widths) {
+                let mut g = s.clone();
+                softmax_grad_in_place(&mut g, w, &global, &sums, &t, *start as i64, 1.0);
+                for i in 0..rows {
+                    for j in 0..w {
+                        let want = want_g[i * v + start + j];
+                        assert!((f64::from(g[i * w + j]) - want).abs() < 1e-6, "cuts {cuts:?} row {i} col {}", start + j);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_target_outside_the_vocabulary_is_named() {
+        let mut z = vec![0f32; 8];
+        let err = cross_entropy_rows(&mut z, 4, &[1, 4]).unwrap_err();
+        assert!(err.contains("target token id 4") && err.contains("vocabulary of 4"), "{err}");
+        assert!(cross_entropy_rows(&mut z, 3, &[0, 1]).is_err());
+    }
+
+    #[test]
+    fn the_fused_loss_equals_log_softmax_in_value_and_gradient_under_autodiff() {
+        let device = Device::flex().autodiff();
+        device.seed(5);
+        for &(b, s, v) in &[(1, 1, 2), (2, 3, 7), (3, 5, 33), (2, 9, 4099)] {
+            let data: Tensor<3> = Tensor::random([b, s, v], Distribution::Normal(0.0, 3.0), &device);
+            let tgt: Tensor<2, Int> = Tensor::random([b, s], Distribution::Uniform(0.0, v as f64), &device);
+            let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+            let c = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+            // A downstream scale, as the trainer's division by the token count.
+            let la = cross_entropy_sum(a.clone(), tgt.clone()).div_scalar(7.0);
+            let lc = cross_entropy_sum_reference(c.clone(), tgt).div_scalar(7.0);
+            let (va, vc) = (f64::from(la.clone().into_scalar::<f32>()), f64::from(lc.clone().into_scalar::<f32>()));
+            assert!(rel(va, vc) < 1e-5, "[{b},{s},{v}]: {va} vs {vc}");
+            let (ga, gc) = (la.backward(), lc.backward());
+            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            let gc: Vec<f32> = c.grad(&gc).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            let worst = ga.iter().zip(&gc).map(|(&x, &y)| (x - y).abs()).fold(0f32, f32::max);
+            let scale = gc.iter().fold(0f32, |m, &y| m.max(y.abs()));
+            assert!(worst <= 1e-5 * scale, "[{b},{s},{v}]: gradient off by {worst} (largest {scale})");
+        }
+    }
+
+    #[test]
+    fn the_fused_silu_equals_burns_in_value_and_gradient() {
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        // Odd sizes, below and above one parallel chunk; a spread that reaches deep into both
+        // tails of the sigmoid.
+        for dims in [[1, 1, 1], [3, 5, 7], [2, 9, 1031], [1, 17, 2000]] {
+            let data: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 6.0), &device);
+            let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+            let b = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+            // A downstream weighting, so the gradient is not just silu' everywhere.
+            let w: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+            let ya = silu(a.clone());
+            let yb = burn::tensor::activation::silu(b.clone());
+            let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
+            let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+            for (x, y) in va.iter().zip(&vb) {
+                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-2), "{dims:?}: {x} vs {y}");
+            }
+            let ga = (ya * w.clone()).sum().backward();
+            let gb = (yb * w).sum().backward();
+            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            for (x, y) in ga.iter().zip(&gb) {
+                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-1), "{dims:?}: gradient {x} vs {y}");
+            }
+        }
+        // Without autodiff, the plain value.
+        let x: Tensor<2> = Tensor::random([4, 33], Distribution::Normal(0.0, 4.0), &Device::flex());
+        let a: Vec<f32> = silu(x.clone()).into_data().try_into_vec::<f32>().unwrap();
+        let b: Vec<f32> = burn::tensor::activation::silu(x).into_data().try_into_vec::<f32>().unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-2)));
+    }
+
+    #[test]
+    fn the_fused_softmax_equals_burns_in_value_and_gradient_with_masked_entries() {
+        let device = Device::flex().autodiff();
+        device.seed(13);
+        for dims in [[1, 1, 1, 1], [2, 3, 5, 7], [1, 2, 33, 257], [2, 1, 64, 1031]] {
+            let n: usize = dims.iter().product();
+            let raw: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
+            // A causal-style mask: every column past the row's index (mod the width) is masked,
+            // column 0 never is.
+            let last = dims[3];
+            let rows = n / last;
+            let mask: Vec<f32> = (0..n).map(|i| if i % last > (i / last) % last { -1e30 } else { 0.0 }).collect();
+            let mask = Tensor::<4>::from_data(TensorData::new(mask, dims), &device);
+            let data = raw + mask;
+            let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+            let b = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+            let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+            let ya = softmax(a.clone());
+            let yb = burn::tensor::activation::softmax(b.clone(), 3);
+            let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
+            let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+            for (x, y) in va.iter().zip(&vb) {
+                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
+            }
+            // Rows sum to one.
+            for r in va.chunks(last) {
+                assert!((r.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{dims:?} over {rows} rows");
+            }
+            let ga = (ya * w.clone()).sum().backward();
+            let gb = (yb * w).sum().backward();
+            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            let scale = gb.iter().fold(0f32, |m, y| m.max(y.abs()));
+            for (x, y) in ga.iter().zip(&gb) {
+                assert!((x - y).abs() <= 1e-5 * scale.max(1e-3), "{dims:?}: gradient {x} vs {y}");
+            }
+        }
+        let x: Tensor<2> = Tensor::random([3, 45], Distribution::Normal(0.0, 4.0), &Device::flex());
+        let a: Vec<f32> = softmax(x.clone()).into_data().try_into_vec::<f32>().unwrap();
+        let b: Vec<f32> = burn::tensor::activation::softmax(x, 1).into_data().try_into_vec::<f32>().unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-3)));
+    }
+
+    #[test]
+    fn the_fused_loss_without_autodiff_is_the_plain_value() {
+        let device = Device::flex();
+        device.seed(9);
+        let z: Tensor<3> = Tensor::random([2, 4, 11], Distribution::Normal(0.0, 1.0), &device);
+        let t: Tensor<2, Int> = Tensor::random([2, 4], Distribution::Uniform(0.0, 11.0), &device);
+        let a = f64::from(cross_entropy_sum(z.clone(), t.clone()).into_scalar::<f32>());
+        let b = f64::from(cross_entropy_sum_reference(z, t).into_scalar::<f32>());
+        assert!(rel(a, b) < 1e-5, "{a} vs {b}");
+    }
+}
