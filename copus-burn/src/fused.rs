@@ -141,8 +141,8 @@ pub fn row_stats(z: &[f32], v: usize) -> (Vec<f32>, Vec<f32>) {
 /// parallelism: each rank's sum is over its own slice; after this, the ranks' sums add up).
 pub fn rescale_sums(sum_exp: &mut [f32], max: &[f32], global: &[f32]) {
     for ((s, &m), &g) in sum_exp.iter_mut().zip(max).zip(global) {
-        // A slice whose max is -inf (all logits -inf) contributes nothing.
-        *s = if m == f32::NEG_INFINITY { 0.0 } else { *s * exp(m - g) };
+        // A slice whose max is -inf (all logits -inf) contributes nothing; one of NaNs keeps its NaN.
+        *s = if m == f32::NEG_INFINITY && !s.is_nan() { 0.0 } else { *s * exp(m - g) };
     }
 }
 

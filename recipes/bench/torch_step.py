@@ -4,7 +4,7 @@ Same shape and work as `recipes bench`: Llama-style decoder (RMSNorm, rotate-hal
 grouped-query attention, SwiGLU), untied head, fp32, AdamW; by default d_model 256, 4 layers,
 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence 256, micro-batch 8 (`--shape` sets
 d,layers,heads,kv_heads,ffn,vocab,seq,batch). Prints JSON: seconds of each phase per timed step
-(body forward, head and loss forward, backward, optimizer), the threads, and the reference GEMM.
+(body and final norm forward, head and loss forward, backward, optimizer), the threads, and the reference GEMM.
 """
 import argparse, json, math, time
 
@@ -79,10 +79,10 @@ class Model(nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
-        return x
+        return self.norm(x)
 
     def head_logits(self, x):
-        return self.head(self.norm(x))
+        return self.head(x)
 
 
 def main():
