@@ -103,6 +103,13 @@ fn exp_in_place(row: &mut [f32], max: f32) -> f32 {
     s + acc.iter().sum::<f32>()
 }
 
+/// A row replaced by its softmax.
+fn softmax_row(row: &mut [f32]) {
+    let m = row_max(row);
+    let k = 1.0 / exp_in_place(row, m);
+    row.iter_mut().for_each(|x| *x *= k);
+}
+
 /// `sum(a * b)` in independent lanes, so the loop vectorises.
 fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
@@ -197,6 +204,11 @@ pub fn cross_entropy_rows(z: &mut [f32], v: usize, targets: &[i64]) -> Result<f6
     Ok(loss)
 }
 
+/// A float tensor's values as f32 on the host, without its autodiff graph.
+fn host_values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
+    t.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 values")
+}
+
 /// Whether tensors on `device` live in host memory, where the fused kernels read them without a
 /// transfer.
 fn on_host(device: &Device) -> bool {
@@ -214,7 +226,7 @@ pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> T
         return cross_entropy_sum_decomposed(logits_bsv, targets_bs);
     }
     let [b, s, v] = logits_bsv.dims();
-    let mut z: Vec<f32> = logits_bsv.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 logits");
+    let mut z: Vec<f32> = host_values(&logits_bsv);
     let targets: Vec<i64> = targets_bs.into_data().convert::<i64>().try_into_vec::<i64>().expect("i64 targets");
     let loss = cross_entropy_rows(&mut z, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
     if !logits_bsv.is_tracked() {
@@ -240,7 +252,7 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         return burn::tensor::activation::silu(x);
     }
     let shape = x.shape();
-    let v: Vec<f32> = x.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 activations");
+    let v: Vec<f32> = host_values(&x);
     if !x.is_tracked() {
         let mut y = v;
         y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= sigmoid(*x)));
@@ -274,39 +286,30 @@ pub fn softmax<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     }
     let shape = x.shape();
     let v = shape[last];
-    let mut y: Vec<f32> = x.clone().inner().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 activations");
+    let mut y: Vec<f32> = host_values(&x);
     if y.is_empty() || v == 0 {
         return x;
     }
     let tracked = x.is_tracked();
-    let mut c = if tracked { vec![0f32; y.len()] } else { Vec::new() };
     let rows = rows_per_task(v);
-    let one = |row: &mut [f32], c: &mut [f32]| {
-        let m = row_max(row);
-        if c.is_empty() {
-            let k = 1.0 / exp_in_place(row, m);
-            row.iter_mut().for_each(|x| *x *= k);
-            return;
-        }
-        // c = y, r = sum(y * x) of the row, then c = y - y * (x - r); the row becomes y.
-        c.copy_from_slice(row);
-        let k = 1.0 / exp_in_place(c, m);
-        c.iter_mut().for_each(|p| *p *= k);
-        let r = lane_dot(row, c);
-        for (x, c) in row.iter_mut().zip(c.iter_mut()) {
-            let p = *c;
-            *c = p - p * (*x - r);
-            *x = p;
-        }
-    };
-    if tracked {
-        y.par_chunks_mut(v * rows).zip(c.par_chunks_mut(v * rows)).for_each(|(ys, cs)| {
-            ys.chunks_mut(v).zip(cs.chunks_mut(v)).for_each(|(row, c)| one(row, c));
-        });
-    } else {
-        y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(|row| one(row, &mut [])));
+    if !tracked {
+        y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(softmax_row));
         return Tensor::<D>::from_data(TensorData::new(y, shape), &device);
     }
+    let mut c = vec![0f32; y.len()];
+    y.par_chunks_mut(v * rows).zip(c.par_chunks_mut(v * rows)).for_each(|(ys, cs)| {
+        for (row, c) in ys.chunks_mut(v).zip(cs.chunks_mut(v)) {
+            // c = y, r = sum(y * x) of the row, then c = y - y * (x - r); the row becomes y.
+            c.copy_from_slice(row);
+            softmax_row(c);
+            let r = lane_dot(row, c);
+            for (x, c) in row.iter_mut().zip(c.iter_mut()) {
+                let p = *c;
+                *c = p - p * (*x - r);
+                *x = p;
+            }
+        }
+    });
     let plain = device.clone().inner();
     let y = Tensor::<D>::from_data(TensorData::new(y, shape.clone()), &plain);
     let c = Tensor::<D>::from_data(TensorData::new(c, shape), &plain);

@@ -242,15 +242,14 @@ pub fn accumulate_with<M: CausalLm>(model: &M, micro: &[MicroBatch], probe: bool
         // g is this micro-batch's share of the step mean; its own mean gradient is n times it.
         if probe {
             sum_micro_sq += grads::sq_norm(model, &g) * (n * n) as f64;
-        } else {
-            sum_micro_sq = f64::NAN;
         }
         acc = Some(grads::add(model, acc, g));
     }
     let grads = acc.expect("at least one micro-batch");
     // With one micro-batch its norm is the step's: read the gradients once.
     let grad_sq_norm = if n == 1 && probe { sum_micro_sq } else { grads::sq_norm(model, &grads) };
-    Ok(Accumulated { grads, loss, mean_micro_sq_norm: sum_micro_sq / n as f64, grad_sq_norm })
+    let mean_micro_sq_norm = if probe { sum_micro_sq / n as f64 } else { f64::NAN };
+    Ok(Accumulated { grads, loss, mean_micro_sq_norm, grad_sq_norm })
 }
 
 impl OptimConfig {
