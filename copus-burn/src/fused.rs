@@ -1,22 +1,31 @@
-//! Fused softmax cross entropy: the loss in one pass over the logits and its gradient in one
-//! more, never materialising probabilities or log-probabilities as tensors, in parallel over
-//! rows on the host (rayon, the pool Flex's GEMM already uses).
+//! Fused softmax cross entropy, softmax and SiLU: each reads its input once on the host,
+//! computes its value (and what its backward needs) in one parallel pass over rows (rayon, the
+//! pool Flex's GEMM already uses), and is one custom operation of Burn's autodiff graph, whose
+//! hand-written backward is one more host pass:
+//! - [`cross_entropy_sum`] never materialises probabilities or log-probabilities as tensors; its
+//!   forward pass leaves `softmax(z) - onehot(target)` behind, and its backward scales that by the
+//!   incoming gradient;
+//! - [`softmax`] keeps `y` and returns `y * (dy - sum(dy * y))` per row;
+//! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`.
 //!
-//! [`cross_entropy_sum`] attaches the hand-written gradient to Burn's autodiff graph through a
-//! linear surrogate. With `g` the gradient computed here (a constant to autodiff), `sum(z * g)`
-//! has gradient exactly `g` with respect to the logits `z`, and
-//! `sum(z * g) - detach(sum(z * g)) + loss` has exactly the value `loss`. Whatever scales the
-//! loss downstream (the division by the step's token count) scales `g` as it would the true
-//! gradient. The backward pass is then one multiply over the logits, against about a dozen
-//! element-wise passes for the decomposed `log_softmax`.
+//! The custom operations need Flex under autodiff without gradient checkpointing (what
+//! `Device::flex().autodiff()` gives) and f32 values. On other devices, with checkpointing, or
+//! for other element types, Burn's decomposed forms run instead; without autodiff, the host pass
+//! alone.
 //!
 //! The engine's vocabulary-parallel loss runs the same row kernels around its all-reduces: each
 //! rank computes `(max, sum of exp)` of its vocabulary slice in one pass ([`row_stats`]), the
 //! ranks agree on the global max and rescale their sums ([`rescale_sums`]), and each rank
 //! writes its slice's gradient in a second pass ([`softmax_grad_in_place`]).
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 /// Below this many logits one thread does the work: spawning tasks costs more.
@@ -215,6 +224,65 @@ fn on_host(device: &Device) -> bool {
     device.clone().inner() == Device::flex()
 }
 
+/// Flex under autodiff without gradient checkpointing: the backend of the custom operations.
+type Ad = Autodiff<Flex, NoCheckpointing>;
+
+/// The backward pass of a custom operation: from what the forward pass kept and the gradient of
+/// the output, the gradient of the input.
+type HostGrad = fn(&FlexTensor, FlexTensor) -> FlexTensor;
+
+/// A custom operation's node in the autodiff graph.
+#[derive(Debug)]
+struct HostBackward(HostGrad);
+
+impl Backward<Flex, 1> for HostBackward {
+    type State = FlexTensor;
+
+    fn backward(self, ops: Ops<FlexTensor, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let kept = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| (self.0)(&kept, grad));
+    }
+}
+
+/// A tensor's values in one contiguous f32 slice: itself, or a contiguous copy.
+fn contiguous(t: FlexTensor) -> FlexTensor {
+    if t.as_slice::<f32>().is_some() { t } else { t.to_contiguous() }
+}
+
+/// A Flex tensor of `shape` holding `values`.
+fn flex(values: Vec<f32>, shape: impl Into<burn::tensor::Shape>) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape.into()))
+}
+
+/// Runs a custom operation on `x`, tracked by autodiff: `forward` maps the input's values to the
+/// output and what `backward` needs. Gives `x` back when it is not a tracked f32 tensor of
+/// [`Ad`].
+// A tensor handle by value, as Burn passes them; boxing it would only add an allocation.
+#[allow(clippy::result_large_err)]
+fn custom_op<const D: usize, const E: usize>(
+    x: Tensor<D>,
+    forward: impl FnOnce(&[f32]) -> (FlexTensor, FlexTensor),
+    backward: HostGrad,
+) -> Result<Tensor<E>, Tensor<D>> {
+    if !x.is_tracked() {
+        return Err(x);
+    }
+    let Ok(ad) = x.clone().try_into_primitive::<Ad>() else { return Err(x) };
+    if ad.primitive().dtype() != DType::F32 {
+        return Err(x);
+    }
+    let (input, guard) = ad.into_parts();
+    let input = contiguous(input);
+    let (out, kept) = forward(input.as_slice::<f32>().expect("contiguous f32"));
+    let out = match HostBackward(backward).prepare::<NoCheckpointing>([guard]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(kept, out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    #[cfg(test)]
+    tests::CUSTOM_OPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(Tensor::from_primitive::<Ad>(out))
+}
+
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, fused (see the module docs).
 /// On devices other than Flex it takes the decomposed form, which keeps the logits on the device.
 ///
@@ -226,95 +294,121 @@ pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> T
         return cross_entropy_sum_decomposed(logits_bsv, targets_bs);
     }
     let [b, s, v] = logits_bsv.dims();
-    let mut z: Vec<f32> = host_values(&logits_bsv);
-    let targets: Vec<i64> = targets_bs.into_data().convert::<i64>().try_into_vec::<i64>().expect("i64 targets");
-    let loss = cross_entropy_rows(&mut z, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
-    if !logits_bsv.is_tracked() {
-        return Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device);
+    let targets: Vec<i64> = targets_bs.clone().into_data().convert::<i64>().try_into_vec::<i64>().expect("i64 targets");
+    let rows = |z: &mut [f32]| cross_entropy_rows(z, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
+    let forward = |z: &[f32]| {
+        // The loss, and softmax(z) - onehot(target) written over a copy of the logits.
+        let mut g = z.to_vec();
+        let loss = rows(&mut g);
+        (flex(vec![loss as f32], [1]), flex(g, [b, s, v]))
+    };
+    // d loss / d z = g, scaled by the gradient reaching the loss.
+    let backward: HostGrad = |g, d| {
+        let k = contiguous(d).as_slice::<f32>().expect("contiguous f32")[0];
+        let mut out = g.as_slice::<f32>().expect("contiguous f32").to_vec();
+        out.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= k));
+        flex(out, g.layout().shape().clone())
+    };
+    match custom_op(logits_bsv, forward, backward) {
+        Ok(loss) => loss,
+        Err(z) if z.is_tracked() => cross_entropy_sum_decomposed(z, targets_bs),
+        Err(z) => {
+            let loss = rows(&mut host_values(&z));
+            Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device)
+        }
     }
-    let plain = device.clone().inner();
-    let loss_t = Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &plain);
-    let grad = Tensor::<3>::from_data(TensorData::new(z, [b, s, v]), &plain);
-    let surrogate = (logits_bsv * grad).sum();
-    surrogate.clone() - surrogate.detach() + loss_t
 }
 
 /// Chunk of element-wise host kernels per parallel task.
 const CHUNK: usize = 1 << 14;
 
-/// SiLU `x * sigmoid(x)`, its value and derivative from one host pass (on Flex). Under autodiff
-/// the result is the linearisation `x * d + c` with the constants `d = silu'(x)` and
-/// `c = silu(x) - x * d`: its gradient is exactly `d`, its value `silu(x)` to one rounding, and
-/// its backward one multiply, against the decomposed sigmoid's chain. Elsewhere Burn's `silu`.
+/// SiLU `x * sigmoid(x)`, fused on Flex (see the module docs): the forward pass keeps
+/// `silu'(x)`, so the backward pass is one multiply. Elsewhere Burn's `silu`.
 pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     let device = x.device();
     if !on_host(&device) {
         return burn::tensor::activation::silu(x);
     }
-    let shape = x.shape();
-    let v: Vec<f32> = host_values(&x);
-    if !x.is_tracked() {
-        let mut y = v;
-        y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= sigmoid(*x)));
-        return Tensor::<D>::from_data(TensorData::new(y, shape), &device);
-    }
-    let (mut d, mut c) = (vec![0f32; v.len()], vec![0f32; v.len()]);
-    v.par_chunks(CHUNK).zip(d.par_chunks_mut(CHUNK)).zip(c.par_chunks_mut(CHUNK)).for_each(|((x, d), c)| {
-        for ((&x, d), c) in x.iter().zip(d.iter_mut()).zip(c.iter_mut()) {
-            let s = sigmoid(x);
-            *d = s * (1.0 + x * (1.0 - s));
-            *c = x * s - x * *d;
+    let shape = x.dims();
+    let forward = |v: &[f32]| {
+        let (mut y, mut d) = (vec![0f32; v.len()], vec![0f32; v.len()]);
+        v.par_chunks(CHUNK).zip(y.par_chunks_mut(CHUNK)).zip(d.par_chunks_mut(CHUNK)).for_each(|((x, y), d)| {
+            for ((&x, y), d) in x.iter().zip(y.iter_mut()).zip(d.iter_mut()) {
+                let s = sigmoid(x);
+                *y = x * s;
+                *d = s * (1.0 + x * (1.0 - s));
+            }
+        });
+        (flex(y, shape), flex(d, shape))
+    };
+    let backward: HostGrad = |kept, dy| {
+        let dy = contiguous(dy);
+        let (d, dy) = (kept.as_slice::<f32>().expect("contiguous f32"), dy.as_slice::<f32>().expect("contiguous f32"));
+        let mut dx = vec![0f32; d.len()];
+        dx.par_chunks_mut(CHUNK).zip(d.par_chunks(CHUNK)).zip(dy.par_chunks(CHUNK)).for_each(|((dx, d), dy)| {
+            for ((dx, &d), &dy) in dx.iter_mut().zip(d).zip(dy) {
+                *dx = d * dy;
+            }
+        });
+        flex(dx, kept.layout().shape().clone())
+    };
+    match custom_op(x, forward, backward) {
+        Ok(y) => y,
+        Err(x) if x.is_tracked() => burn::tensor::activation::silu(x),
+        Err(x) => {
+            let mut y = host_values(&x);
+            y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= sigmoid(*x)));
+            Tensor::<D>::from_data(TensorData::new(y, shape), &device)
         }
-    });
-    let plain = device.clone().inner();
-    let d = Tensor::<D>::from_data(TensorData::new(d, shape.clone()), &plain);
-    let c = Tensor::<D>::from_data(TensorData::new(c, shape), &plain);
-    x * d + c
+    }
 }
 
-/// Softmax over the last dimension, values from one host pass per row (on Flex). Under autodiff
-/// the result is the linearisation `y * (x - sum(y * x)) + c` with the constants `y =
-/// softmax(x)` and `c = y - y * (x - sum(y * x))` (the row sums over the last dimension): its
-/// Jacobian is softmax's, `diag(y) - y y^T` per row, its value `y` to rounding, and no
-/// exponential is taken under autodiff, forward or backward. Masked entries must be large
-/// negative finite numbers, not -inf (`0 * -inf` is NaN). Elsewhere Burn's `softmax`.
+/// Softmax over the last dimension, fused on Flex (see the module docs): the forward pass keeps
+/// `y`, and the backward pass is `y * (dy - sum(dy * y))` per row, one pass. Masked entries may
+/// be -inf or large negative numbers. Elsewhere Burn's `softmax`.
 pub fn softmax<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     let device = x.device();
     let last = D - 1;
     if !on_host(&device) {
         return burn::tensor::activation::softmax(x, last);
     }
-    let shape = x.shape();
+    let shape = x.dims();
     let v = shape[last];
-    let mut y: Vec<f32> = host_values(&x);
-    if y.is_empty() || v == 0 {
+    if v == 0 || shape.contains(&0) {
         return x;
     }
-    let tracked = x.is_tracked();
     let rows = rows_per_task(v);
-    if !tracked {
+    let forward = |x: &[f32]| {
+        let mut y = x.to_vec();
         y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(softmax_row));
-        return Tensor::<D>::from_data(TensorData::new(y, shape), &device);
-    }
-    let mut c = vec![0f32; y.len()];
-    y.par_chunks_mut(v * rows).zip(c.par_chunks_mut(v * rows)).for_each(|(ys, cs)| {
-        for (row, c) in ys.chunks_mut(v).zip(cs.chunks_mut(v)) {
-            // c = y, r = sum(y * x) of the row, then c = y - y * (x - r); the row becomes y.
-            c.copy_from_slice(row);
-            softmax_row(c);
-            let r = lane_dot(row, c);
-            for (x, c) in row.iter_mut().zip(c.iter_mut()) {
-                let p = *c;
-                *c = p - p * (*x - r);
-                *x = p;
+        // The output is also what the backward pass keeps: one buffer, shared.
+        let y = flex(y, shape);
+        (y.clone(), y)
+    };
+    let backward: HostGrad = |kept, dy| {
+        let v = *kept.layout().shape().last().expect("a last dimension");
+        let mut dx = contiguous(dy).as_slice::<f32>().expect("contiguous f32").to_vec();
+        let y = kept.as_slice::<f32>().expect("contiguous f32");
+        let rows = rows_per_task(v);
+        dx.par_chunks_mut(v * rows).zip(y.par_chunks(v * rows)).for_each(|(dxs, ys)| {
+            for (dx, y) in dxs.chunks_mut(v).zip(ys.chunks(v)) {
+                let r = lane_dot(dx, y);
+                for (g, &p) in dx.iter_mut().zip(y) {
+                    *g = p * (*g - r);
+                }
             }
+        });
+        flex(dx, kept.layout().shape().clone())
+    };
+    match custom_op(x, forward, backward) {
+        Ok(y) => y,
+        Err(x) if x.is_tracked() => burn::tensor::activation::softmax(x, last),
+        Err(x) => {
+            let mut y = host_values(&x);
+            y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(softmax_row));
+            Tensor::<D>::from_data(TensorData::new(y, shape), &device)
         }
-    });
-    let plain = device.clone().inner();
-    let y = Tensor::<D>::from_data(TensorData::new(y, shape.clone()), &plain);
-    let c = Tensor::<D>::from_data(TensorData::new(c, shape), &plain);
-    let r = (x.clone() * y.clone()).sum_dim(last);
-    y * (x - r) + c
+    }
 }
 
 /// `1 / (1 + e^-x)` with [`exp`].
@@ -341,6 +435,16 @@ pub fn cross_entropy_sum_reference(logits_bsv: Tensor<3>, targets_bs: Tensor<2, 
 mod tests {
     use super::*;
     use burn::tensor::Distribution;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Custom operations built so far (all tests of this process).
+    pub(super) static CUSTOM_OPS: AtomicUsize = AtomicUsize::new(0);
+
+    /// Flex under autodiff: as the trainer uses it (the custom operations), and with gradient
+    /// checkpointing (Burn's decomposed forms).
+    fn autodiff_devices() -> [Device; 2] {
+        [Device::flex().autodiff(), Device::flex().autodiff().gradient_checkpointing()]
+    }
 
     /// Relative difference, with a floor so values near 0 compare absolutely.
     fn rel(a: f64, b: f64) -> f64 {
@@ -459,52 +563,54 @@ mod tests {
 
     #[test]
     fn the_fused_loss_equals_log_softmax_in_value_and_gradient_under_autodiff() {
-        let device = Device::flex().autodiff();
-        device.seed(5);
-        for &(b, s, v) in &[(1, 1, 2), (2, 3, 7), (3, 5, 33), (2, 9, 4099)] {
-            let data: Tensor<3> = Tensor::random([b, s, v], Distribution::Normal(0.0, 3.0), &device);
-            let tgt: Tensor<2, Int> = Tensor::random([b, s], Distribution::Uniform(0.0, v as f64), &device);
-            let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
-            let c = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
-            // A downstream scale, as the trainer's division by the token count.
-            let la = cross_entropy_sum(a.clone(), tgt.clone()).div_scalar(7.0);
-            let lc = cross_entropy_sum_reference(c.clone(), tgt).div_scalar(7.0);
-            let (va, vc) = (f64::from(la.clone().into_scalar::<f32>()), f64::from(lc.clone().into_scalar::<f32>()));
-            assert!(rel(va, vc) < 1e-5, "[{b},{s},{v}]: {va} vs {vc}");
-            let (ga, gc) = (la.backward(), lc.backward());
-            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            let gc: Vec<f32> = c.grad(&gc).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            let worst = ga.iter().zip(&gc).map(|(&x, &y)| (x - y).abs()).fold(0f32, f32::max);
-            let scale = gc.iter().fold(0f32, |m, &y| m.max(y.abs()));
-            assert!(worst <= 1e-5 * scale, "[{b},{s},{v}]: gradient off by {worst} (largest {scale})");
+        for device in autodiff_devices() {
+            device.seed(5);
+            for &(b, s, v) in &[(1, 1, 2), (2, 3, 7), (3, 5, 33), (2, 9, 4099)] {
+                let data: Tensor<3> = Tensor::random([b, s, v], Distribution::Normal(0.0, 3.0), &device);
+                let tgt: Tensor<2, Int> = Tensor::random([b, s], Distribution::Uniform(0.0, v as f64), &device);
+                let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+                let c = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+                // A downstream scale, as the trainer's division by the token count.
+                let la = cross_entropy_sum(a.clone(), tgt.clone()).div_scalar(7.0);
+                let lc = cross_entropy_sum_reference(c.clone(), tgt).div_scalar(7.0);
+                let (va, vc) = (f64::from(la.clone().into_scalar::<f32>()), f64::from(lc.clone().into_scalar::<f32>()));
+                assert!(rel(va, vc) < 1e-5, "[{b},{s},{v}]: {va} vs {vc}");
+                let (ga, gc) = (la.backward(), lc.backward());
+                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let gc: Vec<f32> = c.grad(&gc).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let worst = ga.iter().zip(&gc).map(|(&x, &y)| (x - y).abs()).fold(0f32, f32::max);
+                let scale = gc.iter().fold(0f32, |m, &y| m.max(y.abs()));
+                assert!(worst <= 1e-5 * scale, "[{b},{s},{v}]: gradient off by {worst} (largest {scale})");
+            }
         }
     }
 
     #[test]
     fn the_fused_silu_equals_burns_in_value_and_gradient() {
-        let device = Device::flex().autodiff();
-        device.seed(11);
-        // Odd sizes, below and above one parallel chunk; a spread that reaches deep into both
-        // tails of the sigmoid.
-        for dims in [[1, 1, 1], [3, 5, 7], [2, 9, 1031], [1, 17, 2000]] {
-            let data: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 6.0), &device);
-            let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
-            let b = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
-            // A downstream weighting, so the gradient is not just silu' everywhere.
-            let w: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
-            let ya = silu(a.clone());
-            let yb = burn::tensor::activation::silu(b.clone());
-            let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
-            let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
-            for (x, y) in va.iter().zip(&vb) {
-                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-2), "{dims:?}: {x} vs {y}");
-            }
-            let ga = (ya * w.clone()).sum().backward();
-            let gb = (yb * w).sum().backward();
-            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            for (x, y) in ga.iter().zip(&gb) {
-                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-1), "{dims:?}: gradient {x} vs {y}");
+        for device in autodiff_devices() {
+            device.seed(11);
+            // Odd sizes, below and above one parallel chunk; a spread that reaches deep into both
+            // tails of the sigmoid.
+            for dims in [[1, 1, 1], [3, 5, 7], [2, 9, 1031], [1, 17, 2000]] {
+                let data: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 6.0), &device);
+                let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+                let b = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+                // A downstream weighting, so the gradient is not just silu' everywhere.
+                let w: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+                let ya = silu(a.clone());
+                let yb = burn::tensor::activation::silu(b.clone());
+                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
+                let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+                for (x, y) in va.iter().zip(&vb) {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-2), "{dims:?}: {x} vs {y}");
+                }
+                let ga = (ya * w.clone()).sum().backward();
+                let gb = (yb * w).sum().backward();
+                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                for (x, y) in ga.iter().zip(&gb) {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-1), "{dims:?}: gradient {x} vs {y}");
+                }
             }
         }
         // Without autodiff, the plain value.
@@ -516,39 +622,40 @@ mod tests {
 
     #[test]
     fn the_fused_softmax_equals_burns_in_value_and_gradient_with_masked_entries() {
-        let device = Device::flex().autodiff();
-        device.seed(13);
-        for dims in [[1, 1, 1, 1], [2, 3, 5, 7], [1, 2, 33, 257], [2, 1, 64, 1031]] {
-            let n: usize = dims.iter().product();
-            let raw: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
-            // A causal-style mask: every column past the row's index (mod the width) is masked,
-            // column 0 never is.
-            let last = dims[3];
-            let rows = n / last;
-            let mask: Vec<f32> = (0..n).map(|i| if i % last > (i / last) % last { -1e30 } else { 0.0 }).collect();
-            let mask = Tensor::<4>::from_data(TensorData::new(mask, dims), &device);
-            let data = raw + mask;
-            let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
-            let b = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
-            let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
-            let ya = softmax(a.clone());
-            let yb = burn::tensor::activation::softmax(b.clone(), 3);
-            let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
-            let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
-            for (x, y) in va.iter().zip(&vb) {
-                assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
-            }
-            // Rows sum to one.
-            for r in va.chunks(last) {
-                assert!((r.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{dims:?} over {rows} rows");
-            }
-            let ga = (ya * w.clone()).sum().backward();
-            let gb = (yb * w).sum().backward();
-            let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
-            let scale = gb.iter().fold(0f32, |m, y| m.max(y.abs()));
-            for (x, y) in ga.iter().zip(&gb) {
-                assert!((x - y).abs() <= 1e-5 * scale.max(1e-3), "{dims:?}: gradient {x} vs {y}");
+        for device in autodiff_devices() {
+            device.seed(13);
+            for dims in [[1, 1, 1, 1], [2, 3, 5, 7], [1, 2, 33, 257], [2, 1, 64, 1031]] {
+                let n: usize = dims.iter().product();
+                let raw: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
+                // A causal-style mask: every column past the row's index (mod the width) is masked,
+                // column 0 never is.
+                let last = dims[3];
+                let rows = n / last;
+                let mask: Vec<f32> = (0..n).map(|i| if i % last > (i / last) % last { -1e30 } else { 0.0 }).collect();
+                let mask = Tensor::<4>::from_data(TensorData::new(mask, dims), &device);
+                let data = raw + mask;
+                let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+                let b = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+                let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+                let ya = softmax(a.clone());
+                let yb = burn::tensor::activation::softmax(b.clone(), 3);
+                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
+                let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+                for (x, y) in va.iter().zip(&vb) {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
+                }
+                // Rows sum to one.
+                for r in va.chunks(last) {
+                    assert!((r.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{dims:?} over {rows} rows");
+                }
+                let ga = (ya * w.clone()).sum().backward();
+                let gb = (yb * w).sum().backward();
+                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let scale = gb.iter().fold(0f32, |m, y| m.max(y.abs()));
+                for (x, y) in ga.iter().zip(&gb) {
+                    assert!((x - y).abs() <= 1e-5 * scale.max(1e-3), "{dims:?}: gradient {x} vs {y}");
+                }
             }
         }
         let x: Tensor<2> = Tensor::random([3, 45], Distribution::Normal(0.0, 4.0), &Device::flex());
@@ -566,5 +673,41 @@ mod tests {
         let a = f64::from(cross_entropy_sum(z.clone(), t.clone()).into_scalar::<f32>());
         let b = f64::from(cross_entropy_sum_reference(z, t).into_scalar::<f32>());
         assert!(rel(a, b) < 1e-5, "{a} vs {b}");
+    }
+
+    #[test]
+    fn fused_ops_inside_a_graph_with_infinite_masks_match_burns_ops() {
+        // softmax of a masked, scaled input, then SiLU, then the loss: each custom operation
+        // receives a gradient from the next and passes one to an operation before it.
+        let device = Device::flex().autodiff();
+        device.seed(17);
+        let (b, s, v) = (2, 5, 6);
+        let data: Tensor<3> = Tensor::random([b, s, v], Distribution::Normal(0.0, 2.0), &device);
+        let mask: Vec<f32> = (0..b * s * v).map(|i| if i % v > (i / v) % s { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::<3>::from_data(TensorData::new(mask, [b, s, v]), &device);
+        let tgt: Tensor<2, Int> = Tensor::random([b, s], Distribution::Uniform(0.0, v as f64), &device);
+        let run = |fused: bool| {
+            let x = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+            let z = x.clone().mul_scalar(1.5) + mask.clone();
+            let loss = if fused {
+                cross_entropy_sum(silu(softmax(z)).mul_scalar(4.0), tgt.clone())
+            } else {
+                let y = burn::tensor::activation::silu(burn::tensor::activation::softmax(z, 2)).mul_scalar(4.0);
+                cross_entropy_sum_reference(y, tgt.clone())
+            };
+            let value = f64::from(loss.clone().into_scalar::<f32>());
+            let grad: Vec<f32> = x.grad(&loss.backward()).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            (value, grad)
+        };
+        let before = CUSTOM_OPS.load(Ordering::Relaxed);
+        let (va, ga) = run(true);
+        assert!(CUSTOM_OPS.load(Ordering::Relaxed) >= before + 3, "the fused ops took Burn's forms");
+        let (vb, gb) = run(false);
+        assert!(va.is_finite() && rel(va, vb) < 1e-5, "{va} vs {vb}");
+        let scale = gb.iter().fold(0f32, |m, y| m.max(y.abs()));
+        assert!(ga.iter().all(|g| g.is_finite()));
+        for (x, y) in ga.iter().zip(&gb) {
+            assert!((x - y).abs() <= 1e-5 * scale, "gradient {x} vs {y}");
+        }
     }
 }

@@ -1,8 +1,12 @@
 //! Whole-model operations on gradients: squared norms, scaling, copies, differences.
 
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
+use burn::tensor::DType;
 use burn::tensor::Tensor;
+use rayon::prelude::*;
 
 /// Sum over parameters of `|grad|^2`, in f64 (see [`host_sq`]).
 pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
@@ -24,46 +28,109 @@ pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
 
 /// Sum of squares of a tensor's values, accumulated in f64 on the host: the noise-scale
 /// estimate subtracts two nearly equal norms, so f32 accumulation error would be amplified.
+/// A tensor in host memory is read in place, in the order it is stored (see [`stored`]).
 pub fn host_sq<const D: usize>(t: Tensor<D>) -> f64 {
-    let data = t.into_data().convert::<f32>();
-    sum_sq(data.as_slice::<f32>().expect("f32 data"))
+    let t = t.inner();
+    if let Ok(p) = t.clone().try_into_primitive::<Flex>()
+        && let Some((values, _)) = stored(&p)
+    {
+        return sum_sq(values);
+    }
+    with_values(&t, sum_sq)
 }
 
-/// `|a - b|^2` of two tensors of one shape, in f64 on the host, without a difference tensor.
+/// `|a - b|^2` of two tensors of one shape, in f64 on the host, without a difference tensor
+/// and, for tensors in host memory stored alike, without a copy.
 pub fn host_diff_sq<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
-    let (a, b) = (a.into_data().convert::<f32>(), b.into_data().convert::<f32>());
-    diff_sum_sq(a.as_slice::<f32>().expect("f32 data"), b.as_slice::<f32>().expect("f32 data"))
+    let (a, b) = (a.inner(), b.inner());
+    if a.dims() == b.dims()
+        && let (Ok(pa), Ok(pb)) = (a.clone().try_into_primitive::<Flex>(), b.clone().try_into_primitive::<Flex>())
+        && let (Some((x, sx)), Some((y, sy))) = (stored(&pa), stored(&pb))
+        && sx == sy
+    {
+        return diff_sum_sq(x, y);
+    }
+    with_values(&a, |x| with_values(&b, |y| diff_sum_sq(x, y)))
+}
+
+/// The values of a Flex f32 tensor in the order they are stored, with its strides, when they
+/// fill one range of its buffer: contiguous, or any permutation of its dimensions (a gradient
+/// computed as a transposed product). Order-free reductions read them without a copy; two
+/// tensors of one shape and equal strides pair their elements in that order.
+fn stored(p: &FlexTensor) -> Option<(&[f32], &[isize])> {
+    if p.dtype() != DType::F32 {
+        return None;
+    }
+    let layout = p.layout();
+    let mut dims: Vec<(isize, usize)> =
+        layout.strides().iter().zip(layout.shape().iter()).filter(|&(_, &n)| n != 1).map(|(&s, &n)| (s, n)).collect();
+    dims.sort_unstable();
+    let mut expected = 1isize;
+    for (stride, n) in dims {
+        if stride != expected {
+            return None;
+        }
+        expected = expected.checked_mul(n as isize)?;
+    }
+    let start = layout.start_offset();
+    let values = p.storage::<f32>().get(start..start + layout.num_elements())?;
+    Some((values, layout.strides()))
+}
+
+/// Calls `f` with the tensor's values as f32, in logical order. A contiguous f32 tensor on Flex
+/// (host memory) is read in place, shared, without a copy; any other is read back first.
+pub fn with_values<const D: usize, R>(t: &Tensor<D>, f: impl FnOnce(&[f32]) -> R) -> R {
+    let t = t.clone().inner();
+    if let Ok(p) = t.clone().try_into_primitive::<Flex>()
+        && let Some(values) = p.as_slice::<f32>()
+    {
+        return f(values);
+    }
+    let data = t.into_data().convert::<f32>();
+    f(data.as_slice::<f32>().expect("f32 data"))
 }
 
 /// Lanes of the f64 sums: independent accumulators, so the loop vectorises.
 const LANES: usize = 8;
 
+/// Elements per part of a long sum. Parts are summed on the pool and their sums added in order,
+/// so a result depends on the values only, never on the number of threads.
+const PART: usize = 1 << 16;
+
 /// `sum(x^2)` of a slice, each square and sum in f64.
 pub fn sum_sq(v: &[f32]) -> f64 {
-    let mut acc = [0f64; LANES];
-    let chunks = v.chunks_exact(LANES);
-    let rest: f64 = chunks.remainder().iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f64::from(x) * f64::from(x);
+    if v.len() <= PART {
+        let mut acc = [0f64; LANES];
+        let chunks = v.chunks_exact(LANES);
+        let rest: f64 = chunks.remainder().iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        for c in chunks {
+            for (s, &x) in acc.iter_mut().zip(c) {
+                *s += f64::from(x) * f64::from(x);
+            }
         }
+        return acc.iter().sum::<f64>() + rest;
     }
-    acc.iter().sum::<f64>() + rest
+    let parts: Vec<f64> = v.par_chunks(PART).map(sum_sq).collect();
+    parts.iter().sum()
 }
 
 /// `sum((a - b)^2)` of two slices of one length, in f64.
 pub fn diff_sum_sq(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "gradients of different sizes");
-    let mut acc = [0f64; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let rest: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2)).sum();
-    for (x8, y8) in ca.zip(cb) {
-        for ((a, &x), &y) in acc.iter_mut().zip(x8).zip(y8) {
-            let d = f64::from(x) - f64::from(y);
-            *a += d * d;
+    if a.len() <= PART {
+        let d = |x: f32, y: f32| f64::from(x) - f64::from(y);
+        let mut acc = [0f64; LANES];
+        let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        let rest: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| d(x, y) * d(x, y)).sum();
+        for (x8, y8) in ca.zip(cb) {
+            for ((s, &x), &y) in acc.iter_mut().zip(x8).zip(y8) {
+                *s += d(x, y) * d(x, y);
+            }
         }
+        return acc.iter().sum::<f64>() + rest;
     }
-    acc.iter().sum::<f64>() + rest
+    let parts: Vec<f64> = a.par_chunks(PART).zip(b.par_chunks(PART)).map(|(x, y)| diff_sum_sq(x, y)).collect();
+    parts.iter().sum()
 }
 
 /// Sum over parameters of `|grad|^2`, computed where the gradients live: each parameter's sum
@@ -155,24 +222,93 @@ pub fn scaled<M: Module>(module: &M, grads: &GradientsParams, factor: f64) -> Gr
 
 /// `acc + grads`, parameter by parameter (missing entries count as zero).
 pub fn add<M: Module>(module: &M, acc: Option<GradientsParams>, grads: GradientsParams) -> GradientsParams {
-    let Some(mut acc) = acc else { return grads };
+    add_measured(module, acc, grads, false).0
+}
+
+/// `acc + grads` as [`add`], and, if `measure`, `|grads|^2` as [`sq_norm`] computes it (to the
+/// bit), in the same pass: a parameter stored alike in both, in host memory, is added into
+/// `acc`'s buffer while its squares are summed, so the norm costs no read of its own.
+pub fn add_measured<M: Module>(module: &M, acc: Option<GradientsParams>, grads: GradientsParams, measure: bool) -> (GradientsParams, f64) {
+    let Some(mut acc) = acc else {
+        let sq = if measure { sq_norm(module, &grads) } else { 0.0 };
+        return (grads, sq);
+    };
     struct V<'a> {
         acc: &'a mut GradientsParams,
         grads: GradientsParams,
+        measure: bool,
+        sq: f64,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.remove::<D>(p.id) {
                 let sum = match self.acc.remove::<D>(p.id) {
-                    Some(a) => a + g,
-                    None => g,
+                    Some(a) => match add_in_place(a, &g, self.measure) {
+                        Ok((sum, sq)) => {
+                            self.sq += sq;
+                            sum
+                        }
+                        Err(a) => {
+                            if self.measure {
+                                self.sq += host_sq(g.clone());
+                            }
+                            a + g
+                        }
+                    },
+                    None => {
+                        if self.measure {
+                            self.sq += host_sq(g.clone());
+                        }
+                        g
+                    }
                 };
                 self.acc.register::<D>(p.id, sum);
             }
         }
     }
-    module.visit(&mut V { acc: &mut acc, grads });
-    acc
+    let mut v = V { acc: &mut acc, grads, measure, sq: 0.0 };
+    module.visit(&mut v);
+    let sq = v.sq;
+    (acc, sq)
+}
+
+/// `a += g` in `a`'s own buffer, with `sum(g^2)` if `measure` (as [`sum_sq`] computes it), when
+/// both are Flex f32 tensors of one shape stored alike and `a` holds its buffer alone; else `a`
+/// back, untouched.
+// A tensor handle by value, as Burn passes them; boxing it would only add an allocation.
+#[allow(clippy::result_large_err)]
+fn add_in_place<const D: usize>(a: Tensor<D>, g: &Tensor<D>, measure: bool) -> Result<(Tensor<D>, f64), Tensor<D>> {
+    if a.is_autodiff() || g.is_autodiff() || a.dims() != g.dims() {
+        return Err(a);
+    }
+    let Ok(pg) = g.clone().try_into_primitive::<Flex>() else { return Err(a) };
+    let Some((gv, gs)) = stored(&pg) else { return Err(a) };
+    let Ok(mut pa) = a.clone().try_into_primitive::<Flex>() else { return Err(a) };
+    // `a` was cloned above: the clone, `pa`, is the sole owner once `a` is gone.
+    let alike = stored(&pa).is_some_and(|(_, s)| s == gs);
+    if !alike {
+        return Err(a);
+    }
+    drop(a);
+    let (start, n) = (pa.layout().start_offset(), pa.layout().num_elements());
+    let Some(buffer) = pa.try_storage_mut::<f32>() else {
+        return Err(Tensor::from_primitive::<Flex>(pa));
+    };
+    let values = &mut buffer[start..start + n];
+    let sq = add_sum_sq(values, gv, measure);
+    Ok((Tensor::from_primitive::<Flex>(pa), sq))
+}
+
+/// `a += g` element by element, returning `sum(g^2)` if `measure` (else 0), summed exactly as
+/// [`sum_sq`] sums.
+fn add_sum_sq(a: &mut [f32], g: &[f32], measure: bool) -> f64 {
+    assert_eq!(a.len(), g.len(), "gradients of different sizes");
+    if a.len() <= PART {
+        a.iter_mut().zip(g).for_each(|(a, &g)| *a += g);
+        return if measure { sum_sq(g) } else { 0.0 };
+    }
+    let parts: Vec<f64> = a.par_chunks_mut(PART).zip(g.par_chunks(PART)).map(|(a, g)| add_sum_sq(a, g, measure)).collect();
+    parts.iter().sum()
 }
 
 #[cfg(test)]
@@ -182,7 +318,7 @@ mod tests {
 
     #[test]
     fn lane_sums_of_squares_equal_the_plain_f64_sums() {
-        for n in [0usize, 1, 7, 8, 9, 1001] {
+        for n in [0usize, 1, 7, 8, 9, 1001, 3 * PART + 5] {
             let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.011).collect();
             let sq: f64 = a.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
@@ -197,5 +333,93 @@ mod tests {
             assert!((host_sq(t(&a)) - sq).abs() <= 1e-12 * sq.max(1.0));
             assert!((host_diff_sq(t(&a), t(&b)) - dsq).abs() <= 1e-12 * dsq.max(1.0));
         }
+    }
+
+    #[test]
+    fn long_sums_are_the_same_on_one_thread_and_on_the_pool() {
+        let n = 5 * PART + 3;
+        let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 1009) as f32 - 500.0) * 1e-3).collect();
+        let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 997) as f32 - 480.0) * 1e-3).collect();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let (sq1, d1) = one.install(|| (sum_sq(&a), diff_sum_sq(&a, &b)));
+        assert_eq!(sum_sq(&a).to_bits(), sq1.to_bits());
+        assert_eq!(diff_sum_sq(&a, &b).to_bits(), d1.to_bits());
+    }
+
+    #[test]
+    fn values_read_in_place_equal_the_values_read_back() {
+        let device = Device::flex();
+        let m = Tensor::<2>::from_data(TensorData::new((0..35).map(|i| i as f32 * 0.5 - 3.0).collect::<Vec<_>>(), [5, 7]), &device);
+        let views = [
+            m.clone(),
+            m.clone().transpose(),
+            m.clone().slice([1..4, 0..7]),
+            m.clone().slice([1..4, 2..5]),
+            Tensor::<2>::from_data(m.to_data(), &device.clone().autodiff()).require_grad() * 2.0,
+        ];
+        for (k, t) in views.into_iter().enumerate() {
+            let expected = t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+            assert_eq!(with_values(&t, |v| v.to_vec()), expected, "view {k}");
+        }
+    }
+
+    #[test]
+    fn norms_of_permuted_and_sliced_views_equal_those_of_their_values() {
+        // Views stored in another order (a transpose, a permutation), views that skip part of
+        // their buffer (a column slice) or repeat it (a broadcast), against the same values
+        // read back in order; differences of views stored alike and unlike.
+        let device = Device::flex();
+        let values = |n: usize, k: usize| (0..n).map(|i| ((i * k % 31) as f32 - 15.0) * 0.1).collect::<Vec<f32>>();
+        let a = Tensor::<3>::from_data(TensorData::new(values(60, 7), [3, 4, 5]), &device);
+        let b = Tensor::<3>::from_data(TensorData::new(values(60, 11), [3, 4, 5]), &device);
+        let c = Tensor::<3>::from_data(TensorData::new(values(60, 13), [5, 4, 3]), &device);
+        let plain = |t: &Tensor<3>| t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        let sq = |v: &[f32]| v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        let dsq = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2)).sum::<f64>();
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-12 * y.max(1.0);
+        let views = [
+            a.clone(),
+            a.clone().swap_dims(0, 2),
+            a.clone().permute([1, 2, 0]),
+            a.clone().slice([0..3, 0..4, 1..4]),
+            Tensor::<3>::from_data(TensorData::new(values(5, 3), [1, 1, 5]), &device).expand([3, 4, 5]),
+        ];
+        for (k, v) in views.iter().enumerate() {
+            assert!(close(host_sq(v.clone()), sq(&plain(v))), "view {k}");
+        }
+        // Stored alike: both transposed the same way; unlike: one transposed, one fresh.
+        let (at, bt) = (a.clone().swap_dims(0, 2), b.clone().swap_dims(0, 2));
+        assert!(close(host_diff_sq(at.clone(), bt.clone()), dsq(&plain(&at), &plain(&bt))));
+        assert!(close(host_diff_sq(at.clone(), c.clone()), dsq(&plain(&at), &plain(&c))));
+        assert!(close(host_diff_sq(c.clone(), at.clone()), dsq(&plain(&c), &plain(&at))));
+    }
+
+    #[test]
+    fn adding_in_place_equals_burns_add_and_measures_the_addend_to_the_bit() {
+        let device = Device::flex();
+        let n = 7 * (PART / 2 + 3);
+        let values = |k: usize| (0..n).map(|i| ((i * k % 1013) as f32 - 500.0) * 1e-3).collect::<Vec<f32>>();
+        let t = |k: usize| Tensor::<2>::from_data(TensorData::new(values(k), [n / 7, 7]), &device);
+        let read = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
+        // Contiguous, and both transposed alike.
+        for transpose in [false, true] {
+            let view = |t: Tensor<2>| if transpose { t.transpose() } else { t };
+            let (a, g) = (view(t(3)), view(t(5)));
+            let want = read(a.clone() + g.clone());
+            let want_sq = host_sq(g.clone());
+            let a = view(t(3));
+            let (sum, sq) = add_in_place(a, &g, true).unwrap_or_else(|_| panic!("in place (transposed: {transpose})"));
+            assert_eq!(read(sum), want, "transposed: {transpose}");
+            assert_eq!(sq.to_bits(), want_sq.to_bits());
+            let (_, none) = add_in_place(view(t(3)), &g, false).ok().unwrap();
+            assert_eq!(none, 0.0);
+        }
+        // Stored unlike, or a shared buffer: left alone.
+        let fresh = Tensor::<2>::from_data(TensorData::new(values(5), [7, n / 7]), &device);
+        assert!(add_in_place(t(3).transpose(), &fresh, true).is_err());
+        let shared = t(3);
+        let keep = shared.clone();
+        assert!(add_in_place(shared, &t(5), true).is_err());
+        assert_eq!(read(keep), values(3));
     }
 }

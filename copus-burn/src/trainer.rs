@@ -240,10 +240,10 @@ pub fn accumulate_with<M: CausalLm>(model: &M, micro: &[MicroBatch], probe: bool
         let g = GradientsParams::from_grads(loss_k.backward(), model);
         loss += f64::from(loss_k.into_scalar::<f32>());
         // g is this micro-batch's share of the step mean; its own mean gradient is n times it.
-        if probe {
-            sum_micro_sq += grads::sq_norm(model, &g) * (n * n) as f64;
-        }
-        acc = Some(grads::add(model, acc, g));
+        // Its norm is summed while it is added in.
+        let (sum, sq) = grads::add_measured(model, acc, g, probe);
+        sum_micro_sq += sq * (n * n) as f64;
+        acc = Some(sum);
     }
     let grads = acc.expect("at least one micro-batch");
     // With one micro-batch its norm is the step's: read the gradients once.

@@ -151,6 +151,62 @@ pub fn probe_on_off(shape: &Shape, num_micro: usize, steps: usize, warmup: usize
     (median(t_on), median(t_off))
 }
 
+/// The probe's own work in a trainer step of `num_micro` micro-batches, timed apart from the
+/// forward and backward passes (whose noise on a shared machine hides a 1% difference in whole
+/// steps): median seconds with the probe on and off, over `reps` steps. At one micro-batch the
+/// probe's work is `|g - g_prev|^2` and keeping `g` (off: nothing). At several it is each
+/// micro-batch's `|g_k|^2`, summed while the micro-batch gradients are added up: on is that
+/// accumulation measuring, off the same accumulation without.
+pub fn probe_work(shape: &Shape, num_micro: usize, reps: usize) -> (f64, f64) {
+    let s = &shape.spec;
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let model = LlamaConfig::from_spec(s).init(&device);
+    let b = shape.micro_batch / num_micro.max(1);
+    let total = (shape.micro_batch * s.seq_len) as f64;
+    let gradients = |i: usize| -> Vec<GradientsParams> {
+        let (ids, tgt) = tokens(s, shape.micro_batch, i);
+        let row = b * s.seq_len;
+        (0..num_micro)
+            .map(|k| {
+                let inputs = int2(ids[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device);
+                let targets = int2(tgt[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device);
+                GradientsParams::from_grads(model.loss_sum(inputs, targets).div_scalar(total).backward(), &model)
+            })
+            .collect()
+    };
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    let mut previous = None;
+    for i in 0..reps + 1 {
+        for measure in [true, false] {
+            let gs = gradients(i);
+            let t = Instant::now();
+            if num_micro == 1 {
+                let g = gs.into_iter().next().expect("one micro-batch");
+                if measure {
+                    let diff = previous.as_ref().map(|p| grads::diff_sq_norm(&model, &g, p));
+                    assert!(diff.is_none_or(f64::is_finite));
+                    previous = Some(grads::scaled(&model, &g, 1.0));
+                }
+            } else {
+                let mut acc = None;
+                let mut sq = 0.0;
+                for g in gs {
+                    let (sum, g_sq) = grads::add_measured(&model, acc, g, measure);
+                    acc = Some(sum);
+                    sq += g_sq;
+                }
+                assert!(sq.is_finite());
+            }
+            let elapsed = t.elapsed().as_secs_f64();
+            if i > 0 {
+                if measure { on.push(elapsed) } else { off.push(elapsed) }
+            }
+        }
+    }
+    (median(on), median(off))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -402,13 +458,19 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
             Some(Err(e)) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
             None => println!("tokens/s: copus {:.0}", tokens / step),
         }
-        println!("| probe (whole trainer step, same split) | on s | off s | cost |\n|---|---:|---:|---:|");
+        println!(
+            "| probe, same split | step, probe on s | step, probe off s | whole-step cost | probe's work on ms | off ms | probe's work / step |\n|---|---:|---:|---:|---:|---:|---:|"
+        );
         for num_micro in [1, 4] {
             let (on, off) = probe_on_off(&shape, num_micro, steps, warmup.max(1));
+            let (work_on, work_off) = probe_work(&shape, num_micro, steps);
             println!(
-                "| {num_micro} x {} sequences | {on:.4} | {off:.4} | {:+.2}% |",
+                "| {num_micro} x {} sequences | {on:.4} | {off:.4} | {:+.2}% | {:.2} | {:.2} | {:.2}% |",
                 shape.micro_batch / num_micro,
-                100.0 * (on - off) / off
+                100.0 * (on - off) / off,
+                1e3 * work_on,
+                1e3 * work_off,
+                100.0 * (work_on - work_off) / off
             );
         }
     }
