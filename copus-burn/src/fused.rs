@@ -112,6 +112,26 @@ fn exp_in_place(row: &mut [f32], max: f32) -> f32 {
     s + acc.iter().sum::<f32>()
 }
 
+/// Writes `e^(x - max)` of each `x` of `src` into `dst`; returns their sum (in lanes, as
+/// [`exp_in_place`]).
+fn exp_into(dst: &mut [f32], src: &[f32], max: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (mut d8, s8) = (dst.chunks_exact_mut(LANES), src.chunks_exact(LANES));
+    let rest_src = s8.remainder();
+    for (d, s) in (&mut d8).zip(s8) {
+        for ((a, y), &x) in acc.iter_mut().zip(d.iter_mut()).zip(s) {
+            *y = exp(x - max);
+            *a += *y;
+        }
+    }
+    let mut sum = 0f32;
+    for (y, &x) in d8.into_remainder().iter_mut().zip(rest_src) {
+        *y = exp(x - max);
+        sum += *y;
+    }
+    sum + acc.iter().sum::<f32>()
+}
+
 /// A row replaced by its softmax.
 fn softmax_row(row: &mut [f32]) {
     let m = row_max(row);
@@ -197,20 +217,32 @@ pub fn softmax_grad_in_place(z: &mut [f32], v: usize, max: &[f32], sum_exp: &[f3
     }
 }
 
-/// Summed cross entropy of the rows of `z` against `targets`, and its gradient written over
-/// `z`, in f64 for the sum. Errors name a target outside the vocabulary.
-pub fn cross_entropy_rows(z: &mut [f32], v: usize, targets: &[i64]) -> Result<f64, String> {
-    if v == 0 || z.len() != v * targets.len() {
-        return Err(format!("{} logits are not {} rows of {v}", z.len(), targets.len()));
+/// Summed cross entropy of the rows of `z` against `targets` (the sum in f64), and its gradient
+/// `softmax(z) - onehot(target)` written into `g`: row by row, so each row of logits is read
+/// from memory once and each exponential taken once. Errors name a target outside the
+/// vocabulary.
+pub fn cross_entropy_grad(z: &[f32], g: &mut [f32], v: usize, targets: &[i64]) -> Result<f64, String> {
+    if v == 0 || z.len() != v * targets.len() || g.len() != z.len() {
+        return Err(format!("{} logits and {} gradients are not {} rows of {v}", z.len(), g.len(), targets.len()));
     }
     if let Some(t) = targets.iter().find(|&&t| !(0..v as i64).contains(&t)) {
         return Err(format!("target token id {t} is outside the vocabulary of {v} logits"));
     }
-    let (max, sum_exp) = row_stats(z, v);
-    let picked = picked(z, v, targets, 0);
-    let loss = (0..targets.len()).map(|i| f64::from(sum_exp[i].ln() + max[i] - picked[i])).sum();
-    softmax_grad_in_place(z, v, &max, &sum_exp, targets, 0, 1.0);
-    Ok(loss)
+    let one = |(t, (zr, gr)): (&i64, (&[f32], &mut [f32]))| {
+        let m = row_max(zr);
+        let k = 1.0 / exp_into(gr, zr, m);
+        gr.iter_mut().for_each(|x| *x *= k);
+        let t = *t as usize;
+        gr[t] -= 1.0;
+        // -log softmax(z)[t] = ln(sum e^(z - m)) + m - z[t], and 1 / k is that sum.
+        f64::from((1.0 / k).ln() + m - zr[t])
+    };
+    let losses: Vec<f64> = if z.len() < PARALLEL_MIN {
+        targets.iter().zip(z.chunks(v).zip(g.chunks_mut(v))).map(one).collect()
+    } else {
+        targets.par_iter().zip(z.par_chunks(v).zip(g.par_chunks_mut(v))).with_min_len(rows_per_task(v)).map(one).collect()
+    };
+    Ok(losses.iter().sum())
 }
 
 /// A float tensor's values as f32 on the host, without its autodiff graph.
@@ -227,26 +259,34 @@ fn on_host(device: &Device) -> bool {
 /// Flex under autodiff without gradient checkpointing: the backend of the custom operations.
 type Ad = Autodiff<Flex, NoCheckpointing>;
 
-/// The backward pass of a custom operation: from what the forward pass kept and the gradient of
-/// the output, the gradient of the input.
-type HostGrad = fn(&FlexTensor, FlexTensor) -> FlexTensor;
+/// The backward pass of a custom operation: from what the forward pass kept, the gradient of
+/// the output and the operation's scalar parameter, the gradient of the input (written over
+/// either, where it holds its buffer alone).
+type HostGrad = fn(FlexTensor, FlexTensor, f32) -> FlexTensor;
 
-/// A custom operation's node in the autodiff graph.
+/// A custom operation's node in the autodiff graph: its backward pass and scalar parameter.
 #[derive(Debug)]
-struct HostBackward(HostGrad);
+struct HostBackward(HostGrad, f32);
 
 impl Backward<Flex, 1> for HostBackward {
     type State = FlexTensor;
 
     fn backward(self, ops: Ops<FlexTensor, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let kept = ops.state;
-        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| (self.0)(&kept, grad));
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| (self.0)(kept, grad, self.1));
     }
 }
 
 /// A tensor's values in one contiguous f32 slice: itself, or a contiguous copy.
 fn contiguous(t: FlexTensor) -> FlexTensor {
     if t.as_slice::<f32>().is_some() { t } else { t.to_contiguous() }
+}
+
+/// A contiguous f32 tensor's values to overwrite: in its own buffer when it holds that alone,
+/// else in a copy.
+fn values_mut(t: &mut FlexTensor) -> &mut [f32] {
+    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+    &mut t.storage_mut::<f32>()[start..end]
 }
 
 /// A Flex tensor of `shape` holding `values`.
@@ -263,6 +303,7 @@ fn custom_op<const D: usize, const E: usize>(
     x: Tensor<D>,
     forward: impl FnOnce(&[f32]) -> (FlexTensor, FlexTensor),
     backward: HostGrad,
+    param: f32,
 ) -> Result<Tensor<E>, Tensor<D>> {
     if !x.is_tracked() {
         return Err(x);
@@ -274,7 +315,7 @@ fn custom_op<const D: usize, const E: usize>(
     let (input, guard) = ad.into_parts();
     let input = contiguous(input);
     let (out, kept) = forward(input.as_slice::<f32>().expect("contiguous f32"));
-    let out = match HostBackward(backward).prepare::<NoCheckpointing>([guard]).compute_bound().stateful() {
+    let out = match HostBackward(backward, param).prepare::<NoCheckpointing>([guard]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(kept, out),
         OpsKind::UnTracked(prep) => prep.finish(out),
     };
@@ -295,25 +336,24 @@ pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> T
     }
     let [b, s, v] = logits_bsv.dims();
     let targets: Vec<i64> = targets_bs.clone().into_data().convert::<i64>().try_into_vec::<i64>().expect("i64 targets");
-    let rows = |z: &mut [f32]| cross_entropy_rows(z, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
     let forward = |z: &[f32]| {
-        // The loss, and softmax(z) - onehot(target) written over a copy of the logits.
-        let mut g = z.to_vec();
-        let loss = rows(&mut g);
+        // The loss, and d loss / d z = softmax(z) - onehot(target) kept for the backward pass.
+        let mut g = vec![0f32; z.len()];
+        let loss = cross_entropy_grad(z, &mut g, v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
         (flex(vec![loss as f32], [1]), flex(g, [b, s, v]))
     };
-    // d loss / d z = g, scaled by the gradient reaching the loss.
-    let backward: HostGrad = |g, d| {
+    // The kept gradient, scaled in its own buffer by the gradient reaching the loss.
+    let backward: HostGrad = |mut g, d, _| {
         let k = contiguous(d).as_slice::<f32>().expect("contiguous f32")[0];
-        let mut out = g.as_slice::<f32>().expect("contiguous f32").to_vec();
-        out.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= k));
-        flex(out, g.layout().shape().clone())
+        values_mut(&mut g).par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= k));
+        g
     };
-    match custom_op(logits_bsv, forward, backward) {
+    match custom_op(logits_bsv, forward, backward, 1.0) {
         Ok(loss) => loss,
         Err(z) if z.is_tracked() => cross_entropy_sum_decomposed(z, targets_bs),
         Err(z) => {
-            let loss = rows(&mut host_values(&z));
+            let z = host_values(&z);
+            let loss = cross_entropy_grad(&z, &mut vec![0f32; z.len()], v, &targets).unwrap_or_else(|e| panic!("cross entropy: {e}"));
             Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device)
         }
     }
@@ -341,18 +381,16 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         });
         (flex(y, shape), flex(d, shape))
     };
-    let backward: HostGrad = |kept, dy| {
-        let dy = contiguous(dy);
-        let (d, dy) = (kept.as_slice::<f32>().expect("contiguous f32"), dy.as_slice::<f32>().expect("contiguous f32"));
-        let mut dx = vec![0f32; d.len()];
-        dx.par_chunks_mut(CHUNK).zip(d.par_chunks(CHUNK)).zip(dy.par_chunks(CHUNK)).for_each(|((dx, d), dy)| {
-            for ((dx, &d), &dy) in dx.iter_mut().zip(d).zip(dy) {
-                *dx = d * dy;
-            }
+    // dy * silu'(x), written over dy.
+    let backward: HostGrad = |kept, dy, _| {
+        let mut dx = contiguous(dy);
+        let d = kept.as_slice::<f32>().expect("contiguous f32");
+        values_mut(&mut dx).par_chunks_mut(CHUNK).zip(d.par_chunks(CHUNK)).for_each(|(dx, d)| {
+            dx.iter_mut().zip(d).for_each(|(dx, &d)| *dx *= d);
         });
-        flex(dx, kept.layout().shape().clone())
+        dx
     };
-    match custom_op(x, forward, backward) {
+    match custom_op(x, forward, backward, 1.0) {
         Ok(y) => y,
         Err(x) if x.is_tracked() => burn::tensor::activation::silu(x),
         Err(x) => {
@@ -367,48 +405,108 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 /// `y`, and the backward pass is `y * (dy - sum(dy * y))` per row, one pass. Masked entries may
 /// be -inf or large negative numbers. Elsewhere Burn's `softmax`.
 pub fn softmax<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    masked_softmax(x, 1.0, None)
+}
+
+/// Causal attention probabilities, `softmax(scale * scores + mask)` over the last dimension,
+/// fused on Flex: `scores` is `[.., rows, keys]`, and row `r` of the last-but-one dimension is
+/// the query at position `start + r % s`, which sees keys `0..=start + r % s` (grouped heads
+/// stack their `s` queries along the rows). The scale and the mask cost no pass of their own;
+/// masked keys are never exponentiated and get probability 0, and the backward pass is
+/// `scale * y * (dy - sum(dy * y))` per row. Elsewhere the decomposed form with an additive
+/// `-1e30` mask.
+pub fn causal_softmax<const D: usize>(scores: Tensor<D>, scale: f64, s: usize, start: usize) -> Tensor<D> {
+    masked_softmax(scores, scale, Some((s, start)))
+}
+
+/// Keys that row `row` sees: all, or with `causal = Some((s, start))` those up to its position.
+fn visible(row: usize, rows: usize, keys: usize, causal: Option<(usize, usize)>) -> usize {
+    causal.map_or(keys, |(s, start)| (start + (row % rows) % s.max(1) + 1).min(keys))
+}
+
+/// [`softmax`] and [`causal_softmax`]: rows of the last dimension, scaled, the keys past each
+/// row's visible ones (if `causal`) given probability 0.
+fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: Option<(usize, usize)>) -> Tensor<D> {
     let device = x.device();
     let last = D - 1;
+    let decomposed = |x: Tensor<D>| {
+        let x = if scale == 1.0 { x } else { x.mul_scalar(scale) };
+        let x = match causal {
+            Some((s, start)) => {
+                let mask = causal_mask::<D>(x.dims(), s, start, &x.device());
+                x + mask
+            }
+            None => x,
+        };
+        burn::tensor::activation::softmax(x, last)
+    };
     if !on_host(&device) {
-        return burn::tensor::activation::softmax(x, last);
+        return decomposed(x);
     }
     let shape = x.dims();
     let v = shape[last];
     if v == 0 || shape.contains(&0) {
         return x;
     }
-    let rows = rows_per_task(v);
+    let rows = if D >= 2 { shape[D - 2] } else { 1 };
+    let per_task = rows_per_task(v);
+    let scale = scale as f32;
     let forward = |x: &[f32]| {
         let mut y = x.to_vec();
-        y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(softmax_row));
-        // The output is also what the backward pass keeps: one buffer, shared.
-        let y = flex(y, shape);
-        (y.clone(), y)
+        y.par_chunks_mut(v * per_task).enumerate().for_each(|(task, ys)| {
+            for (i, row) in ys.chunks_mut(v).enumerate() {
+                let seen = visible(task * per_task + i, rows, v, causal);
+                let (row, hidden) = row.split_at_mut(seen);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
+                }
+                softmax_row(row);
+                hidden.fill(0.0);
+            }
+        });
+        y
     };
-    let backward: HostGrad = |kept, dy| {
+    // scale * y * (dy - sum(dy * y)) per row, written over dy.
+    let backward: HostGrad = |kept, dy, scale| {
         let v = *kept.layout().shape().last().expect("a last dimension");
-        let mut dx = contiguous(dy).as_slice::<f32>().expect("contiguous f32").to_vec();
+        let mut dx = contiguous(dy);
         let y = kept.as_slice::<f32>().expect("contiguous f32");
-        let rows = rows_per_task(v);
-        dx.par_chunks_mut(v * rows).zip(y.par_chunks(v * rows)).for_each(|(dxs, ys)| {
+        let per_task = rows_per_task(v);
+        values_mut(&mut dx).par_chunks_mut(v * per_task).zip(y.par_chunks(v * per_task)).for_each(|(dxs, ys)| {
             for (dx, y) in dxs.chunks_mut(v).zip(ys.chunks(v)) {
                 let r = lane_dot(dx, y);
                 for (g, &p) in dx.iter_mut().zip(y) {
-                    *g = p * (*g - r);
+                    *g = scale * p * (*g - r);
                 }
             }
         });
-        flex(dx, kept.layout().shape().clone())
+        dx
     };
-    match custom_op(x, forward, backward) {
+    let tracked = |x: &[f32]| {
+        // The output is also what the backward pass keeps: one buffer, shared.
+        let y = flex(forward(x), shape);
+        (y.clone(), y)
+    };
+    match custom_op(x, tracked, backward, scale) {
         Ok(y) => y,
-        Err(x) if x.is_tracked() => burn::tensor::activation::softmax(x, last),
-        Err(x) => {
-            let mut y = host_values(&x);
-            y.par_chunks_mut(v * rows).for_each(|ys| ys.chunks_mut(v).for_each(softmax_row));
-            Tensor::<D>::from_data(TensorData::new(y, shape), &device)
-        }
+        Err(x) if x.is_tracked() => decomposed(x),
+        Err(x) => Tensor::<D>::from_data(TensorData::new(forward(&host_values(&x)), shape), &device),
     }
+}
+
+/// The additive causal mask of [`causal_softmax`] for scores of `shape`: 0 where a row sees the
+/// key, -1e30 where it does not (finite, so that no `0 * -inf` appears in a backward pass),
+/// broadcast over the leading dimensions.
+fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device: &Device) -> Tensor<D> {
+    let (rows, keys) = (if D >= 2 { shape[D - 2] } else { 1 }, shape[D - 1]);
+    let mask: Vec<f32> =
+        (0..rows * keys).map(|i| if i % keys < visible(i / keys, rows, keys, Some((s, start))) { 0.0 } else { -1e30 }).collect();
+    let mut mask_shape = [1; D];
+    mask_shape[D - 1] = keys;
+    if D >= 2 {
+        mask_shape[D - 2] = rows;
+    }
+    Tensor::<D>::from_data(TensorData::new(mask, mask_shape), device)
 }
 
 /// `1 / (1 + e^-x)` with [`exp`].
@@ -505,8 +603,8 @@ mod tests {
         {
             let (z, t) = case(rows, v, spread, k as u64 + 1);
             let (want_loss, want_g) = by_definition(&z, v, &t);
-            let mut g = z.clone();
-            let loss = cross_entropy_rows(&mut g, v, &t).unwrap();
+            let mut g = vec![f32::NAN; z.len()];
+            let loss = cross_entropy_grad(&z, &mut g, v, &t).unwrap();
             assert!(rel(loss, want_loss) < 1e-5, "rows {rows} v {v}: loss {loss} vs {want_loss}");
             let worst = g.iter().zip(&want_g).map(|(&a, &b)| (f64::from(a) - b).abs()).fold(0f64, f64::max);
             // Gradients lie in [-1, 1]: compare absolutely at 1e-5 of that range.
@@ -555,10 +653,11 @@ mod tests {
 
     #[test]
     fn a_target_outside_the_vocabulary_is_named() {
-        let mut z = vec![0f32; 8];
-        let err = cross_entropy_rows(&mut z, 4, &[1, 4]).unwrap_err();
+        let (z, mut g) = (vec![0f32; 8], vec![0f32; 8]);
+        let err = cross_entropy_grad(&z, &mut g, 4, &[1, 4]).unwrap_err();
         assert!(err.contains("target token id 4") && err.contains("vocabulary of 4"), "{err}");
-        assert!(cross_entropy_rows(&mut z, 3, &[0, 1]).is_err());
+        assert!(cross_entropy_grad(&z, &mut g, 3, &[0, 1]).is_err());
+        assert!(cross_entropy_grad(&z, &mut g[..6], 3, &[0, 1]).is_err());
     }
 
     #[test]
@@ -708,6 +807,52 @@ mod tests {
         assert!(ga.iter().all(|g| g.is_finite()));
         for (x, y) in ga.iter().zip(&gb) {
             assert!((x - y).abs() <= 1e-5 * scale, "gradient {x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn the_causal_softmax_equals_scaling_masking_and_burns_softmax() {
+        // Grouped heads (rows = g * s), a KV cache (keys = start + s), odd sizes; value and
+        // gradient on both autodiff devices, and the value without autodiff.
+        for (k, &(b, heads, g, s, start)) in
+            [(1, 1, 1, 1, 0), (2, 2, 3, 5, 0), (1, 3, 2, 7, 4), (2, 1, 1, 33, 0), (1, 2, 4, 9, 30)].iter().enumerate()
+        {
+            let (rows, keys) = (g * s, start + s);
+            let dims = [b, heads, rows, keys];
+            let scale = 0.3;
+            for device in autodiff_devices() {
+                device.seed(20 + k as u64);
+                let data: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
+                let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+                let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+                let c = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+                let ya = causal_softmax(a.clone(), scale, s, start);
+                // The reference, written out: query row r sits at position start + r % s.
+                let mask: Vec<f32> = (0..rows * keys).map(|i| if i % keys <= start + (i / keys) % s { 0.0 } else { -1e30 }).collect();
+                let mask = Tensor::<4>::from_data(TensorData::new(mask, [1, 1, rows, keys]), &device);
+                let yc = burn::tensor::activation::softmax(c.clone().mul_scalar(scale) + mask, 3);
+                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
+                let vc: Vec<f32> = yc.to_data().try_into_vec::<f32>().unwrap();
+                for (x, y) in va.iter().zip(&vc) {
+                    assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
+                }
+                let ga = (ya * w.clone()).sum().backward();
+                let gc = (yc * w).sum().backward();
+                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let gc: Vec<f32> = c.grad(&gc).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                let big = gc.iter().fold(0f32, |m, y| m.max(y.abs()));
+                for (x, y) in ga.iter().zip(&gc) {
+                    assert!((x - y).abs() <= 1e-5 * big.max(1e-3), "{dims:?}: gradient {x} vs {y}");
+                }
+            }
+            let plain = Device::flex();
+            plain.seed(40 + k as u64);
+            let x: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &plain);
+            let mask: Vec<f32> = (0..rows * keys).map(|i| if i % keys <= start + (i / keys) % s { 0.0 } else { -1e30 }).collect();
+            let mask = Tensor::<4>::from_data(TensorData::new(mask, [1, 1, rows, keys]), &plain);
+            let a: Vec<f32> = causal_softmax(x.clone(), scale, s, start).into_data().try_into_vec::<f32>().unwrap();
+            let c: Vec<f32> = burn::tensor::activation::softmax(x.mul_scalar(scale) + mask, 3).into_data().try_into_vec::<f32>().unwrap();
+            assert!(a.iter().zip(&c).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-3)), "{dims:?} without autodiff");
         }
     }
 }

@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{silu, softmax};
+use copus_burn::fused::{causal_softmax, silu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -246,30 +246,11 @@ impl Attention {
         // K and V g times.
         let g = h / k;
         let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        let scores_bkrt = q_bkre.matmul(k_bkte.swap_dims(2, 3)).mul_scalar(1.0 / (e as f64).sqrt());
-        let scores_bkrt = scores_bkrt + causal_bias(g, s, start, &rope.device());
-        let probs_bkrt = softmax(scores_bkrt);
+        // Row r of the scores is query position start + r % s (see the fold above).
+        let probs_bkrt = causal_softmax(q_bkre.matmul(k_bkte.swap_dims(2, 3)), 1.0 / (e as f64).sqrt(), s, start);
         let out_bsd = probs_bkrt.matmul(v_bkte).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
         self.o_proj.forward(out_bsd)
     }
-}
-
-/// The additive causal mask of `s` queries at positions `start..start + s` over keys
-/// `0..start + s`, `[1, 1, g*s, start + s]`: row `r` is query position `start + r % s`; 0 where
-/// the key position is not after it, -1e30 where it is (finite: the fused softmax's
-/// linearisation multiplies by the scores, and `0 * -inf` is NaN).
-/// A masked score: `e^(x - max)` is exactly 0.
-const MASKED: f32 = -1e30;
-
-fn causal_bias(g: usize, s: usize, start: usize, device: &Device) -> Tensor<4> {
-    let t = start + s;
-    let mut v = vec![0f32; g * s * t];
-    for r in 0..g * s {
-        for c in (start + r % s + 1)..t {
-            v[r * t + c] = MASKED;
-        }
-    }
-    Tensor::<2>::from_data(TensorData::new(v, [g * s, t]), device).unsqueeze()
 }
 
 /// Keys and values of the positions decoded so far, per layer (after RoPE), for generation.

@@ -374,6 +374,17 @@ pub fn op_table() {
             millis(|| forward_backward(&scores, |x| activation::softmax(x, 3))),
         ),
         (
+            "causal softmax of scaled [8,4,512,256] scores (2 query heads per kv head)",
+            millis(|| forward_backward(&scores, |x| fused::causal_softmax(x, 0.17, 256, 0))),
+            millis(|| {
+                forward_backward(&scores, |x| {
+                    let mask: Vec<f32> = (0..512 * 256).map(|i| if i % 256 <= (i / 256) % 256 { 0.0 } else { -1e30 }).collect();
+                    let mask = Tensor::<4>::from_data(TensorData::new(mask, [1, 1, 512, 256]), &x.device());
+                    activation::softmax(x.mul_scalar(0.17) + mask, 3)
+                })
+            }),
+        ),
+        (
             "SiLU of [8,256,688] (SwiGLU gate)",
             millis(|| forward_backward(&gate, fused::silu)),
             millis(|| forward_backward(&gate, activation::silu)),

