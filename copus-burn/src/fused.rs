@@ -1,11 +1,15 @@
-//! Fused softmax cross entropy, softmax and SiLU: each reads its input once on the host,
-//! computes its value (and what its backward needs) in one parallel pass over rows (rayon, the
-//! pool Flex's GEMM already uses), and is one custom operation of Burn's autodiff graph, whose
-//! hand-written backward is one more host pass:
+//! Fused softmax cross entropy, causal softmax, softmax, RMSNorm and SiLU: each reads its input
+//! once on the host, computes its value (and what its backward needs) in one parallel pass over
+//! rows (rayon, the pool Flex's GEMM already uses), and is one custom operation of Burn's
+//! autodiff graph, whose hand-written backward is one more host pass:
 //! - [`cross_entropy_sum`] never materialises probabilities or log-probabilities as tensors; its
 //!   forward pass leaves `softmax(z) - onehot(target)` behind, and its backward scales that by the
 //!   incoming gradient;
 //! - [`softmax`] keeps `y` and returns `y * (dy - sum(dy * y))` per row;
+//! - [`causal_softmax`] is [`softmax`] of scaled attention scores under a causal mask, with
+//!   the scale and the mask folded in;
+//! - [`rms_norm`] keeps `x` and each row's `1 / rms`, and returns the gradients of the input
+//!   and of the weight;
 //! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`.
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
@@ -509,6 +513,125 @@ fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device
     Tensor::<D>::from_data(TensorData::new(mask, mask_shape), device)
 }
 
+/// RMSNorm over the last dimension, `x / sqrt(mean(x^2) + eps) * weight`, fused on Flex: one
+/// host pass forward, keeping each row's `1 / rms`, and one backward pass for each input that
+/// takes a gradient. Elsewhere (other devices, checkpointing) the decomposed form.
+pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64) -> Tensor<D> {
+    let decomposed = |x: Tensor<D>, weight: Tensor<1>| {
+        let rms = (x.clone().square().mean_dim(D - 1) + eps).sqrt();
+        (x / rms) * weight.unsqueeze()
+    };
+    let device = x.device();
+    let shape = x.dims();
+    let d = shape[D - 1];
+    if !on_host(&device) || d == 0 || shape.contains(&0) || weight.dims() != [d] {
+        return decomposed(x, weight);
+    }
+    let eps = eps as f32;
+    // y = x * r * w per row, r = 1 / sqrt(mean(x^2) + eps); r kept per row.
+    let forward = |x: &[f32], w: &[f32]| {
+        let mut y = vec![0f32; x.len()];
+        let mut r = vec![0f32; x.len() / d];
+        let per_task = rows_per_task(d);
+        y.par_chunks_mut(d * per_task).zip(x.par_chunks(d * per_task)).zip(r.par_chunks_mut(per_task)).for_each(|((ys, xs), rs)| {
+            for ((y, x), r) in ys.chunks_mut(d).zip(xs.chunks(d)).zip(rs.iter_mut()) {
+                *r = 1.0 / (lane_dot(x, x) / d as f32 + eps).sqrt();
+                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                    *y = x * *r * w;
+                }
+            }
+        });
+        (y, r)
+    };
+    let tracked = x.is_tracked() || weight.is_tracked();
+    if tracked
+        && let (Ok(ax), Ok(aw)) = (x.clone().try_into_primitive::<Ad>(), weight.clone().try_into_primitive::<Ad>())
+        && ax.primitive().dtype() == DType::F32
+        && aw.primitive().dtype() == DType::F32
+    {
+        let (px, gx) = ax.into_parts();
+        let (pw, gw) = aw.into_parts();
+        let (px, pw) = (contiguous(px), contiguous(pw));
+        let (y, r) = forward(px.as_slice::<f32>().expect("contiguous f32"), pw.as_slice::<f32>().expect("contiguous f32"));
+        let rows = r.len();
+        let (y, r) = (flex(y, shape), flex(r, [rows]));
+        let out = match RmsBackward.prepare::<NoCheckpointing>([gx, gw]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((px, r, pw), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        #[cfg(test)]
+        tests::CUSTOM_OPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Tensor::from_primitive::<Ad>(out);
+    }
+    if tracked {
+        return decomposed(x, weight);
+    }
+    let (y, _) = forward(&host_values(&x), &host_values(&weight));
+    Tensor::<D>::from_data(TensorData::new(y, shape), &device)
+}
+
+/// RMSNorm's node: kept are `x`, each row's `1 / rms` and the weight.
+#[derive(Debug)]
+struct RmsBackward;
+
+impl Backward<Flex, 2> for RmsBackward {
+    type State = (FlexTensor, FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [to_x, to_w] = ops.parents;
+        let dy = contiguous(grads.consume::<Flex>(&ops.node));
+        let (x, r, w) = ops.state;
+        let shape = x.layout().shape().clone();
+        let (xv, rv, wv, dyv) = (
+            x.as_slice::<f32>().expect("contiguous f32"),
+            r.as_slice::<f32>().expect("contiguous f32"),
+            w.as_slice::<f32>().expect("contiguous f32"),
+            dy.as_slice::<f32>().expect("contiguous f32"),
+        );
+        let d = wv.len();
+        let per_task = rows_per_task(d);
+        if let Some(node) = to_w {
+            // dw = sum over rows of dy * x * r: partial sums per task, added in order.
+            let parts: Vec<Vec<f32>> = xv
+                .par_chunks(d * per_task)
+                .zip(dyv.par_chunks(d * per_task))
+                .zip(rv.par_chunks(per_task))
+                .map(|((xs, dys), rs)| {
+                    let mut acc = vec![0f32; d];
+                    for ((x, dy), &r) in xs.chunks(d).zip(dys.chunks(d)).zip(rs) {
+                        for ((a, &x), &g) in acc.iter_mut().zip(x).zip(dy) {
+                            *a += g * x * r;
+                        }
+                    }
+                    acc
+                })
+                .collect();
+            let mut dw = vec![0f32; d];
+            for part in parts {
+                dw.iter_mut().zip(part).for_each(|(a, p)| *a += p);
+            }
+            grads.register::<Flex>(node.id, flex(dw, [d]));
+        }
+        if let Some(node) = to_x {
+            // dx = r * (dy * w - x * r * c), c = mean(dy * w * x * r) over the row.
+            let mut dx = vec![0f32; xv.len()];
+            dx.par_chunks_mut(d * per_task)
+                .zip(xv.par_chunks(d * per_task))
+                .zip(dyv.par_chunks(d * per_task))
+                .zip(rv.par_chunks(per_task))
+                .for_each(|(((dxs, xs), dys), rs)| {
+                    for (((dx, x), dy), &r) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(dys.chunks(d)).zip(rs) {
+                        let c = x.iter().zip(dy).zip(wv).map(|((&x, &g), &w)| g * w * x).sum::<f32>() * r / d as f32;
+                        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(wv) {
+                            *dx = r * (g * w - x * r * c);
+                        }
+                    }
+                });
+            grads.register::<Flex>(node.id, flex(dx, shape));
+        }
+    }
+}
+
 /// `1 / (1 + e^-x)` with [`exp`].
 #[inline(always)]
 fn sigmoid(x: f32) -> f32 {
@@ -854,5 +977,53 @@ mod tests {
             let c: Vec<f32> = burn::tensor::activation::softmax(x.mul_scalar(scale) + mask, 3).into_data().try_into_vec::<f32>().unwrap();
             assert!(a.iter().zip(&c).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-3)), "{dims:?} without autodiff");
         }
+    }
+
+    #[test]
+    fn the_fused_rms_norm_equals_the_decomposed_one_in_value_and_both_gradients() {
+        for (k, dims) in [[1, 1, 1], [2, 3, 5], [3, 7, 33], [2, 70, 257]].into_iter().enumerate() {
+            let d = dims[2];
+            for device in autodiff_devices() {
+                device.seed(60 + k as u64);
+                let data: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.5, 2.0), &device);
+                let wd: Tensor<1> = Tensor::random([d], Distribution::Normal(1.0, 0.5), &device);
+                let up: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+                let run = |fused: bool| {
+                    let x = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
+                    let w = Tensor::<1>::from_data(wd.to_data(), &device).require_grad();
+                    let y = if fused {
+                        rms_norm(x.clone(), w.clone(), 1e-5)
+                    } else {
+                        let rms = (x.clone().square().mean_dim(2) + 1e-5).sqrt();
+                        (x.clone() / rms) * w.clone().unsqueeze()
+                    };
+                    let value: Vec<f32> = y.to_data().try_into_vec::<f32>().unwrap();
+                    let g = (y * up.clone()).sum().backward();
+                    let gx: Vec<f32> = x.grad(&g).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                    let gw: Vec<f32> = w.grad(&g).unwrap().into_data().try_into_vec::<f32>().unwrap();
+                    (value, gx, gw)
+                };
+                let (a, b) = (run(true), run(false));
+                for (name, x, y) in [("value", &a.0, &b.0), ("dx", &a.1, &b.1), ("dw", &a.2, &b.2)] {
+                    let big = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (p, q) in x.iter().zip(y) {
+                        assert!((p - q).abs() <= 1e-5 * big.max(1e-3), "{dims:?} {name}: {p} vs {q}");
+                    }
+                }
+            }
+        }
+        let before = CUSTOM_OPS.load(Ordering::Relaxed);
+        let device = Device::flex().autodiff();
+        let x: Tensor<2> = Tensor::random([3, 4], Distribution::Default, &device).require_grad();
+        let _ = rms_norm(x, Tensor::ones([4], &device).require_grad(), 1e-5);
+        assert!(CUSTOM_OPS.load(Ordering::Relaxed) > before, "the fused RMSNorm took the decomposed form");
+        // Without autodiff, the plain value.
+        let plain = Device::flex();
+        let x: Tensor<2> = Tensor::random([5, 9], Distribution::Normal(0.0, 3.0), &plain);
+        let w: Tensor<1> = Tensor::random([9], Distribution::Normal(1.0, 0.5), &plain);
+        let a: Vec<f32> = rms_norm(x.clone(), w.clone(), 1e-5).into_data().try_into_vec::<f32>().unwrap();
+        let rms = (x.clone().square().mean_dim(1) + 1e-5).sqrt();
+        let b: Vec<f32> = ((x / rms) * w.unsqueeze()).into_data().try_into_vec::<f32>().unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-2)));
     }
 }

@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_softmax, silu};
+use copus_burn::fused::{causal_softmax, rms_norm, silu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -139,8 +139,7 @@ impl RmsNorm {
 
     /// Normalises the last dim.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt();
-        (x / rms) * self.weight.val().unsqueeze()
+        rms_norm(x, self.weight.val(), self.eps)
     }
 }
 
