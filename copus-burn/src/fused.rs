@@ -1,7 +1,7 @@
-//! Fused softmax cross entropy, causal softmax, softmax, RMSNorm and SiLU: each reads its input
-//! once on the host, computes its value (and what its backward needs) in one parallel pass over
-//! rows (rayon, the pool Flex's GEMM already uses), and is one custom operation of Burn's
-//! autodiff graph, whose hand-written backward is one more host pass:
+//! Fused softmax cross entropy, causal softmax, softmax, RMSNorm, RoPE and SiLU: each reads
+//! its input once on the host, computes its value (and what its backward needs) in one
+//! parallel pass over rows (rayon, the pool Flex's GEMM already uses), and is one custom
+//! operation of Burn's autodiff graph, whose hand-written backward is one more host pass:
 //! - [`cross_entropy_sum`] never materialises probabilities or log-probabilities as tensors; its
 //!   forward pass leaves `softmax(z) - onehot(target)` behind, and its backward scales that by the
 //!   incoming gradient;
@@ -10,6 +10,7 @@
 //!   the scale and the mask folded in;
 //! - [`rms_norm`] keeps `x` and each row's `1 / rms`, and returns the gradients of the input
 //!   and of the weight;
+//! - [`rope`] keeps its tables and applies the inverse rotation to `dy`;
 //! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`.
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
@@ -632,6 +633,86 @@ impl Backward<Flex, 2> for RmsBackward {
     }
 }
 
+/// Rotary position embedding in the rotate-half layout, `x * cos + rotate_half(x) * sin` with
+/// `rotate_half([x1, x2]) = [-x2, x1]` over the last dimension, for `x` `[b, h, s, e]` and
+/// tables `[s, e]`; fused on Flex (one host pass each way, the tables kept for the backward
+/// pass). Elsewhere (other devices, checkpointing) the decomposed form.
+pub fn rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
+    let decomposed = |x: Tensor<4>| {
+        let [_, _, _, e] = x.dims();
+        let half = e / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        let (c, sn): (Tensor<4>, Tensor<4>) = (cos.clone().unsqueeze(), sin.clone().unsqueeze());
+        x * c + rotated * sn
+    };
+    let device = x.device();
+    let shape = x.dims();
+    let [_, _, s, e] = shape;
+    if !on_host(&device) || e % 2 != 0 || shape.contains(&0) || cos.dims() != [s, e] || sin.dims() != [s, e] {
+        return decomposed(x);
+    }
+    // The tables, cos then sin, `[2, s, e]`.
+    let mut tables = host_values(cos);
+    tables.extend(host_values(sin));
+    let forward = |x: &[f32], tables: &[f32]| rotate_rows(x, tables, s, e, rotate);
+    // dx = dy * cos + rotate_half^T(dy * sin).
+    let backward: HostGrad = |tables, dy, _| {
+        let shape = tables.layout().shape().clone();
+        let dy = contiguous(dy);
+        let tables = tables.as_slice::<f32>().expect("contiguous f32");
+        let dx = rotate_rows(dy.as_slice::<f32>().expect("contiguous f32"), tables, shape[1], shape[2], rotate_back);
+        flex(dx, dy.layout().shape().clone())
+    };
+    let tracked = |x: &[f32]| {
+        let y = forward(x, &tables);
+        (flex(y, shape), flex(tables.clone(), [2, s, e]))
+    };
+    match custom_op(x, tracked, backward, 1.0) {
+        Ok(y) => y,
+        Err(x) if x.is_tracked() => decomposed(x),
+        Err(x) => Tensor::<4>::from_data(TensorData::new(forward(&host_values(&x), &tables), shape), &device),
+    }
+}
+
+/// One row of a rotation: `(out, input, cos, sin)`.
+type RowRotation = fn(&mut [f32], &[f32], &[f32], &[f32]);
+
+/// `row` applied to each row of `e` values of `input`, with the cos and sin tables (`[2, s, e]`)
+/// of the row's position (row index modulo `s`), in parallel over rows.
+fn rotate_rows(input: &[f32], tables: &[f32], s: usize, e: usize, row: RowRotation) -> Vec<f32> {
+    let (c, sn) = tables.split_at(s * e);
+    let mut out = vec![0f32; input.len()];
+    let rows = rows_per_task(e);
+    out.par_chunks_mut(e * rows).zip(input.par_chunks(e * rows)).enumerate().for_each(|(task, (outs, ins))| {
+        for (i, (o, x)) in outs.chunks_mut(e).zip(ins.chunks(e)).enumerate() {
+            let p = (task * rows + i) % s;
+            row(o, x, &c[p * e..(p + 1) * e], &sn[p * e..(p + 1) * e]);
+        }
+    });
+    out
+}
+
+/// One row of [`rope`]: `y = x * c + rotate_half(x) * s`.
+fn rotate(y: &mut [f32], x: &[f32], c: &[f32], s: &[f32]) {
+    let h = x.len() / 2;
+    for j in 0..h {
+        y[j] = x[j] * c[j] - x[j + h] * s[j];
+        y[j + h] = x[j + h] * c[j + h] + x[j] * s[j + h];
+    }
+}
+
+/// One row of [`rope`]'s backward pass: `dx_j = dy_j c_j + dy_(j+h) s_(j+h)` in the first half,
+/// `dx_j = dy_j c_j - dy_(j-h) s_(j-h)` in the second.
+fn rotate_back(dx: &mut [f32], dy: &[f32], c: &[f32], s: &[f32]) {
+    let h = dy.len() / 2;
+    for j in 0..h {
+        dx[j] = dy[j] * c[j] + dy[j + h] * s[j + h];
+        dx[j + h] = dy[j + h] * c[j + h] - dy[j] * s[j];
+    }
+}
+
 /// `1 / (1 + e^-x)` with [`exp`].
 #[inline(always)]
 fn sigmoid(x: f32) -> f32 {
@@ -1025,5 +1106,43 @@ mod tests {
         let rms = (x.clone().square().mean_dim(1) + 1e-5).sqrt();
         let b: Vec<f32> = ((x / rms) * w.unsqueeze()).into_data().try_into_vec::<f32>().unwrap();
         assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-2)));
+    }
+
+    #[test]
+    fn the_fused_rope_equals_the_decomposed_rotation_in_value_and_gradient() {
+        for (k, [b, h, s, e]) in [[1, 1, 1, 2], [2, 3, 5, 8], [1, 2, 33, 6], [2, 4, 70, 32]].into_iter().enumerate() {
+            let angles = |p: usize, j: usize| (p as f32 + 1.0) * 0.37f32.powi((j % (e / 2)) as i32);
+            let table = |f: fn(f32) -> f32, device: &Device| {
+                let v: Vec<f32> = (0..s * e).map(|i| f(angles(i / e, i % e))).collect();
+                Tensor::<2>::from_data(TensorData::new(v, [s, e]), device)
+            };
+            for device in autodiff_devices() {
+                device.seed(80 + k as u64);
+                let (cos, sin) = (table(f32::cos, &device), table(f32::sin, &device));
+                let data: Tensor<4> = Tensor::random([b, s, h, e], Distribution::Normal(0.0, 1.0), &device);
+                let up: Tensor<4> = Tensor::random([b, h, s, e], Distribution::Normal(0.0, 1.0), &device);
+                let run = |fused: bool| {
+                    let x0 = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
+                    // As the model calls it: on a swap of dims, not contiguous.
+                    let x = x0.clone().swap_dims(1, 2);
+                    let y = if fused {
+                        rope(x, &cos, &sin)
+                    } else {
+                        let half = e / 2;
+                        let rotated = Tensor::cat(vec![x.clone().narrow(3, half, half).neg(), x.clone().narrow(3, 0, half)], 3);
+                        x * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>()
+                    };
+                    let value: Vec<f32> = y.to_data().try_into_vec::<f32>().unwrap();
+                    let g = (y * up.clone()).sum().backward();
+                    (value, x0.grad(&g).unwrap().into_data().try_into_vec::<f32>().unwrap())
+                };
+                let (a, c) = (run(true), run(false));
+                for (name, x, y) in [("value", &a.0, &c.0), ("dx", &a.1, &c.1)] {
+                    for (p, q) in x.iter().zip(y) {
+                        assert!((p - q).abs() <= 1e-5 * q.abs().max(1.0), "{:?} {name}: {p} vs {q}", [b, h, s, e]);
+                    }
+                }
+            }
+        }
     }
 }

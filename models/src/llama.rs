@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_softmax, rms_norm, silu};
+use copus_burn::fused::{causal_softmax, rms_norm, rope, silu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -182,14 +182,7 @@ impl Rope {
 
     /// Rotates `x_bhse` by position.
     pub fn apply(&self, x_bhse: Tensor<4>) -> Tensor<4> {
-        let [_, _, _, e] = x_bhse.dims();
-        let half = e / 2;
-        let x1 = x_bhse.clone().narrow(3, 0, half);
-        let x2 = x_bhse.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let cos: Tensor<4> = self.cos_se.clone().unsqueeze();
-        let sin: Tensor<4> = self.sin_se.clone().unsqueeze();
-        x_bhse * cos + rotated * sin
+        rope(x_bhse, &self.cos_se, &self.sin_se)
     }
 }
 
