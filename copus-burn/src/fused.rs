@@ -748,6 +748,16 @@ mod tests {
         [Device::flex().autodiff(), Device::flex().autodiff().gradient_checkpointing()]
     }
 
+    /// The values of `f(x)` and the gradient of `sum(f(x) * w)` with respect to `x`, for a fresh
+    /// leaf `x` holding `data` (the weighting `w` keeps the gradient from being trivial).
+    fn value_and_grad<const D: usize>(data: &Tensor<D>, w: &Tensor<D>, f: impl FnOnce(Tensor<D>) -> Tensor<D>) -> (Vec<f32>, Vec<f32>) {
+        let x = Tensor::<D>::from_data(data.to_data(), &data.device()).require_grad();
+        let y = f(x.clone());
+        let values = y.to_data().try_into_vec::<f32>().unwrap();
+        let grads = (y * w.clone()).sum().backward();
+        (values, x.grad(&grads).unwrap().into_data().try_into_vec::<f32>().unwrap())
+    }
+
     /// Relative difference, with a floor so values near 0 compare absolutely.
     fn rel(a: f64, b: f64) -> f64 {
         (a - b).abs() / b.abs().max(1e-3)
@@ -896,21 +906,13 @@ mod tests {
             // tails of the sigmoid.
             for dims in [[1, 1, 1], [3, 5, 7], [2, 9, 1031], [1, 17, 2000]] {
                 let data: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 6.0), &device);
-                let a = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
-                let b = Tensor::<3>::from_data(data.to_data(), &device).require_grad();
                 // A downstream weighting, so the gradient is not just silu' everywhere.
                 let w: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
-                let ya = silu(a.clone());
-                let yb = burn::tensor::activation::silu(b.clone());
-                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
-                let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+                let (va, ga) = value_and_grad(&data, &w, silu);
+                let (vb, gb) = value_and_grad(&data, &w, burn::tensor::activation::silu);
                 for (x, y) in va.iter().zip(&vb) {
                     assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-2), "{dims:?}: {x} vs {y}");
                 }
-                let ga = (ya * w.clone()).sum().backward();
-                let gb = (yb * w).sum().backward();
-                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-                let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
                 for (x, y) in ga.iter().zip(&gb) {
                     assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-1), "{dims:?}: gradient {x} vs {y}");
                 }
@@ -937,13 +939,9 @@ mod tests {
                 let mask: Vec<f32> = (0..n).map(|i| if i % last > (i / last) % last { -1e30 } else { 0.0 }).collect();
                 let mask = Tensor::<4>::from_data(TensorData::new(mask, dims), &device);
                 let data = raw + mask;
-                let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
-                let b = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
                 let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
-                let ya = softmax(a.clone());
-                let yb = burn::tensor::activation::softmax(b.clone(), 3);
-                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
-                let vb: Vec<f32> = yb.to_data().try_into_vec::<f32>().unwrap();
+                let (va, ga) = value_and_grad(&data, &w, softmax);
+                let (vb, gb) = value_and_grad(&data, &w, |x| burn::tensor::activation::softmax(x, 3));
                 for (x, y) in va.iter().zip(&vb) {
                     assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
                 }
@@ -951,10 +949,6 @@ mod tests {
                 for r in va.chunks(last) {
                     assert!((r.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{dims:?} over {rows} rows");
                 }
-                let ga = (ya * w.clone()).sum().backward();
-                let gb = (yb * w).sum().backward();
-                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-                let gb: Vec<f32> = b.grad(&gb).unwrap().into_data().try_into_vec::<f32>().unwrap();
                 let scale = gb.iter().fold(0f32, |m, y| m.max(y.abs()));
                 for (x, y) in ga.iter().zip(&gb) {
                     assert!((x - y).abs() <= 1e-5 * scale.max(1e-3), "{dims:?}: gradient {x} vs {y}");
@@ -1028,22 +1022,14 @@ mod tests {
                 device.seed(20 + k as u64);
                 let data: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
                 let w: Tensor<4> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
-                let a = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
-                let c = Tensor::<4>::from_data(data.to_data(), &device).require_grad();
-                let ya = causal_softmax(a.clone(), scale, s, start);
+                let (va, ga) = value_and_grad(&data, &w, |x| causal_softmax(x, scale, s, start));
                 // The reference, written out: query row r sits at position start + r % s.
                 let mask: Vec<f32> = (0..rows * keys).map(|i| if i % keys <= start + (i / keys) % s { 0.0 } else { -1e30 }).collect();
                 let mask = Tensor::<4>::from_data(TensorData::new(mask, [1, 1, rows, keys]), &device);
-                let yc = burn::tensor::activation::softmax(c.clone().mul_scalar(scale) + mask, 3);
-                let va: Vec<f32> = ya.to_data().try_into_vec::<f32>().unwrap();
-                let vc: Vec<f32> = yc.to_data().try_into_vec::<f32>().unwrap();
+                let (vc, gc) = value_and_grad(&data, &w, |x| burn::tensor::activation::softmax(x.mul_scalar(scale) + mask, 3));
                 for (x, y) in va.iter().zip(&vc) {
                     assert!((x - y).abs() <= 1e-5 * y.abs().max(1e-3), "{dims:?}: {x} vs {y}");
                 }
-                let ga = (ya * w.clone()).sum().backward();
-                let gc = (yc * w).sum().backward();
-                let ga: Vec<f32> = a.grad(&ga).unwrap().into_data().try_into_vec::<f32>().unwrap();
-                let gc: Vec<f32> = c.grad(&gc).unwrap().into_data().try_into_vec::<f32>().unwrap();
                 let big = gc.iter().fold(0f32, |m, y| m.max(y.abs()));
                 for (x, y) in ga.iter().zip(&gc) {
                     assert!((x - y).abs() <= 1e-5 * big.max(1e-3), "{dims:?}: gradient {x} vs {y}");
