@@ -197,8 +197,10 @@ pub struct SwitchRecord {
     pub measured_secs: f64,
     /// Seconds charged to the run's clock.
     pub clock_secs: f64,
-    /// Bytes of state staged.
+    /// Bytes copied: the reshard plan's pieces (live) or the staged state.
     pub bytes: u64,
+    /// Whether the ranks stayed up and exchanged only their slices (else the state was staged).
+    pub live: bool,
 }
 
 /// What one driver step did.
@@ -574,6 +576,7 @@ impl<L: ParallelLm> Driver<L> {
                     measured_secs,
                     clock_secs,
                     bytes: report.bytes,
+                    live: report.live,
                 });
             }
             Err(e) if self.engine.is_dead() => return Err(e.into()),

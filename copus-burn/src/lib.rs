@@ -1,5 +1,6 @@
 //! copus-burn: copus execution on Burn 0.22.
 //!
+//! - [`adamw`]: AdamW with its moments held as tensors, updated in one pass on the host;
 //! - [`trainer`]: the single-rank trainer with micro-batching, token-normalised loss, AdamW,
 //!   warmup + cosine schedule with the batch-size LR rule, global-norm clipping and the
 //!   gradient-noise-scale probe feeding copus-core's estimator;
@@ -25,6 +26,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod adamw;
 pub mod checkpoint;
 pub mod closing;
 pub mod collective;

@@ -331,6 +331,32 @@ fn walk<M: Module>(module: &M, with_values: bool) -> Vec<(String, ParamId, Vec<u
     v.out
 }
 
+/// Every float parameter of a module with its path, id, shape and its values as a flat tensor
+/// (the parameter's own buffer, without autodiff, when it is stored contiguously).
+pub fn flat_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Tensor<1>)> {
+    struct V {
+        path: Vec<String>,
+        out: Vec<(String, ParamId, Vec<usize>, Tensor<1>)>,
+    }
+    impl ModuleVisitor for V {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let t = p.val().inner();
+            let shape = t.dims().to_vec();
+            let n: usize = shape.iter().product();
+            self.out.push((self.path.join("."), p.id, shape, t.reshape([n])));
+        }
+    }
+    let mut v = V { path: Vec::new(), out: Vec::new() };
+    module.visit(&mut v);
+    v.out
+}
+
 /// Every float parameter of a module with its path, id, shape and host values.
 pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
     walk(module, true)

@@ -1,12 +1,14 @@
 //! In-memory reconfiguration with rollback. Two paths:
-//! - *live* (every rank a thread of this process): the ranks stay up and exchange exactly the
-//!   slices of weights, AdamW moments and previous gradient that copus-core's reshard plan
-//!   names, build the new layout beside the old one, and verify each piece's checksum at sender
-//!   and receiver; a failure drops what was built, so rollback costs nothing (`engine/live.rs`);
-//! - *staged* (ranks in other processes): the whole training state is staged in host memory
-//!   ([`TrainingState`]), the old ranks stop, the new ones start from it and verify element
-//!   counts and checksums of every tensor they loaded; a failure restarts the old configuration
-//!   from the staged state.
+//! - *live* (the ranks are threads of this process or processes of an MPI job, and none has to
+//!   be added): the ranks stay up and exchange exactly the slices of weights, AdamW moments and
+//!   previous gradient that copus-core's reshard plan names, build the new layout beside the
+//!   old one, and verify each piece's checksum at sender and receiver; a failure drops what was
+//!   built, so rollback costs nothing (`engine/live.rs`). A smaller world keeps its first ranks
+//!   and retires the others once the change commits;
+//! - *staged* (a larger world of in-process ranks): the whole training state is staged in host
+//!   memory ([`TrainingState`]), the old ranks stop, the new ones start from it and verify
+//!   element counts and checksums of every tensor they loaded; a failure restarts the old
+//!   configuration from the staged state.
 //!
 //! Either way nothing is lost; when even the rollback fails, the state goes to an emergency
 //! checkpoint. A change of B_g or B_m alone only changes the data split, the accumulation count
@@ -59,14 +61,21 @@ impl<L: ParallelLm> Engine<L> {
     pub fn reconfigure(&mut self, dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Result<ReconfigReport, EngineError> {
         let start = Instant::now();
         let old = self.config().clone();
-        let target = EngineConfig { dims, global_batch, micro_batch, ..old.clone() };
-        self.check_target(&target)?;
-        if dims.world_size() != old.dims.world_size() {
-            return Err(EngineError::Layout {
-                dims: dims.to_string(),
-                reason: format!("has {} ranks; this engine runs {}", dims.world_size(), old.dims.world_size()),
-            });
+        let mut target = EngineConfig { dims, global_batch, micro_batch, ..old.clone() };
+        let (ranks, now) = (dims.world_size(), old.dims.world_size());
+        if ranks != now {
+            let refuse = |reason: String| Err(EngineError::Layout { dims: dims.to_string(), reason });
+            if !self.runs_locally() {
+                return refuse(format!("has {ranks} ranks; this run's {now} processes are fixed when it starts"));
+            }
+            if !target.devices.is_empty() {
+                if ranks > now {
+                    return refuse(format!("has {ranks} ranks; `devices` names devices for {now} only"));
+                }
+                target.devices.truncate(ranks);
+            }
         }
+        self.check_target(&target)?;
         let report = |layout_changed: bool, live: bool, stage_secs: f64, bytes: u64, remote_bytes: u64| {
             let total = start.elapsed().as_secs_f64();
             ReconfigReport {
@@ -86,7 +95,9 @@ impl<L: ParallelLm> Engine<L> {
             return Ok(report(false, false, 0.0, 0, 0));
         }
         let fault = self.take_fault();
-        if self.runs_locally() {
+        // Live between in-process ranks, when no rank has to be added; a larger world starts
+        // its ranks from the staged state.
+        if self.can_switch_live() && ranks <= now {
             return match self.switch_live(&target, fault) {
                 Ok(s) => {
                     let r = report(true, true, s.send_secs, s.bytes, s.remote_bytes);

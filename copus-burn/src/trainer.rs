@@ -16,6 +16,7 @@ use copus_core::goodput::LrRule;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::adamw::AdamW;
 use crate::closing::StepCloser;
 use crate::grads;
 
@@ -253,10 +254,17 @@ pub fn accumulate_with<M: CausalLm>(model: &M, micro: &[MicroBatch], probe: bool
 }
 
 impl OptimConfig {
-    /// AdamW with these settings; parameters whose path contains one of `no_decay` take no
-    /// weight decay unless `decay_norms_and_embeddings`.
+    /// Burn's AdamW with these settings; parameters whose path contains one of `no_decay` take
+    /// no weight decay unless `decay_norms_and_embeddings`.
     pub fn init(&self, no_decay: &[String]) -> ModuleOptimizer {
         adamw_optimizer(self, no_decay)
+    }
+
+    /// copus's AdamW ([`AdamW`]) with these settings: the same updates as [`OptimConfig::init`]'s
+    /// to the bit, with the moments held as tensors and the update fused on the host.
+    pub fn adamw(&self, no_decay: &[String]) -> AdamW {
+        let no_decay = if self.decay_norms_and_embeddings { &[] } else { no_decay };
+        AdamW::new(self.beta1 as f32, self.beta2 as f32, self.eps as f32, self.weight_decay as f32, no_decay)
     }
 }
 
@@ -282,7 +290,7 @@ pub fn adamw_optimizer(cfg: &OptimConfig, no_decay: &[String]) -> ModuleOptimize
 /// Trains a model on one rank.
 pub struct Trainer<M: CausalLm> {
     model: Option<M>,
-    optim: ModuleOptimizer,
+    optim: AdamW,
     cfg: OptimConfig,
     closer: StepCloser,
     step: u64,
@@ -295,7 +303,7 @@ impl<M: CausalLm> Trainer<M> {
     /// A trainer for `model` (built on an autodiff device).
     pub fn new(model: M, cfg: OptimConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
-        let optim = cfg.init(&model.no_decay_predicates());
+        let optim = cfg.adamw(&model.no_decay_predicates());
         let closer = StepCloser::new(cfg.gns_theta)?;
         Ok(Self { model: Some(model), optim, cfg, closer, step: 0, tokens_seen: 0, last_stats: None, probe: true })
     }

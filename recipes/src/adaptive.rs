@@ -129,7 +129,7 @@ impl Logs {
         let [m, e, d, s] = LOG_FILES;
         let mut logs = Self { metrics: open(m)?, evals: open(e)?, decisions: open(d)?, switches: open(s)? };
         if fresh {
-            writeln!(logs.switches, "step,train_secs,from,to,layout_changed,measured_secs,bytes")?;
+            writeln!(logs.switches, "step,train_secs,from,to,layout_changed,measured_secs,bytes,live")?;
         }
         Ok(logs)
     }
@@ -439,8 +439,9 @@ fn train(
         if let Some(w) = &st.switch {
             writeln!(
                 logs.switches,
-                "{},{},{},{},{},{},{}",
-                w.step, st.step_clock_secs, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes
+                // The configurations hold commas: quoted.
+                "{},{},\"{}\",\"{}\",{},{},{},{}",
+                w.step, st.step_clock_secs, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes, w.live
             )?;
         }
         points.push(point);

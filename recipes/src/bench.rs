@@ -79,7 +79,7 @@ pub fn time_copus(shape: &Shape, steps: usize, warmup: usize) -> Vec<Phases> {
     device.seed(0);
     let mut model = LlamaConfig::from_spec(s).init(&device);
     let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
-    let mut optim = copus_burn::adamw_optimizer(&cfg, &model.no_decay_predicates());
+    let mut optim = cfg.adamw(&model.no_decay_predicates());
     let n = (shape.micro_batch * s.seq_len) as f64;
     let mut previous: Option<GradientsParams> = None;
     let mut out = Vec::new();

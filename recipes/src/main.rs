@@ -17,6 +17,13 @@
 
 #![forbid(unsafe_code)]
 
+/// Training frees and allocates the same large buffers every step, and a layout change frees
+/// one layout's state as the next one's is built. mimalloc keeps freed memory for reuse where
+/// the system allocator unmaps every large block on free, so each step and each first step
+/// after a change page-faulted its buffers in afresh (`recipes bench reconfig`, README).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod adaptive;
 mod bench;
 mod compare;

@@ -103,6 +103,12 @@ fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, u
         assert!((a - b).abs() <= 1e-5, "step {}: in-process loss {a}, {np} processes {b}", i + 1);
     }
     assert!((want_eval - got_eval).abs() <= 1e-5, "held-out loss: in-process {want_eval}, {np} processes {got_eval}");
+    // Both layout changes ran live: the processes exchanged the plan's slices and stayed up.
+    let run = std::fs::read_dir(dir.path().join("processes")).unwrap().flatten().map(|e| e.path()).find(|p| p.is_dir()).unwrap();
+    let rows: Vec<csv::StringRecord> =
+        csv::Reader::from_path(run.join("reconfigurations.csv")).unwrap().records().map(|r| r.unwrap()).collect();
+    let live: Vec<&str> = rows.iter().filter(|r| &r[4] == "true").map(|r| &r[7]).collect();
+    assert_eq!(live, ["true", "true"], "{rows:?}");
 }
 
 #[test]

@@ -306,6 +306,16 @@ impl Cluster {
         self.abort.is_some()
     }
 
+    /// Ends the ranks from `size` on, after a committed layout change left them no place (they
+    /// return once they have replied to the commit).
+    pub(super) fn retire_from(&mut self, size: usize) {
+        for mut w in self.workers.drain(size.min(self.workers.len())..) {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
     /// The in-process world's handle (local clusters only).
     pub(super) fn world(&self) -> Option<&AbortHandle> {
         self.abort.as_ref()
@@ -434,9 +444,11 @@ fn worker_loop<L: ParallelLm, C: Collective>(
     tx: Sender<(usize, Result<Reply, RankFailure>)>,
 ) {
     let r = state.rank;
-    // The state a live layout change built, until the driver commits or aborts it.
-    let mut pending: Option<RankState<L, C>> = None;
+    // The state a live layout change built, until the driver commits or aborts it: `Some(None)`
+    // when the new layout has no place for this rank, which then retires on commit.
+    let mut pending: Option<Option<RankState<L, C>>> = None;
     while let Ok(cmd) = rx.recv() {
+        let mut retire = false;
         let result = match cmd {
             // A live layout change reports its failures as replies: the old state trains on.
             Command::LiveSend(job) => {
@@ -454,8 +466,12 @@ fn worker_loop<L: ParallelLm, C: Collective>(
                 Ok(Ok(Reply::Built(reply)))
             }
             Command::LiveCommit => match pending.take() {
-                Some(next) => {
+                Some(Some(next)) => {
                     state = next;
+                    Ok(Ok(Reply::Done))
+                }
+                Some(None) => {
+                    retire = true;
                     Ok(Ok(Reply::Done))
                 }
                 None => Ok(Err(RankError::Train(crate::trainer::TrainError::Batch("no layout change to commit".into())))),
@@ -496,7 +512,7 @@ fn worker_loop<L: ParallelLm, C: Collective>(
             }
         };
         let failed = out.is_err();
-        if tx.send((r, out)).is_err() || failed {
+        if tx.send((r, out)).is_err() || failed || retire {
             // After a failure the world is aborted; this rank can do nothing more.
             return;
         }

@@ -65,7 +65,7 @@ pub enum EngineError {
 }
 
 /// Where a reconfiguration can fail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReconfigPhase {
     /// While or right after the state leaves the old layout: staged in host memory (the old
     /// ranks then stop), or cut and sent by every rank (a live change).

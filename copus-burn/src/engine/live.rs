@@ -16,7 +16,7 @@
 //! A failure on a rank in steps 1-2 is reported as a reply, not as a rank failure: the world is
 //! not aborted and the old state keeps training.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,6 +25,7 @@ use burn_pack::Scalar;
 use copus_core::layout::RankGrid;
 use copus_core::model::{ParamSpec, TpSplit};
 use copus_core::reshard::{Placer, ReshardPlan};
+use serde::{Deserialize, Serialize};
 
 use super::Engine;
 use super::cluster::{Cluster, Command, Reply};
@@ -32,12 +33,14 @@ use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::rank::{Groups, RankState};
+use crate::adamw;
 use crate::collective::Collective;
+use crate::grads::with_values;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
 use crate::state::{OptimScalars, RankResume, checksum};
 
-/// Tags of reshard messages: above every tag the step uses.
-pub(super) const TAG_BASE: u32 = 1 << 31;
+/// Tags of reshard messages: above every tag the step uses, and inside MPI's signed tags.
+pub(super) const TAG_BASE: u32 = 1 << 30;
 
 /// One layout change, shared by every rank.
 pub(crate) struct LiveJob {
@@ -53,7 +56,7 @@ pub(crate) struct LiveJob {
 
 /// What a rank sent: each piece's tag and checksum, the elements, and what the build step needs
 /// from every rank.
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Sent {
     pub(super) sums: Vec<(u32, u64)>,
     pub(super) elements: u64,
@@ -65,6 +68,7 @@ pub(crate) struct Sent {
 }
 
 /// What every rank agrees on before building: the pieces per move and the step counts.
+#[derive(Serialize, Deserialize)]
 pub(crate) struct Agreed {
     pub(super) fields: Vec<String>,
     pub(super) has_previous: bool,
@@ -83,7 +87,7 @@ fn kinds(fields: &[String], has_previous: bool) -> usize {
 }
 
 /// What a rank received.
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Received {
     pub(super) sums: Vec<(u32, u64)>,
     pub(super) elements: u64,
@@ -94,9 +98,9 @@ pub(super) fn tag(index: usize, kind: usize, kinds: usize) -> u32 {
     TAG_BASE + (index * kinds + kind) as u32
 }
 
-/// Whether a plan's pieces fit the tag space.
+/// Whether a plan's pieces fit the tag space (tags below 2^31, as MPI's are).
 pub(super) fn tags_fit(moves: usize, kinds: usize) -> bool {
-    moves.saturating_mul(kinds) < (u32::MAX - TAG_BASE) as usize
+    moves.saturating_mul(kinds) < (i32::MAX as u32 - TAG_BASE) as usize
 }
 
 /// The local shape of a rank's shard of `spec` under `tp`.
@@ -146,6 +150,9 @@ pub(super) fn place_along(values: &mut [f32], shape: &[usize], dim: usize, offse
     Ok(())
 }
 
+/// A new shard's local shape and, per kind, its values once a piece has arrived.
+type NewShard = (Vec<usize>, Vec<Option<Vec<f32>>>);
+
 /// A failure at a phase, reported by a rank without aborting the world.
 pub(crate) type PhaseError = (ReconfigPhase, String);
 
@@ -153,30 +160,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Step 1: sends this rank's pieces of the plan.
     pub(super) fn live_send(&self, job: &LiveJob) -> Result<Sent, String> {
         let me = self.rank;
-        // This rank's shards by name: the local shape, then the weights, each optimizer field in
-        // sorted order and the previous gradient.
-        let mut local: HashMap<String, (Vec<usize>, Vec<Vec<f32>>)> =
-            self.params().into_iter().map(|(n, shape, v)| (n, (shape, vec![v]))).collect();
-        let (tensors, scalars) = self.optim_entries().map_err(|e| e.to_string())?;
-        let mut by_field: BTreeMap<String, HashMap<String, Vec<f32>>> = BTreeMap::new();
-        for (name, field, _, v) in tensors {
-            by_field.entry(field).or_default().insert(name, v);
-        }
-        let fields: Vec<String> = by_field.keys().cloned().collect();
-        for (field, mut tensors) in by_field {
-            for (name, (_, bufs)) in local.iter_mut() {
-                let v = tensors.remove(name).ok_or_else(|| format!("`{name}` has no optimizer tensor `{field}`"))?;
-                bufs.push(v);
-            }
-        }
-        let previous = self.closer.memory().get().map(|g| self.index.per_param(self.stage(), g));
-        let has_previous = previous.is_some();
-        if let Some(prev) = previous {
-            let mut prev: HashMap<String, Vec<f32>> = prev.into_iter().map(|(id, v)| (self.param_name(id).to_string(), v)).collect();
-            for (name, (_, bufs)) in local.iter_mut() {
-                bufs.push(prev.remove(name).ok_or_else(|| format!("`{name}` has no previous gradient"))?);
-            }
-        }
+        // This rank's shards by name: the local shape, then the weights, each optimizer moment
+        // and the previous gradient, as tensors read where they lie.
+        let super::rank::FlatState { shards: local, scalars, stepped, has_previous } = self.flat_state()?;
+        let fields: Vec<String> = if stepped { vec![adamw::MOMENT_1.to_string(), adamw::MOMENT_2.to_string()] } else { Vec::new() };
         let kinds = kinds(&fields, has_previous);
         if !tags_fit(job.plan.moves.len(), kinds) {
             return Err(format!("{} moves of {kinds} pieces do not fit the message tags", job.plan.moves.len()));
@@ -185,9 +172,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let mut elements = 0u64;
         for (i, m) in job.plan.moves.iter().enumerate().filter(|(_, m)| m.src_rank == me) {
             let name = &job.specs[m.param].name;
-            let (shape, bufs) = local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
-            for (kind, buf) in bufs.iter().enumerate() {
-                let piece = slice_along(buf, shape, m.dim, m.src_offset, m.len).map_err(|e| format!("`{name}`: {e}"))?;
+            let (shape, tensors) =
+                local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
+            for (kind, t) in tensors.iter().enumerate() {
+                let piece = with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
                 let t = tag(i, kind, kinds);
                 sums.push((t, checksum(&piece)));
                 elements += piece.len() as u64;
@@ -199,40 +187,46 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Step 2: receives this rank's pieces and builds its state in the new layout beside the
     /// current one.
-    pub(super) fn live_build(&self, job: &LiveJob, agreed: &Agreed, model: &L) -> Result<(Self, Received), PhaseError> {
+    pub(super) fn live_build(&self, job: &LiveJob, agreed: &Agreed, model: &L) -> Result<(Option<Self>, Received), PhaseError> {
         let me = self.rank;
         let dims = job.cfg.dims;
         let struck = |phase: ReconfigPhase| me == job.fault_rank && job.fault.hits(phase);
+        // Process groups first: every rank makes these collective calls, whatever fails later.
+        // A smaller world keeps the first ranks; the others retire once the change commits.
+        let (old, new) = (self.world.size(), dims.world_size());
+        let mut parts = vec![(0..new.min(old)).collect::<Vec<usize>>()];
+        if old > new {
+            parts.push((new..old).collect());
+        }
+        let world = self.world.split(&parts).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
+        if me >= new {
+            return Ok((None, Received { sums: Vec::new(), elements: 0 }));
+        }
         let grid = RankGrid::new(dims);
         let c = grid.coord(me).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
         let plan = ShardPlan::new(dims, c.tp, c.pp, job.num_layers);
-        // Process groups first: every rank makes these collective calls, whatever fails later.
-        let all: Vec<usize> = (0..self.world.size()).collect();
-        let groups = self
-            .world
-            .split(&[all])
-            .and_then(|world| Groups::split(world, &grid))
-            .map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
+        let groups = Groups::split(world, &grid).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
         if struck(ReconfigPhase::GroupRebuild) {
             return Err((ReconfigPhase::GroupRebuild, "injected failure while building process groups".into()));
         }
         let load = |e: String| (ReconfigPhase::Load, e);
         let kinds = agreed.kinds();
-        let mut shards: HashMap<usize, (Vec<usize>, Vec<Vec<f32>>)> = HashMap::new();
+        // Each new shard, per kind: filled in from zeros, or a single piece that is the whole
+        // shard, taken as it arrived.
+        let mut shards: HashMap<usize, NewShard> = HashMap::new();
         for (p, spec) in job.specs.iter().enumerate() {
             if holds(spec, &plan, job.num_layers) {
-                let shape = local_shape(spec, dims.tp);
-                let n = shape.iter().product();
-                shards.insert(p, (shape, vec![vec![0f32; n]; kinds]));
+                shards.insert(p, (local_shape(spec, dims.tp), vec![None; kinds]));
             }
         }
         let mut sums = Vec::new();
         let mut elements = 0u64;
+        // Every piece sent here is received, even after a failure: none may stay in flight (an
+        // MPI send of a large piece completes only once it is received).
+        let mut failure: Option<PhaseError> = None;
         for (i, m) in job.plan.moves.iter().enumerate().filter(|(_, m)| m.dst_rank == me) {
             let name = &job.specs[m.param].name;
-            let (shape, bufs) =
-                shards.get_mut(&m.param).ok_or_else(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")))?;
-            for (kind, buf) in bufs.iter_mut().enumerate() {
+            for kind in 0..kinds {
                 let t = tag(i, kind, kinds);
                 let piece = self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?;
                 let mut sum = checksum(&piece);
@@ -241,15 +235,30 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 }
                 sums.push((t, sum));
                 elements += piece.len() as u64;
-                place_along(buf, shape, m.dim, m.dst_offset, m.len, &piece).map_err(|e| load(format!("`{name}`: {e}")))?;
+                let Some((shape, bufs)) = shards.get_mut(&m.param) else {
+                    failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
+                    continue;
+                };
+                let n: usize = shape.iter().product();
+                let buf = &mut bufs[kind];
+                if buf.is_none() && m.dst_offset == 0 && m.len == shape[m.dim] && piece.len() == n {
+                    *buf = Some(piece);
+                    continue;
+                }
+                let values = buf.get_or_insert_with(|| vec![0f32; n]);
+                if let Err(e) = place_along(values, shape, m.dim, m.dst_offset, m.len, &piece) {
+                    failure.get_or_insert_with(|| load(format!("`{name}`: {e}")));
+                }
             }
+        }
+        if let Some(f) = failure {
+            return Err(f);
         }
         if struck(ReconfigPhase::Load) {
             return Err(load("injected failure while loading shards".into()));
         }
         // What the new stage must hold once built: the weights that arrived. (The optimizer
-        // tensors are checked piece by piece against the senders' sums; reading them back out
-        // of the optimizer would cost another serialisation of the whole state.)
+        // tensors are checked piece by piece against the senders' sums.)
         let mut expected = Vec::new();
         let mut source = HashMap::new();
         let mut resume = RankResume {
@@ -259,8 +268,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             previous: agreed.has_previous.then(HashMap::new),
             ..RankResume::default()
         };
-        for (p, (shape, mut bufs)) in shards {
+        for (p, (shape, bufs)) in shards {
             let name = job.specs[p].name.clone();
+            let mut bufs: Vec<Vec<f32>> =
+                bufs.into_iter().collect::<Option<_>>().ok_or_else(|| load(format!("no piece of `{name}` arrived at rank {me}")))?;
             if let Some(prev) = resume.previous.as_mut() {
                 prev.insert(name.clone(), bufs.pop().expect("a previous-gradient piece"));
             }
@@ -291,14 +302,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.device.clone(),
         )
         .map_err(|e| load(e.to_string()))?;
-        let mut loaded: Vec<(String, u64)> = state.params().into_iter().map(|(n, _, v)| (n, checksum(&v))).collect();
+        let mut loaded = state.param_sums();
         loaded.sort();
         expected.sort();
         if loaded != expected {
             let diff = expected.iter().find(|w| !loaded.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
             return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {diff} does not match what it received")));
         }
-        Ok((state, Received { sums, elements }))
+        Ok((Some(state), Received { sums, elements }))
     }
 }
 
@@ -390,13 +401,19 @@ pub(crate) enum LiveFailure {
 }
 
 impl<L: ParallelLm> Engine<L> {
-    /// Whether a layout change can run live: every rank is a thread of this process.
+    /// Whether a layout change can run live: the ranks are up, as threads of this process or as
+    /// the processes of an MPI job.
+    pub(crate) fn can_switch_live(&self) -> bool {
+        self.dead.is_none() && self.cluster.is_some()
+    }
+
+    /// Whether every rank is a thread of this process.
     pub(crate) fn runs_locally(&self) -> bool {
         self.dead.is_none() && self.cluster.as_ref().is_some_and(Cluster::is_local)
     }
 
-    /// Switches the running ranks to `target` (same world size) by executing the reshard plan
-    /// between them; see the module documentation.
+    /// Switches the running ranks to `target` (the same or a smaller world: the first ranks
+    /// stay) by executing the reshard plan between them; see the module documentation.
     pub(crate) fn switch_live(&mut self, target: &EngineConfig, fault: Fault) -> Result<LiveSwitch, LiveFailure> {
         let num_layers = self.model.spec().num_layers;
         let plan = ReshardPlan::new(&self.specs, Placer { num_layers }, self.cfg.dims, target.dims)
@@ -408,7 +425,8 @@ impl<L: ParallelLm> Engine<L> {
             specs: Arc::new(self.specs.clone()),
             num_layers,
             fault,
-            fault_rank: self.cfg.dims.world_size() - 1,
+            // The last rank that builds: a fault planted there is seen whatever the world size.
+            fault_rank: self.cfg.dims.world_size().min(target.dims.world_size()) - 1,
         });
         let start = Instant::now();
         let outcome = self.live_steps(&job, start);
@@ -422,6 +440,9 @@ impl<L: ParallelLm> Engine<L> {
         match outcome {
             Ok((send_secs, elements, kinds)) => {
                 self.broadcast(|| Command::LiveCommit).map_err(LiveFailure::Engine)?;
+                if let Some(cluster) = self.cluster.as_mut() {
+                    cluster.retire_from(target.dims.world_size());
+                }
                 self.cfg = target.clone();
                 Ok(LiveSwitch { send_secs, bytes: 4 * elements, remote_bytes: 4 * remote * kinds as u64 })
             }
@@ -444,20 +465,26 @@ impl<L: ParallelLm> Engine<L> {
     /// move).
     fn live_steps(&mut self, job: &Arc<LiveJob>, start: Instant) -> Result<(f64, u64, usize), LiveFailure> {
         let failed = |phase: ReconfigPhase, m: String| LiveFailure::RolledBack((phase, m));
+        // Before the build, sent pieces are still in flight. Between threads they are discarded;
+        // between processes they cannot be recalled, so the processes cannot train on together.
+        let local = self.runs_locally();
+        let unsent = move |phase: ReconfigPhase, m: String| {
+            if local { LiveFailure::RolledBack((phase, m)) } else { LiveFailure::Broken((phase, m)) }
+        };
         let replies = self.broadcast(|| Command::LiveSend(job.clone())).map_err(LiveFailure::Engine)?;
         let mut sent = Vec::with_capacity(replies.len());
         for (r, reply) in replies.into_iter().enumerate() {
             match reply {
                 Reply::Sent(Ok(s)) => sent.push(s),
-                Reply::Sent(Err(e)) => return Err(failed(ReconfigPhase::AfterStaging, format!("rank {r}: {e}"))),
+                Reply::Sent(Err(e)) => return Err(unsent(ReconfigPhase::AfterStaging, format!("rank {r}: {e}"))),
                 _ => unreachable!("send reply"),
             }
         }
         let send_secs = start.elapsed().as_secs_f64();
         if job.fault.hits(ReconfigPhase::AfterStaging) {
-            return Err(failed(ReconfigPhase::AfterStaging, "injected failure after sending".into()));
+            return Err(unsent(ReconfigPhase::AfterStaging, "injected failure after sending".into()));
         }
-        let agreed = agree(&sent).map_err(|e| failed(ReconfigPhase::AfterStaging, e))?;
+        let agreed = agree(&sent).map_err(|e| unsent(ReconfigPhase::AfterStaging, e))?;
         let kinds = agreed.kinds();
         let agreed = Arc::new(agreed);
         let replies = self.broadcast(|| Command::LiveBuild(job.clone(), agreed.clone())).map_err(LiveFailure::Engine)?;

@@ -3,8 +3,10 @@
 //!
 //! Process 0 broadcasts each engine command on the control communicator; every serving
 //! process carries it out on its rank and, for the commands that return data (parameters,
-//! exports, start-up checksums), answers process 0. Starting a layout sends the whole staged
-//! training state in the checkpoint format; each process cuts its own shards from it.
+//! exports, start-up checksums, reshard pieces' checksums), answers process 0. Starting a
+//! layout sends the whole staged training state in the checkpoint format; each process cuts its
+//! own shards from it. A layout change between running ranks sends only the reshard plan: the
+//! processes then exchange the plan's slices among themselves (`engine/live.rs`).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -12,8 +14,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::cluster::{Command, Reply, panic_message, rank_init};
-use super::error::EngineError;
+use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
+use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
 use super::rank::RankState;
 use super::{EngineStep, RankParams};
 use crate::mpi::{self, MpiComm, Role};
@@ -37,10 +40,28 @@ enum Header {
         global_batch: usize,
         micro_batch: usize,
     },
+    /// A live layout change, step 1: send this rank's pieces of the plan in the payload
+    /// ([`LiveOrder`], JSON).
+    LiveSend,
+    /// Step 2: receive and build; the payload is what the ranks agreed on (JSON).
+    LiveBuild,
+    /// Step 3: switch to what step 2 built.
+    LiveCommit,
+    /// Step 3 after a failure: drop it.
+    LiveAbort,
     /// Stop the ranks of the current layout (the process keeps serving).
     Stop,
     /// The run is over.
     Exit,
+}
+
+/// A live layout change as process 0 sends it: the plan and the configuration to switch to
+/// (each process derives the parameter specs from its own model).
+#[derive(Serialize, Deserialize)]
+struct LiveOrder {
+    plan: copus_core::reshard::ReshardPlan,
+    cfg: super::EngineConfig,
+    num_layers: usize,
 }
 
 fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
@@ -126,16 +147,20 @@ impl Remote {
                 self.send(&Header::SetBatch { global_batch: *global_batch, micro_batch: *micro_batch }, &[])
             }
             Command::Stop => self.send(&Header::Stop, &[]),
-            Command::LiveSend(_) | Command::LiveBuild(..) | Command::LiveCommit | Command::LiveAbort => {
-                Err(EngineError::Dead("a live layout change runs only between in-process ranks".into()))
+            Command::LiveSend(job) => {
+                let order = LiveOrder { plan: job.plan.clone(), cfg: job.cfg.clone(), num_layers: job.num_layers };
+                self.send(&Header::LiveSend, &serde_json::to_vec(&order).expect("plans serialise"))
             }
+            Command::LiveBuild(_, agreed) => self.send(&Header::LiveBuild, &serde_json::to_vec(&**agreed).expect("agreements serialise")),
+            Command::LiveCommit => self.send(&Header::LiveCommit, &[]),
+            Command::LiveAbort => self.send(&Header::LiveAbort, &[]),
         }
     }
 
     /// The serving ranks' replies to `command`, in rank order (placeholders where the engine
     /// reads only rank 0's reply).
     pub(super) fn replies(&self, command: &Command) -> Result<Vec<Reply>, EngineError> {
-        if !matches!(command, Command::Params | Command::Export) {
+        if !matches!(command, Command::Params | Command::Export | Command::LiveSend(_) | Command::LiveBuild(..)) {
             return Ok((1..self.size).map(|_| Reply::Done).collect());
         }
         // Every answer is read before any is decoded, so none is left queued for a later read;
@@ -145,6 +170,14 @@ impl Remote {
             .into_iter()
             .zip(1..)
             .map(|(bytes, r)| match command {
+                Command::LiveSend(_) => match serde_json::from_slice::<Result<Sent, String>>(&bytes) {
+                    Ok(sent) => Reply::Sent(sent),
+                    Err(e) => mpi::abort_job(&format!("process {r}'s reshard answer does not decode: {e}")),
+                },
+                Command::LiveBuild(..) => match serde_json::from_slice::<Result<Received, PhaseError>>(&bytes) {
+                    Ok(built) => Reply::Built(built),
+                    Err(e) => mpi::abort_job(&format!("process {r}'s reshard answer does not decode: {e}")),
+                },
                 Command::Params => match crate::wire::unpack(PARAMS_KEY, bytes) {
                     Ok((_, tensors)) => Reply::Params(tensors),
                     Err(e) => mpi::abort_job(&format!("process {r}'s parameters do not decode: {e}")),
@@ -183,6 +216,9 @@ pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) ->
     };
     let mut running: Option<RankState<L, MpiComm>> = None;
     let mut model: Option<(String, Arc<L>)> = None;
+    // A live layout change in progress: its plan, and the state step 2 built.
+    let mut job: Option<Arc<LiveJob>> = None;
+    let mut pending: Option<RankState<L, MpiComm>> = None;
     loop {
         let msg = mpi::control_broadcast(None).map_err(comm_err)?;
         let (header, payload) = decode(&msg).map_err(comm_err)?;
@@ -234,6 +270,49 @@ pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) ->
                 if let Some(s) = running.as_mut() {
                     s.set_batch(global_batch, micro_batch);
                 }
+            }
+            Header::LiveSend => {
+                let s = running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
+                let l = model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
+                let order: LiveOrder =
+                    serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard plan that does not parse: {e}")))?;
+                let j = Arc::new(LiveJob {
+                    plan: order.plan,
+                    cfg: order.cfg,
+                    specs: Arc::new(l.spec().param_specs()),
+                    num_layers: order.num_layers,
+                    fault: Fault::default(),
+                    fault_rank: usize::MAX,
+                });
+                let sent = catch_unwind(AssertUnwindSafe(|| s.live_send(&j))).unwrap_or_else(|p| Err(panic_message(&p)));
+                job = Some(j);
+                pending = None;
+                reply(serde_json::to_vec(&sent).expect("answers serialise"))?;
+            }
+            Header::LiveBuild => {
+                let s = running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
+                let l = model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
+                let j = job.clone().ok_or_else(|| comm_err("a reshard build before its plan".into()))?;
+                let agreed: Agreed =
+                    serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard agreement that does not parse: {e}")))?;
+                let built = catch_unwind(AssertUnwindSafe(|| s.live_build(&j, &agreed, &*l)))
+                    .unwrap_or_else(|p| Err((ReconfigPhase::Load, panic_message(&p))));
+                let answer = built.map(|(next, received)| {
+                    pending = next;
+                    received
+                });
+                reply(serde_json::to_vec(&answer).expect("answers serialise"))?;
+            }
+            Header::LiveCommit => {
+                job = None;
+                match pending.take() {
+                    Some(next) => running = Some(next),
+                    None => mpi::abort_job(&format!("rank {rank}: a layout change committed with nothing built")),
+                }
+            }
+            Header::LiveAbort => {
+                job = None;
+                pending = None;
             }
             Header::Stop => running = None,
             Header::Exit => return Ok(()),

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use copus_core::layout::{Axis, RankGrid};
 use copus_core::model::{ParamSpec, Placement, TpSplit};
@@ -16,11 +16,13 @@ use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::grad_index::{GradIndex, ParamInfo, Role};
+use crate::adamw::{self, AdamW, Moments};
 use crate::closing::StepCloser;
 use crate::collective::{Collective, CommError, ThreadComm};
+use crate::grads::with_values;
 use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
 use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, checksum};
-use crate::trainer::{TrainError, adamw_optimizer};
+use crate::trainer::TrainError;
 
 /// Why a rank could not do what it was asked.
 #[derive(Debug, Error)]
@@ -61,9 +63,7 @@ pub(super) struct RankState<L: ParallelLm, C: Collective = ThreadComm> {
     pub(super) stage: Option<L::Stage>,
     pub(super) index: GradIndex,
     names: HashMap<ParamId, String>,
-    /// Each parameter's path inside the stage module.
-    paths: HashMap<ParamId, String>,
-    pub(super) optim: ModuleOptimizer,
+    pub(super) optim: AdamW,
     pub(super) cfg: EngineConfig,
     pub(super) closer: StepCloser,
     pub(super) step: u64,
@@ -129,7 +129,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let by_name: HashMap<&str, &ParamSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
         let mut params = Vec::new();
         let mut names = HashMap::new();
-        let mut paths = HashMap::new();
         let mut vocab = None;
         for (local, id, shape) in crate::parallel::param_paths(&stage) {
             let name = stage.global_name(&local);
@@ -147,11 +146,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 };
                 vocab = Some(rows);
             }
-            paths.insert(id, local.clone());
             names.insert(id, name);
         }
         let vocab_local = vocab.unwrap_or(0);
-        let optim = adamw_optimizer(&cfg.optim, &stage.no_decay_predicates());
+        let optim = cfg.optim.adamw(&stage.no_decay_predicates());
         let closer = StepCloser::new(cfg.optim.gns_theta).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
         let Groups { world, tp, dp, pp, mp } = groups;
         let mut state = Self {
@@ -167,7 +165,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             plan,
             stage: Some(stage),
             names,
-            paths,
             optim,
             cfg,
             closer,
@@ -196,23 +193,41 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("optimizer state for `{name}` has no parameter here"))))
         };
         if !r.optim.is_empty() || !r.scalars.is_empty() {
-            let mut tensors = Vec::with_capacity(r.optim.len());
+            let fail = |message: String| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {message}") };
+            // name -> (shape, first moment, second moment, updates taken)
+            type Parts = (Vec<usize>, Option<Vec<f32>>, Option<Vec<f32>>, Option<usize>);
+            let mut parts: HashMap<String, Parts> = HashMap::new();
             for (name, field, shape, values) in r.optim {
-                let id = id_of(&name)?.val();
-                let (bytes, shape, dtype) = TensorData::new(values, shape).into_parts();
-                tensors.push(burn_pack::Tensor::new(format!("{id}.{field}"), dtype, shape, Some(id), bytes));
+                let entry = parts.entry(name.clone()).or_insert_with(|| (shape.clone(), None, None, None));
+                let slot = match field.as_str() {
+                    adamw::MOMENT_1 => &mut entry.1,
+                    adamw::MOMENT_2 => &mut entry.2,
+                    other => {
+                        return Err(fail(format!(
+                            "`{name}` has a field `{other}`; AdamW keeps `{}` and `{}`",
+                            adamw::MOMENT_1,
+                            adamw::MOMENT_2
+                        )));
+                    }
+                };
+                if entry.0 != shape || slot.replace(values).is_some() {
+                    return Err(fail(format!("`{name}` has `{field}` twice, or moments of two shapes")));
+                }
             }
-            let mut w = burn_pack::Writer::new(tensors);
             for (name, field, v) in r.scalars {
-                w = w.with_scalar(&format!("{}.{field}", id_of(&name)?.val()), v);
+                if field == adamw::TIME {
+                    let time = usize::try_from(v).map_err(|_| fail(format!("`{name}`'s `{field}` is not a step count: {v:?}")))?;
+                    parts.entry(name).or_insert_with(|| (Vec::new(), None, None, None)).3 = Some(time);
+                }
             }
-            for (id, path) in &self.paths {
-                w = w.with_metadata(&id.val().to_string(), path);
+            let device = self.device.clone().inner();
+            for (name, (shape, m1, m2, time)) in parts {
+                let id = id_of(&name)?;
+                let (Some(m1), Some(m2), Some(time)) = (m1, m2, time) else {
+                    return Err(fail(format!("`{name}` lacks a moment or its step count")));
+                };
+                self.optim.set_moments(id, Moments::from_values(time, shape, m1, m2, &device).map_err(|e| fail(format!("`{name}`: {e}")))?);
             }
-            let bytes = w.into_bytes().map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e:?}") })?;
-            let fresh = adamw_optimizer(&self.cfg.optim, &self.stage().no_decay_predicates());
-            self.optim =
-                fresh.from_bytes(bytes).map_err(|e| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {e}") })?;
         }
         if let Some(prev) = r.previous {
             let mut g = GradientsParams::new();
@@ -249,28 +264,20 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Optimizer state as (global name, field, shape, values) tensors and (name, field, value)
     /// scalars.
     pub(super) fn optim_entries(&self) -> Result<(OptimTensors, OptimScalars), RankError> {
-        let fail = |e: String| RankError::Train(TrainError::Batch(format!("optimizer state: {e}")));
-        let bytes = self.optim.into_bytes().map_err(|e| fail(e.to_string()))?;
-        let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| fail(format!("{e:?}")))?;
-        let name_of = |key: &str| -> Result<(String, String), RankError> {
-            let (id, field) = key.split_once('.').ok_or_else(|| fail(format!("unexpected key {key}")))?;
-            let id = ParamId::from(id.parse::<u64>().map_err(|_| fail(format!("unexpected key {key}")))?);
-            let name = self.names.get(&id).ok_or_else(|| fail(format!("state for an unknown parameter {key}")))?;
-            Ok((name.clone(), field.to_string()))
-        };
-        let mut scalars = Vec::new();
-        for (k, v) in reader.scalars() {
-            let (name, field) = name_of(k)?;
-            scalars.push((name, field, *v));
-        }
         let mut tensors = Vec::new();
-        for t in reader.into_tensors().map_err(|e| fail(format!("{e:?}")))? {
-            let (key, dtype, shape, _, bytes) = t.into_parts().map_err(|e| fail(format!("{e:?}")))?;
-            let (name, field) = name_of(&key)?;
-            let data = TensorData::from_bytes(bytes, shape, dtype);
-            let shape = data.shape().to_vec();
-            let values: Vec<f32> = data.iter::<f32>().collect();
-            tensors.push((name, field, shape, values));
+        let mut scalars = Vec::new();
+        for id in self.optim.ids() {
+            let name = self
+                .names
+                .get(&id)
+                .ok_or_else(|| RankError::Train(TrainError::Batch(format!("optimizer state for an unknown parameter {id}"))))?;
+            let m = self.optim.moments(id).expect("listed");
+            for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
+                tensors.push((name.clone(), field.to_string(), m.shape.clone(), with_values(t, <[f32]>::to_vec)));
+            }
+            for (field, v) in m.scalars() {
+                scalars.push((name.clone(), field.to_string(), v));
+            }
         }
         Ok((tensors, scalars))
     }
@@ -278,10 +285,54 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Checksums of the loaded parameters and optimizer tensors, keyed `name` and
     /// `name#field`.
     fn checksums(&self) -> Result<Vec<(String, u64)>, EngineError> {
-        let mut out: Vec<(String, u64)> = self.params().into_iter().map(|(n, _, v)| (n, checksum(&v))).collect();
-        let (tensors, _) = self.optim_entries().map_err(|e| EngineError::Rank { rank: self.rank, message: e.to_string() })?;
-        out.extend(tensors.into_iter().map(|(n, f, _, v)| (format!("{n}#{f}"), checksum(&v))));
+        let mut out = self.param_sums();
+        for id in self.optim.ids() {
+            let name = self
+                .names
+                .get(&id)
+                .ok_or_else(|| EngineError::Rank { rank: self.rank, message: "optimizer state for an unknown parameter".into() })?;
+            let m = self.optim.moments(id).expect("listed");
+            for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
+                out.push((format!("{name}#{field}"), with_values(t, checksum)));
+            }
+        }
         Ok(out)
+    }
+
+    /// Checksums of this rank's parameters by global name, read where they lie.
+    pub(super) fn param_sums(&self) -> Vec<(String, u64)> {
+        crate::parallel::flat_params(self.stage())
+            .into_iter()
+            .map(|(path, _, _, t)| (self.stage().global_name(&path), with_values(&t, checksum)))
+            .collect()
+    }
+
+    /// This rank's state as flat tensors, read where it lies (see [`FlatState`]).
+    pub(super) fn flat_state(&self) -> Result<FlatState, String> {
+        let stepped = !self.optim.is_empty();
+        let previous = self.closer.memory().get();
+        let mut out = HashMap::new();
+        let mut scalars = Vec::new();
+        let prev = previous.map(|g| flat_grads(self.stage(), g));
+        for (i, (path, id, shape, w)) in crate::parallel::flat_params(self.stage()).into_iter().enumerate() {
+            let name = self.stage().global_name(&path);
+            let mut kinds = vec![w];
+            if stepped {
+                let m = self.optim.moments(id).ok_or_else(|| format!("`{name}` has no optimizer moments"))?;
+                kinds.push(m.m1.clone());
+                kinds.push(m.m2.clone());
+                for (field, v) in m.scalars() {
+                    scalars.push((name.clone(), field.to_string(), v));
+                }
+            }
+            if let Some(prev) = &prev {
+                let (pid, g) = &prev[i];
+                debug_assert_eq!(*pid, id);
+                kinds.push(g.clone());
+            }
+            out.insert(name, (shape, kinds));
+        }
+        Ok(FlatState { shards: out, scalars, stepped, has_previous: prev.is_some() })
     }
 
     /// This rank's state for staging (data only from dp replica 0).
@@ -309,11 +360,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(out)
     }
 
-    /// The global name of a parameter of this rank's stage.
-    pub(super) fn param_name(&self, id: ParamId) -> &str {
-        &self.names[&id]
-    }
-
     pub(super) fn stage(&self) -> &L::Stage {
         self.stage.as_ref().expect("stage present between steps")
     }
@@ -331,6 +377,41 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.cfg.global_batch = global_batch;
         self.cfg.micro_batch = micro_batch;
     }
+}
+
+/// Every parameter of a rank by global name: its shape, then as flat tensors (no values copied
+/// where they are stored contiguously) its weights, its two AdamW moments when the optimizer
+/// has stepped, and the previous gradient when the probe keeps one (zeros for a parameter it
+/// has none of).
+pub(super) struct FlatState {
+    pub(super) shards: HashMap<String, (Vec<usize>, Vec<Tensor<1>>)>,
+    /// The optimizer's scalars of every parameter.
+    pub(super) scalars: OptimScalars,
+    /// Whether the optimizer has moments (it has stepped).
+    pub(super) stepped: bool,
+    pub(super) has_previous: bool,
+}
+
+/// Every parameter's gradient in `g` as a flat tensor, in stage visit order (zeros where it has
+/// none).
+fn flat_grads<S: Module>(stage: &S, g: &GradientsParams) -> Vec<(ParamId, Tensor<1>)> {
+    struct V<'a> {
+        g: &'a GradientsParams,
+        out: Vec<(ParamId, Tensor<1>)>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let n = p.val().shape().num_elements();
+            let t = match self.g.get::<D>(p.id) {
+                Some(t) => t.reshape([n]),
+                None => Tensor::zeros([n], &p.val().inner().device()),
+            };
+            self.out.push((p.id, t));
+        }
+    }
+    let mut v = V { g, out: Vec::new() };
+    stage.visit(&mut v);
+    v.out
 }
 
 /// A rank's process groups.

@@ -1,0 +1,471 @@
+//! AdamW whose moments copus holds itself, as tensors.
+//!
+//! Burn's `ModuleOptimizer` keeps its state private. Outside Burn the state can only be reached
+//! as a serialised burnpack record, so every layout change and every checkpoint serialised and
+//! parsed both moments of every parameter. Here the moments are plain tensors. A layout change
+//! slices them where they lie, and a restore hands the received values over without a copy.
+//!
+//! The update is one pass per parameter on the host when the parameter, its gradient and both
+//! moments are contiguous f32 tensors on Flex. Each element's parameter, gradient and moments
+//! are read once and written once, where Burn's AdamW runs about ten element-wise tensor
+//! operations, each over the whole tensor. Elsewhere (another device, another dtype, a strided
+//! gradient) the same update runs as Burn tensor operations.
+//!
+//! Both paths do Burn 0.22's AdamW arithmetic operation for operation, in f32 and in its order,
+//! so they give Burn's results to the bit (tested against `ModuleOptimizer`). The state is named
+//! as Burn's record names it (`momentum.moment_1`, `momentum.moment_2`, the scalars
+//! `momentum.time` and `__rank`), so checkpoints written through either read with the other.
+
+use std::collections::HashMap;
+
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
+use burn::module::{Module, ModuleMapper, Param, ParamGroup, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_pack::Scalar;
+use rayon::prelude::*;
+
+/// The record name of the first moment.
+pub const MOMENT_1: &str = "momentum.moment_1";
+/// The record name of the second moment.
+pub const MOMENT_2: &str = "momentum.moment_2";
+/// The record name of the step count.
+pub const TIME: &str = "momentum.time";
+/// The record name of the parameter's number of dimensions.
+pub const RANK: &str = "__rank";
+
+/// Elements per task of the host update: elementwise, so the split changes no result.
+const PART: usize = 1 << 16;
+
+/// The moments of one parameter.
+#[derive(Clone, Debug)]
+pub struct Moments {
+    /// Updates taken.
+    pub time: usize,
+    /// The parameter's shape; the moments are its values flattened.
+    pub shape: Vec<usize>,
+    /// First moment.
+    pub m1: Tensor<1>,
+    /// Second moment.
+    pub m2: Tensor<1>,
+}
+
+impl Moments {
+    /// Moments from host values, on `device`.
+    pub fn from_values(time: usize, shape: Vec<usize>, m1: Vec<f32>, m2: Vec<f32>, device: &Device) -> Result<Self, String> {
+        let n: usize = shape.iter().product();
+        if m1.len() != n || m2.len() != n {
+            return Err(format!("moments of {} and {} values for a parameter of shape {shape:?}", m1.len(), m2.len()));
+        }
+        let t = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [n]), device);
+        Ok(Self { time, shape, m1: t(m1), m2: t(m2) })
+    }
+
+    /// The record scalars of this parameter's state: (name, value).
+    pub fn scalars(&self) -> [(&'static str, Scalar); 2] {
+        [(TIME, Scalar::from(self.time)), (RANK, Scalar::from(self.shape.len()))]
+    }
+}
+
+/// AdamW with decoupled weight decay; parameters whose module path contains one of the
+/// `no_decay` predicates take none.
+#[derive(Clone, Debug)]
+pub struct AdamW {
+    beta_1: f32,
+    beta_2: f32,
+    eps: f32,
+    weight_decay: f32,
+    no_decay: Vec<ParamGroup>,
+    moments: HashMap<ParamId, Moments>,
+}
+
+/// The scalars of one update.
+#[derive(Clone, Copy, Debug)]
+struct Coeffs {
+    beta_1: f32,
+    beta_2: f32,
+    factor_1: f32,
+    factor_2: f32,
+    correct_1: f32,
+    correct_2: f32,
+    eps: f32,
+    /// `1 - lr * weight_decay`, when there is any decay.
+    keep: Option<f32>,
+    lr: f32,
+    first: bool,
+}
+
+impl AdamW {
+    /// AdamW with Burn's arguments: betas, epsilon and weight decay as f32, as Burn's config
+    /// holds them.
+    pub fn new(beta_1: f32, beta_2: f32, eps: f32, weight_decay: f32, no_decay: &[String]) -> Self {
+        let no_decay =
+            if weight_decay > 0.0 { no_decay.iter().map(|p| ParamGroup::from_predicate(p.clone())).collect() } else { Vec::new() };
+        Self { beta_1, beta_2, eps, weight_decay, no_decay, moments: HashMap::new() }
+    }
+
+    /// Updates every parameter of `module` that has a gradient in `grads` at learning rate `lr`.
+    pub fn step<M: Module>(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        module.map(&mut Stepper { optim: self, grads, lr, path: Vec::new() })
+    }
+
+    /// The moments of parameter `id`, once it has been updated or restored.
+    pub fn moments(&self, id: ParamId) -> Option<&Moments> {
+        self.moments.get(&id)
+    }
+
+    /// Parameters that have moments.
+    pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
+        self.moments.keys().copied()
+    }
+
+    /// Sets the moments of parameter `id`.
+    pub fn set_moments(&mut self, id: ParamId, moments: Moments) {
+        self.moments.insert(id, moments);
+    }
+
+    /// Parameters with moments.
+    pub fn len(&self) -> usize {
+        self.moments.len()
+    }
+
+    /// Whether no parameter has moments yet.
+    pub fn is_empty(&self) -> bool {
+        self.moments.is_empty()
+    }
+
+    /// The weight decay of the parameter at `path`.
+    fn decay(&self, id: ParamId, path: &str) -> f32 {
+        if self.no_decay.iter().any(|g| g.matches(&id, Some(path))) { 0.0 } else { self.weight_decay }
+    }
+
+    /// One parameter's update: the new (non-autodiff) value.
+    fn update<const D: usize>(&mut self, id: ParamId, path: &str, p: Tensor<D>, g: Tensor<D>, lr: f64) -> Tensor<D> {
+        let dims = p.dims();
+        let n = p.shape().num_elements();
+        let state = self.moments.remove(&id);
+        let time = state.as_ref().map_or(1, |s| s.time + 1);
+        let decay_rate = lr * f64::from(self.decay(id, path));
+        let k = Coeffs {
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            factor_1: 1.0 - self.beta_1,
+            factor_2: 1.0 - self.beta_2,
+            correct_1: 1f32 - self.beta_1.powi(time as i32),
+            correct_2: 1f32 - self.beta_2.powi(time as i32),
+            eps: self.eps,
+            keep: (decay_rate != 0.0).then_some((1.0 - decay_rate) as f32),
+            lr: lr as f32,
+            first: state.is_none(),
+        };
+        let (p, m1, m2) = match host_update(p, g, state, n, &k) {
+            Ok(done) => done,
+            Err((p, g, state)) => device_update(p, g, state, n, &k),
+        };
+        self.moments.insert(id, Moments { time, shape: dims.to_vec(), m1, m2 });
+        p
+    }
+}
+
+/// What the host update hands back when it cannot run: its inputs.
+type NotOnHost<const D: usize> = (Tensor<D>, Tensor<D>, Option<Moments>);
+
+/// The update in one pass on the host, when every tensor is a contiguous f32 tensor on Flex.
+// Tensor handles by value, as Burn passes them; boxing them would only add allocations.
+#[allow(clippy::result_large_err)]
+fn host_update<const D: usize>(
+    p: Tensor<D>,
+    g: Tensor<D>,
+    state: Option<Moments>,
+    n: usize,
+    k: &Coeffs,
+) -> Result<(Tensor<D>, Tensor<1>, Tensor<1>), NotOnHost<D>> {
+    let flex =
+        |t: &Tensor<D>| t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some());
+    let (Some(fp), Some(fg)) = (flex(&p), flex(&g)) else { return Err((p, g, state)) };
+    let moments = match &state {
+        Some(s) => {
+            let m = |t: &Tensor<1>| {
+                t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
+            };
+            match (m(&s.m1), m(&s.m2)) {
+                (Some(a), Some(b)) => Some((a, b)),
+                _ => return Err((p, g, state)),
+            }
+        }
+        None => None,
+    };
+    // The clones above are the handles from here on: each holds its buffer alone once the
+    // originals are gone, and is then written in place.
+    drop((p, state));
+    let (mut fp, mut m1, mut m2) = match moments {
+        Some((a, b)) => (fp, a, b),
+        None => (fp, flex_zeros(n), flex_zeros(n)),
+    };
+    {
+        let gv = fg.as_slice::<f32>().expect("contiguous");
+        let pv = writable(&mut fp);
+        let (a, b) = (writable(&mut m1), writable(&mut m2));
+        pv.par_chunks_mut(PART).zip(a.par_chunks_mut(PART)).zip(b.par_chunks_mut(PART)).zip(gv.par_chunks(PART)).for_each(
+            |(((p, a), b), g)| {
+                for (((p, a), b), &g) in p.iter_mut().zip(a.iter_mut()).zip(b.iter_mut()).zip(g) {
+                    adamw_element(p, a, b, g, k);
+                }
+            },
+        );
+    }
+    drop(g);
+    Ok((Tensor::from_primitive::<Flex>(fp), Tensor::from_primitive::<Flex>(m1), Tensor::from_primitive::<Flex>(m2)))
+}
+
+/// A contiguous f32 Flex tensor's values, in its own buffer when it holds that alone, else in a
+/// copy it then holds.
+fn writable(t: &mut FlexTensor) -> &mut [f32] {
+    let (start, end) = t.layout().contiguous_offsets().expect("contiguous");
+    &mut t.storage_mut::<f32>()[start..end]
+}
+
+/// A Flex tensor of `n` zeros.
+fn flex_zeros(n: usize) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(vec![0f32; n], [n]))
+}
+
+/// One element of Burn's AdamW, operation for operation.
+#[inline(always)]
+fn adamw_element(p: &mut f32, m1: &mut f32, m2: &mut f32, g: f32, k: &Coeffs) {
+    if k.first {
+        *m1 = g * k.factor_1;
+        *m2 = (g * g) * k.factor_2;
+    } else {
+        *m1 = *m1 * k.beta_1 + g * k.factor_1;
+        *m2 = *m2 * k.beta_2 + (g * g) * k.factor_2;
+    }
+    let delta = (*m1 / k.correct_1) / ((*m2 / k.correct_2).sqrt() + k.eps);
+    let decayed = match k.keep {
+        Some(keep) => *p * keep,
+        None => *p,
+    };
+    *p = decayed - delta * k.lr;
+}
+
+/// The update as Burn tensor operations (any device), in Burn's AdamW's order.
+fn device_update<const D: usize>(
+    p: Tensor<D>,
+    g: Tensor<D>,
+    state: Option<Moments>,
+    n: usize,
+    k: &Coeffs,
+) -> (Tensor<D>, Tensor<1>, Tensor<1>) {
+    let dims = p.dims();
+    let (p, g) = (p.reshape([n]), g.reshape([n]));
+    let (m1, m2) = match state {
+        Some(s) => (
+            s.m1.mul_scalar(k.beta_1).add(g.clone().mul_scalar(k.factor_1)),
+            s.m2.mul_scalar(k.beta_2).add(g.square().mul_scalar(k.factor_2)),
+        ),
+        None => (g.clone().mul_scalar(k.factor_1), g.square().mul_scalar(k.factor_2)),
+    };
+    let delta = m1.clone().div_scalar(k.correct_1).div(m2.clone().div_scalar(k.correct_2).sqrt().add_scalar(k.eps));
+    let decayed = match k.keep {
+        Some(keep) => p.mul_scalar(keep),
+        None => p,
+    };
+    ((decayed - delta.mul_scalar(k.lr)).reshape(dims), m1, m2)
+}
+
+/// Walks a module, updating each parameter that has a gradient.
+struct Stepper<'a> {
+    optim: &'a mut AdamW,
+    grads: GradientsParams,
+    lr: f64,
+    path: Vec<String>,
+}
+
+impl ModuleMapper for Stepper<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let grad = if grad.device() != tensor.device() { grad.to_device(&tensor.device()) } else { grad };
+        let require_grad = tensor.is_require_grad();
+        let checkpointing = tensor.gradient_checkpointing_strategy();
+        let distributed = tensor.is_distributed();
+        let path = self.path.join(".");
+        let updated = self.optim.update(id, &path, tensor.inner(), grad, self.lr);
+        let mut tensor = Tensor::from_inner(updated);
+        if let Some(strategy) = checkpointing {
+            tensor = tensor.with_gradient_checkpointing_strategy(strategy);
+        }
+        if require_grad {
+            tensor = tensor.require_grad();
+        }
+        if distributed {
+            tensor = tensor.set_distributed(id);
+        }
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+    use burn::optim::ModuleOptimizer;
+    use burn::tensor::Distribution;
+
+    #[derive(Module, Debug)]
+    struct Net {
+        emb: Embedding,
+        lin: Linear,
+    }
+
+    /// Every parameter's values, by id.
+    fn values(net: &Net) -> Vec<(ParamId, Vec<u32>)> {
+        struct V(Vec<(ParamId, Vec<u32>)>);
+        impl burn::module::ModuleVisitor for V {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                let v = p.val().into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+                self.0.push((p.id, v.iter().map(|x| x.to_bits()).collect()));
+            }
+        }
+        let mut v = V(Vec::new());
+        net.visit(&mut v);
+        v.0
+    }
+
+    /// `n` pseudo-random values of scale `scale` (a pure function of `salt`).
+    fn pseudo(n: usize, salt: u64, scale: f32) -> Vec<f32> {
+        let mut x = 0x2545_f491_4f6c_dd1d_u64 ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    }
+
+    /// Gradients for every parameter; the linear weight's is stored transposed (a strided
+    /// tensor) on odd steps, and the bias's holds zeros, a negative zero and a tiny value.
+    fn grads(net: &Net, step: usize, device: &Device) -> GradientsParams {
+        let mut g = GradientsParams::new();
+        let inner = device.clone().inner();
+        let t2 = |shape: [usize; 2], salt: u64, scale: f32| {
+            Tensor::<2>::from_data(TensorData::new(pseudo(shape[0] * shape[1], salt, scale), shape), &inner)
+        };
+        let salt = 10 * step as u64;
+        g.register::<2>(net.emb.weight.id, t2(net.emb.weight.val().dims(), salt, 2.0));
+        let w = net.lin.weight.val().dims();
+        let wg = if step % 2 == 1 { t2([w[1], w[0]], salt + 1, 0.2).transpose() } else { t2(w, salt + 1, 0.2) };
+        g.register::<2>(net.lin.weight.id, wg);
+        let b = net.lin.bias.as_ref().unwrap();
+        let bg = Tensor::<1>::from_data(TensorData::new(vec![0.0, -0.0, 1e-30, -3.0, 2.5], [5]), &inner);
+        g.register::<1>(b.id, bg);
+        g
+    }
+
+    /// Burn's record of `optim`: (parameter id, field, values as bits) and (key, scalar).
+    /// (key, shape, value bits) of each state tensor, and (key, value) of each scalar, sorted.
+    type Record = (Vec<(String, Vec<usize>, Vec<u32>)>, Vec<(String, Scalar)>);
+
+    fn burn_record(optim: &ModuleOptimizer) -> Record {
+        let reader = burn_pack::Reader::from_bytes(optim.into_bytes().unwrap()).unwrap();
+        let mut scalars: Vec<(String, Scalar)> = reader.scalars().iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let mut tensors = Vec::new();
+        for t in reader.into_tensors().unwrap() {
+            let (key, dtype, shape, _, bytes) = t.into_parts().unwrap();
+            let data = TensorData::from_bytes(bytes, shape, dtype);
+            let shape = data.shape().to_vec();
+            tensors.push((key, shape, data.iter::<f32>().map(f32::to_bits).collect()));
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        scalars.sort_by(|a, b| a.0.cmp(&b.0));
+        (tensors, scalars)
+    }
+
+    /// The same record, from this optimizer's moments.
+    fn our_record(optim: &AdamW) -> Record {
+        let (mut tensors, mut scalars) = (Vec::new(), Vec::new());
+        for id in optim.ids() {
+            let m = optim.moments(id).unwrap();
+            for (field, t) in [(MOMENT_1, &m.m1), (MOMENT_2, &m.m2)] {
+                let v = t.clone().into_data().try_to_vec::<f32>().unwrap();
+                tensors.push((format!("{}.{field}", id.val()), m.shape.clone(), v.iter().map(|x| x.to_bits()).collect()));
+            }
+            for (name, v) in m.scalars() {
+                scalars.push((format!("{}.{name}", id.val()), v));
+            }
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        scalars.sort_by(|a, b| a.0.cmp(&b.0));
+        (tensors, scalars)
+    }
+
+    fn check_against_burn(device: &Device) {
+        device.seed(3);
+        let net = Net { emb: EmbeddingConfig::new(7, 5).init(device), lin: LinearConfig::new(5, 5).init(device) };
+        let cfg = crate::OptimConfig { weight_decay: 0.1, ..crate::OptimConfig::default() };
+        let no_decay = vec!["emb".to_string()];
+        let mut burn_optim = crate::adamw_optimizer(&cfg, &no_decay);
+        let mut ours = AdamW::new(cfg.beta1 as f32, cfg.beta2 as f32, cfg.eps as f32, cfg.weight_decay as f32, &no_decay);
+        let (mut a, mut b) = (net.clone(), net);
+        for (step, lr) in [3e-3, 1e-3, 0.0, 2.5e-2, 7e-4].into_iter().enumerate() {
+            let (ga, gb) = (grads(&a, step, device), grads(&b, step, device));
+            a = burn_optim.step(lr, a, ga);
+            b = ours.step(lr, b, gb);
+            assert_eq!(values(&a), values(&b), "parameters after step {step}");
+            assert!(b.lin.weight.val().is_require_grad(), "still a trainable parameter");
+        }
+        let (burn_t, burn_s) = burn_record(&burn_optim);
+        let (our_t, our_s) = our_record(&ours);
+        assert_eq!(burn_t, our_t, "moments");
+        assert_eq!(burn_s, our_s, "step counts and ranks");
+    }
+
+    #[test]
+    fn the_fused_host_update_is_burns_adamw_to_the_bit() {
+        check_against_burn(&Device::flex().autodiff());
+    }
+
+    #[test]
+    fn the_tensor_operations_and_the_host_pass_agree_to_the_bit() {
+        // Other devices run the tensor operations; here both run on the same inputs.
+        let device = Device::flex().autodiff();
+        device.seed(5);
+        let p = Tensor::<2>::random([6, 4], Distribution::Normal(0.0, 1.0), &device.clone().inner());
+        let k = Coeffs {
+            beta_1: 0.9,
+            beta_2: 0.95,
+            factor_1: 1.0 - 0.9,
+            factor_2: 1.0 - 0.95,
+            correct_1: 1f32 - 0.9f32.powi(1),
+            correct_2: 1f32 - 0.95f32.powi(1),
+            eps: 1e-8,
+            keep: Some((1.0 - 1e-3 * 0.1f64) as f32),
+            lr: 1e-3,
+            first: true,
+        };
+        let mut state = None;
+        let (mut a, mut b) = (p.clone(), p.clone().add_scalar(0.0));
+        for step in 0..3 {
+            let g = Tensor::<2>::random([6, 4], Distribution::Normal(0.0, 1.0), &device.clone().inner());
+            let k = Coeffs { first: step == 0, correct_1: 1f32 - 0.9f32.powi(step + 1), correct_2: 1f32 - 0.95f32.powi(step + 1), ..k };
+            let (x, m1, m2) = device_update(a, g.clone(), state.clone(), 24, &k);
+            let Ok((y, _, _)) = host_update(b, g, state, 24, &k) else { panic!("contiguous Flex tensors take the host pass") };
+            let bits = |t: &Tensor<2>| t.clone().into_data().try_to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x), bits(&y), "step {step}");
+            state = Some(Moments { time: step as usize + 1, shape: vec![6, 4], m1, m2 });
+            a = x.clone();
+            b = x;
+        }
+    }
+}
