@@ -184,6 +184,14 @@ fn host_update<const D: usize>(
     let flex =
         |t: &Tensor<D>| t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some());
     let (Some(fp), Some(fg)) = (flex(&p), flex(&g)) else { return Err((p, g, state)) };
+    let len = |f: &FlexTensor| f.as_slice::<f32>().map_or(0, <[f32]>::len);
+    if len(&fp) != n
+        || len(&fg) != n
+        || state.as_ref().is_some_and(|s| s.m1.shape().num_elements() != n || s.m2.shape().num_elements() != n)
+    {
+        // Sizes that disagree: the tensor operations refuse them loudly.
+        return Err((p, g, state));
+    }
     let moments = match &state {
         Some(s) => {
             let m = |t: &Tensor<1>| {

@@ -504,7 +504,9 @@ impl<L: ParallelLm> Engine<L> {
             }
         }
         if let Some((phase, e)) = first {
-            return Err(failed(phase, e));
+            // A rank fails verification only once it has received every piece sent to it; an
+            // earlier failure may leave pieces in flight, which processes cannot recall.
+            return Err(if phase == ReconfigPhase::Verify { failed(phase, e) } else { unsent(phase, e) });
         }
         let elements = check_pieces(job.plan.moves.len(), kinds, &sent, &received).map_err(|e| failed(ReconfigPhase::Verify, e))?;
         Ok((send_secs, elements, kinds))
