@@ -181,9 +181,7 @@ fn host_update<const D: usize>(
     n: usize,
     k: &Coeffs,
 ) -> Result<(Tensor<D>, Tensor<1>, Tensor<1>), NotOnHost<D>> {
-    let flex =
-        |t: &Tensor<D>| t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some());
-    let (Some(fp), Some(fg)) = (flex(&p), flex(&g)) else { return Err((p, g, state)) };
+    let (Some(fp), Some(fg)) = (contiguous_f32(&p), contiguous_f32(&g)) else { return Err((p, g, state)) };
     let len = |f: &FlexTensor| f.as_slice::<f32>().map_or(0, <[f32]>::len);
     if len(&fp) != n
         || len(&fg) != n
@@ -193,15 +191,10 @@ fn host_update<const D: usize>(
         return Err((p, g, state));
     }
     let moments = match &state {
-        Some(s) => {
-            let m = |t: &Tensor<1>| {
-                t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
-            };
-            match (m(&s.m1), m(&s.m2)) {
-                (Some(a), Some(b)) => Some((a, b)),
-                _ => return Err((p, g, state)),
-            }
-        }
+        Some(s) => match (contiguous_f32(&s.m1), contiguous_f32(&s.m2)) {
+            (Some(a), Some(b)) => Some((a, b)),
+            _ => return Err((p, g, state)),
+        },
         None => None,
     };
     // The clones above are the handles from here on: each holds its buffer alone once the
@@ -225,6 +218,11 @@ fn host_update<const D: usize>(
     }
     drop(g);
     Ok((Tensor::from_primitive::<Flex>(fp), Tensor::from_primitive::<Flex>(m1), Tensor::from_primitive::<Flex>(m2)))
+}
+
+/// The Flex handle of a contiguous f32 tensor on Flex.
+fn contiguous_f32<const D: usize>(t: &Tensor<D>) -> Option<FlexTensor> {
+    t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
 }
 
 /// A contiguous f32 Flex tensor's values, in its own buffer when it holds that alone, else in a

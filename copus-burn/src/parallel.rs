@@ -304,33 +304,6 @@ pub fn holds(spec: &ParamSpec, plan: &ShardPlan, num_layers: usize) -> bool {
     }
 }
 
-/// Every float parameter of a module with its path, id and shape, and its host values when
-/// `with_values`.
-fn walk<M: Module>(module: &M, with_values: bool) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
-    struct V {
-        path: Vec<String>,
-        with_values: bool,
-        out: Vec<(String, ParamId, Vec<usize>, Vec<f32>)>,
-    }
-    impl ModuleVisitor for V {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let t = p.val();
-            let shape = t.dims().to_vec();
-            let values = if self.with_values { t.into_data().try_to_vec::<f32>().expect("f32 parameter") } else { Vec::new() };
-            self.out.push((self.path.join("."), p.id, shape, values));
-        }
-    }
-    let mut v = V { path: Vec::new(), with_values, out: Vec::new() };
-    module.visit(&mut v);
-    v.out
-}
-
 /// Every float parameter of a module with its path, id, shape and its values as a flat tensor
 /// (the parameter's own buffer, without autodiff, when it is stored contiguously).
 pub fn flat_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Tensor<1>)> {
@@ -359,12 +332,15 @@ pub fn flat_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, T
 
 /// Every float parameter of a module with its path, id, shape and host values.
 pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
-    walk(module, true)
+    flat_params(module)
+        .into_iter()
+        .map(|(path, id, shape, t)| (path, id, shape, t.into_data().try_to_vec::<f32>().expect("f32 parameter")))
+        .collect()
 }
 
 /// Every float parameter of a module with its path, id and shape (no data copied).
 pub fn param_paths<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>)> {
-    walk(module, false).into_iter().map(|(p, id, shape, _)| (p, id, shape)).collect()
+    flat_params(module).into_iter().map(|(p, id, shape, _)| (p, id, shape)).collect()
 }
 
 /// Vocabulary-parallel embedding lookup: rows `vocab_start..vocab_start + rows` of the table are
