@@ -114,22 +114,66 @@ pub(crate) type RankStart = (ShardSource, RankResume, Vec<(String, u64)>);
 /// independent lanes (element `i` goes to lane `i % 8`) keep the multiply chains short, so it
 /// runs at memory speed; the lanes are folded in order at the end.
 pub fn checksum(values: &[f32]) -> u64 {
+    let mut sum = Checksum::new();
+    sum.update(values);
+    sum.finish()
+}
+
+/// [`checksum`] fed in parts: the values in order, in any split, give the same sum. A copy can
+/// sum each block it has just written while the block is in cache.
+#[derive(Clone, Debug)]
+pub struct Checksum {
+    lanes: [u64; Checksum::LANES],
+    len: usize,
+}
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Checksum {
     const LANES: usize = 8;
-    let step = |h: u64, v: f32| (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5);
-    let mut lanes = [0u64; LANES];
-    for (i, l) in lanes.iter_mut().enumerate() {
-        *l = 0xcbf2_9ce4_8422_2325 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+
+    fn step(h: u64, v: f32) -> u64 {
+        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5)
     }
-    let mut chunks = values.chunks_exact(LANES);
-    for c in &mut chunks {
-        for i in 0..LANES {
-            lanes[i] = step(lanes[i], c[i]);
+
+    /// The sum of no values yet.
+    pub fn new() -> Self {
+        let mut lanes = [0u64; Self::LANES];
+        for (i, l) in lanes.iter_mut().enumerate() {
+            *l = 0xcbf2_9ce4_8422_2325 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         }
+        Self { lanes, len: 0 }
     }
-    for (i, &v) in chunks.remainder().iter().enumerate() {
-        lanes[i] = step(lanes[i], v);
+
+    /// Adds the next values.
+    pub fn update(&mut self, values: &[f32]) {
+        // Up to the next lane-0 position one at a time, then whole rounds of the lanes.
+        let head = ((Self::LANES - self.len % Self::LANES) % Self::LANES).min(values.len());
+        for &v in &values[..head] {
+            let l = self.len % Self::LANES;
+            self.lanes[l] = Self::step(self.lanes[l], v);
+            self.len += 1;
+        }
+        let mut chunks = values[head..].chunks_exact(Self::LANES);
+        for c in &mut chunks {
+            for (l, &v) in self.lanes.iter_mut().zip(c) {
+                *l = Self::step(*l, v);
+            }
+        }
+        for (i, &v) in chunks.remainder().iter().enumerate() {
+            self.lanes[i] = Self::step(self.lanes[i], v);
+        }
+        self.len += values.len() - head;
     }
-    lanes.iter().fold(values.len() as u64, |acc, &l| (acc ^ l).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29))
+
+    /// The sum of every value added.
+    pub fn finish(&self) -> u64 {
+        self.lanes.iter().fold(self.len as u64, |acc, &l| (acc ^ l).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29))
+    }
 }
 
 /// Everything needed to continue training, in host memory, independent of the layout.

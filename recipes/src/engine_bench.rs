@@ -202,7 +202,7 @@ pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, lay
 /// In-memory reconfiguration against a real checkpoint-restart (write and sync the checkpoint,
 /// start a new process that loads it into the new layout), each timed from the decision to the
 /// end of the first step at the target layout, and the steady step time there.
-pub fn run_reconfig() {
+pub fn run_reconfig(presets: &[String]) {
     let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     // Three layout changes of 8 ranks and one from 8 ranks to 4.
@@ -220,6 +220,9 @@ pub fn run_reconfig() {
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {
+        if !presets.is_empty() && !presets.iter().any(|p| p == preset) {
+            continue;
+        }
         let mut spec = ModelSpec::preset(preset).expect("preset");
         spec.seq_len = 64;
         let cfg = LlamaConfig::from_spec(&spec);

@@ -37,7 +37,7 @@ use crate::adamw;
 use crate::collective::Collective;
 use crate::grads::with_values;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
-use crate::state::{OptimScalars, RankResume, checksum};
+use crate::state::{Checksum, OptimScalars, RankResume, checksum};
 
 /// Tags of reshard messages: above every tag the step uses, and inside MPI's signed tags.
 pub(super) const TAG_BASE: u32 = 1 << 30;
@@ -119,22 +119,48 @@ fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (outer, shape[dim], inner)
 }
 
-/// Entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`).
-pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<Vec<f32>, String> {
+/// Elements copied between two checksum updates: small enough that the block just written is
+/// still in cache when it is summed.
+const BLOCK: usize = 1 << 13;
+
+/// Copies `from` into `to` block by block, summing each block as it lands.
+fn copy_summed(to: &mut [f32], from: &[f32], sum: &mut Checksum) {
+    for (t, f) in to.chunks_mut(BLOCK).zip(from.chunks(BLOCK)) {
+        t.copy_from_slice(f);
+        sum.update(t);
+    }
+}
+
+/// Entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`), and their
+/// checksum, taken in the same pass.
+pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<(Vec<f32>, u64), String> {
     let (outer, extent, inner) = around(shape, dim);
     if offset + len > extent || values.len() != outer * extent * inner {
         return Err(format!("slice {offset}..{} along dim {dim} of a {shape:?} shard of {} values", offset + len, values.len()));
     }
-    let mut out = Vec::with_capacity(outer * len * inner);
+    let row = len * inner;
+    let mut out = Vec::with_capacity(outer * row);
+    let mut sum = Checksum::new();
     for o in 0..outer {
         let base = (o * extent + offset) * inner;
-        out.extend_from_slice(&values[base..base + len * inner]);
+        for block in values[base..base + row].chunks(BLOCK) {
+            out.extend_from_slice(block);
+            sum.update(&out[out.len() - block.len()..]);
+        }
     }
-    Ok(out)
+    Ok((out, sum.finish()))
 }
 
-/// Writes `piece` (what [`slice_along`] cut) at `[offset, offset + len)` along `dim`.
-pub(super) fn place_along(values: &mut [f32], shape: &[usize], dim: usize, offset: usize, len: usize, piece: &[f32]) -> Result<(), String> {
+/// Writes `piece` (what [`slice_along`] cut) at `[offset, offset + len)` along `dim`; returns
+/// the piece's checksum, taken in the same pass.
+pub(super) fn place_along(
+    values: &mut [f32],
+    shape: &[usize],
+    dim: usize,
+    offset: usize,
+    len: usize,
+    piece: &[f32],
+) -> Result<u64, String> {
     let (outer, extent, inner) = around(shape, dim);
     if offset + len > extent || values.len() != outer * extent * inner || piece.len() != outer * len * inner {
         return Err(format!(
@@ -143,11 +169,13 @@ pub(super) fn place_along(values: &mut [f32], shape: &[usize], dim: usize, offse
             offset + len
         ));
     }
+    let row = len * inner;
+    let mut sum = Checksum::new();
     for o in 0..outer {
         let base = (o * extent + offset) * inner;
-        values[base..base + len * inner].copy_from_slice(&piece[o * len * inner..(o + 1) * len * inner]);
+        copy_summed(&mut values[base..base + row], &piece[o * row..(o + 1) * row], &mut sum);
     }
-    Ok(())
+    Ok(sum.finish())
 }
 
 /// A new shard's local shape and, per kind, its values once a piece has arrived.
@@ -175,9 +203,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let (shape, tensors) =
                 local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
             for (kind, t) in tensors.iter().enumerate() {
-                let piece = with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
+                let (piece, sum) =
+                    with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
                 let t = tag(i, kind, kinds);
-                sums.push((t, checksum(&piece)));
+                sums.push((t, sum));
                 elements += piece.len() as u64;
                 self.world.send(m.dst_rank, t, piece).map_err(|e| e.to_string())?;
             }
@@ -229,26 +258,31 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             for kind in 0..kinds {
                 let t = tag(i, kind, kinds);
                 let piece = self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?;
-                let mut sum = checksum(&piece);
-                if struck(ReconfigPhase::Verify) && sums.is_empty() {
-                    sum ^= 1;
-                }
-                sums.push((t, sum));
                 elements += piece.len() as u64;
-                let Some((shape, bufs)) = shards.get_mut(&m.param) else {
-                    failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
-                    continue;
+                // The piece's checksum, taken as it is placed where it can be.
+                let sum = match shards.get_mut(&m.param) {
+                    None => {
+                        failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
+                        checksum(&piece)
+                    }
+                    Some((shape, bufs)) => {
+                        let n: usize = shape.iter().product();
+                        let buf = &mut bufs[kind];
+                        if buf.is_none() && m.dst_offset == 0 && m.len == shape[m.dim] && piece.len() == n {
+                            let sum = checksum(&piece);
+                            *buf = Some(piece);
+                            sum
+                        } else {
+                            let values = buf.get_or_insert_with(|| vec![0f32; n]);
+                            place_along(values, shape, m.dim, m.dst_offset, m.len, &piece).unwrap_or_else(|e| {
+                                failure.get_or_insert_with(|| load(format!("`{name}`: {e}")));
+                                checksum(&piece)
+                            })
+                        }
+                    }
                 };
-                let n: usize = shape.iter().product();
-                let buf = &mut bufs[kind];
-                if buf.is_none() && m.dst_offset == 0 && m.len == shape[m.dim] && piece.len() == n {
-                    *buf = Some(piece);
-                    continue;
-                }
-                let values = buf.get_or_insert_with(|| vec![0f32; n]);
-                if let Err(e) = place_along(values, shape, m.dim, m.dst_offset, m.len, &piece) {
-                    failure.get_or_insert_with(|| load(format!("`{name}`: {e}")));
-                }
+                let sum = if struck(ReconfigPhase::Verify) && sums.is_empty() { sum ^ 1 } else { sum };
+                sums.push((t, sum));
             }
         }
         if let Some(f) = failure {
@@ -522,12 +556,13 @@ mod tests {
         // [2, 6, 3] split along dim 1: entries 1..4 of each of the two outer rows.
         let shape = [2, 6, 3];
         let values: Vec<f32> = (0..36).map(|v| v as f32).collect();
-        let piece = slice_along(&values, &shape, 1, 1, 3).unwrap();
+        let (piece, sent) = slice_along(&values, &shape, 1, 1, 3).unwrap();
         // Hand-computed: outer 0 takes values 3..12, outer 1 values 21..30.
         let want: Vec<f32> = (3..12).chain(21..30).map(|v| v as f32).collect();
         assert_eq!(piece, want);
+        assert_eq!(sent, checksum(&want));
         let mut back = vec![0f32; 36];
-        place_along(&mut back, &shape, 1, 1, 3, &piece).unwrap();
+        assert_eq!(place_along(&mut back, &shape, 1, 1, 3, &piece).unwrap(), sent);
         for (i, (a, b)) in back.iter().zip(&values).enumerate() {
             let row = (i / 3) % 6;
             assert_eq!(*a, if (1..4).contains(&row) { *b } else { 0.0 }, "index {i}");
@@ -553,6 +588,16 @@ mod tests {
             assert_ne!(checksum(&w), base, "swap {a} <-> {b}");
         }
         assert_ne!(checksum(&v[..36]), base);
+        // Fed in parts, at every split and across lane boundaries, the sum is the same.
+        for cuts in [vec![0, 37], vec![3, 37], vec![1, 9, 10, 37], vec![8, 16, 37], vec![5, 6, 7, 30, 37]] {
+            let mut sum = Checksum::new();
+            let mut at = 0;
+            for c in cuts {
+                sum.update(&v[at..c]);
+                at = c;
+            }
+            assert_eq!(sum.finish(), base);
+        }
         assert_ne!(checksum(&[]), checksum(&[0.0]));
     }
 
