@@ -28,14 +28,19 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// names no constant for it): milliseconds a freed span waits before it goes back to the OS.
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
+/// Whether the environment sets mimalloc's purge delay (under its name or its older one).
+fn purge_delay_set_by_user() -> bool {
+    ["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
 /// Keeps freed memory for reuse for the whole run (purge delay -1) unless `MIMALLOC_PURGE_DELAY`
-/// says otherwise. With mimalloc's default of one second, a step of a second or more found its
+/// (or `MIMALLOC_RESET_DELAY`) says otherwise. With mimalloc's default of one second, a step of a second or more found its
 /// buffers of the step before handed back and faulted them in again: about 1.6 million page
 /// faults and 19 s of system time in one `recipes bench step`, against under 2,000 faults.
 /// Memory stays at the run's peak, as with a caching allocator.
 #[allow(unsafe_code)]
 fn keep_freed_memory() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+    if !purge_delay_set_by_user() {
         // SAFETY: called first thing in `main`, before any other thread exists (mimalloc's option
         // setter is not thread-safe); the option is an index into mimalloc's option table.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
@@ -458,7 +463,7 @@ mod tests {
     fn the_purge_delay_option_is_the_one_set() {
         // mimalloc 3's default purge delay is 1000 ms and its neighbours' defaults differ (1 and
         // 0), so a shifted option table shows here. The test harness never calls `main`.
-        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        if !purge_delay_set_by_user() {
             // SAFETY: reading an option is thread-safe.
             assert_eq!(unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) }, 1000);
         }
