@@ -1,5 +1,5 @@
-//! Fused softmax cross entropy, causal softmax, softmax, RMSNorm, RoPE and SiLU: each reads
-//! its input once on the host, computes its value (and what its backward needs) in one
+//! Fused softmax cross entropy, causal softmax, softmax, RMSNorm, RoPE, SiLU and SwiGLU: each
+//! reads its input once on the host, computes its value (and what its backward needs) in one
 //! parallel pass over rows (rayon, the pool Flex's GEMM already uses), and is one custom
 //! operation of Burn's autodiff graph, whose hand-written backward is one more host pass:
 //! - [`cross_entropy_sum`] never materialises probabilities or log-probabilities as tensors; its
@@ -11,7 +11,9 @@
 //! - [`rms_norm`] keeps `x` and each row's `1 / rms`, and returns the gradients of the input
 //!   and of the weight;
 //! - [`rope`] keeps its tables and applies the inverse rotation to `dy`;
-//! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`.
+//! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`;
+//! - [`swiglu`] (`silu(gate) * up`, two inputs) keeps both inputs and returns both gradients in
+//!   one pass, written over the incoming gradient and the kept `up`.
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
 //! `Device::flex().autodiff()` gives) and f32 values. On other devices, with checkpointing, or
@@ -402,6 +404,105 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
             let mut y = host_values(&x);
             y.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= sigmoid(*x)));
             Tensor::<D>::from_data(TensorData::new(y, shape), &device)
+        }
+    }
+}
+
+/// SwiGLU's gated product `silu(gate) * up`, fused on Flex: one host pass forward, keeping both
+/// inputs; one backward pass gives both gradients, written over the incoming gradient and the
+/// kept `up` where they hold their buffers alone (`sigmoid(gate)` is computed again rather than
+/// kept). Elsewhere (other devices, checkpointing, shapes that differ) [`silu`] times `up`.
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    let device = gate.device();
+    let shape = gate.dims();
+    if !on_host(&device) || up.dims() != shape {
+        return silu(gate) * up;
+    }
+    let forward = |g: &[f32], u: &[f32]| {
+        let mut y = vec![0f32; g.len()];
+        y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK)).for_each(|((y, g), u)| {
+            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                *y = g * sigmoid(g) * u;
+            }
+        });
+        y
+    };
+    let tracked = gate.is_tracked() || up.is_tracked();
+    if tracked
+        && let (Ok(ag), Ok(au)) = (gate.clone().try_into_primitive::<Ad>(), up.clone().try_into_primitive::<Ad>())
+        && ag.primitive().dtype() == DType::F32
+        && au.primitive().dtype() == DType::F32
+    {
+        let (pg, to_g) = ag.into_parts();
+        let (pu, to_u) = au.into_parts();
+        let (pg, pu) = (contiguous(pg), contiguous(pu));
+        let y = flex(forward(pg.as_slice::<f32>().expect("contiguous f32"), pu.as_slice::<f32>().expect("contiguous f32")), shape);
+        let out = match SwigluBackward.prepare::<NoCheckpointing>([to_g, to_u]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((pg, pu), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        #[cfg(test)]
+        tests::CUSTOM_OPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Tensor::from_primitive::<Ad>(out);
+    }
+    if tracked {
+        return silu(gate) * up;
+    }
+    let y = forward(&host_values(&gate), &host_values(&up));
+    Tensor::<D>::from_data(TensorData::new(y, shape), &device)
+}
+
+/// SwiGLU's node: kept are `gate` and `up`.
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<Flex, 2> for SwigluBackward {
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [to_g, to_u] = ops.parents;
+        let (g, mut u) = ops.state;
+        // d gate = dy * up * silu'(gate) over dy's buffer, d up = dy * silu(gate) over up's, in
+        // one pass.
+        let mut dg = contiguous(grads.consume::<Flex>(&ops.node));
+        let gv = g.as_slice::<f32>().expect("contiguous f32");
+        match (&to_g, &to_u) {
+            (Some(_), Some(_)) => {
+                values_mut(&mut dg).par_chunks_mut(CHUNK).zip(values_mut(&mut u).par_chunks_mut(CHUNK)).zip(gv.par_chunks(CHUNK)).for_each(
+                    |((dy, u), g)| {
+                        for ((dy, u), &g) in dy.iter_mut().zip(u.iter_mut()).zip(g) {
+                            let s = sigmoid(g);
+                            let (d, up) = (*dy, *u);
+                            *dy = d * up * s * (1.0 + g * (1.0 - s));
+                            *u = d * g * s;
+                        }
+                    },
+                );
+            }
+            (Some(_), None) => {
+                let uv = u.as_slice::<f32>().expect("contiguous f32");
+                values_mut(&mut dg).par_chunks_mut(CHUNK).zip(uv.par_chunks(CHUNK)).zip(gv.par_chunks(CHUNK)).for_each(|((dy, u), g)| {
+                    for ((dy, &u), &g) in dy.iter_mut().zip(u).zip(g) {
+                        let s = sigmoid(g);
+                        *dy *= u * s * (1.0 + g * (1.0 - s));
+                    }
+                });
+            }
+            (None, Some(_)) => {
+                let dyv = dg.as_slice::<f32>().expect("contiguous f32");
+                values_mut(&mut u).par_chunks_mut(CHUNK).zip(dyv.par_chunks(CHUNK)).zip(gv.par_chunks(CHUNK)).for_each(|((u, dy), g)| {
+                    for ((u, &dy), &g) in u.iter_mut().zip(dy).zip(g) {
+                        *u = dy * g * sigmoid(g);
+                    }
+                });
+            }
+            (None, None) => return,
+        }
+        if let Some(node) = to_g {
+            grads.register::<Flex>(node.id, dg);
+        }
+        if let Some(node) = to_u {
+            grads.register::<Flex>(node.id, u);
         }
     }
 }
@@ -1091,6 +1192,96 @@ mod tests {
         let a: Vec<f32> = rms_norm(x.clone(), w.clone(), 1e-5).into_data().try_into_vec::<f32>().unwrap();
         let rms = (x.clone().square().mean_dim(1) + 1e-5).sqrt();
         let b: Vec<f32> = ((x / rms) * w.unsqueeze()).into_data().try_into_vec::<f32>().unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-2)));
+    }
+
+    #[test]
+    fn the_fused_swiglu_equals_silu_times_up_in_value_and_both_gradients() {
+        for (k, dims) in [[1, 1, 1], [2, 3, 5], [3, 7, 33], [2, 70, 689]].into_iter().enumerate() {
+            for device in autodiff_devices() {
+                device.seed(80 + k as u64);
+                let gd: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 3.0), &device);
+                let ud: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.5, 2.0), &device);
+                let wd: Tensor<3> = Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device);
+                // Both inputs tracked, then each alone (the other a constant).
+                for (track_g, track_u) in [(true, true), (true, false), (false, true)] {
+                    let run = |fused: bool| {
+                        let leaf = |d: &Tensor<3>, t: bool| {
+                            let x = Tensor::<3>::from_data(d.to_data(), &device);
+                            if t { x.require_grad() } else { x }
+                        };
+                        let (g, u) = (leaf(&gd, track_g), leaf(&ud, track_u));
+                        // `up` as an intermediate that the op alone holds (as in the MLP), so the
+                        // backward pass writes over it in place.
+                        let y = if fused {
+                            swiglu(g.clone(), u.clone().mul_scalar(1.0))
+                        } else {
+                            burn::tensor::activation::silu(g.clone()) * u.clone().mul_scalar(1.0)
+                        };
+                        let value: Vec<f32> = y.to_data().try_into_vec::<f32>().unwrap();
+                        let grads = (y * wd.clone()).sum().backward();
+                        let grad = |x: &Tensor<3>, t: bool| {
+                            if t { x.grad(&grads).unwrap().into_data().try_into_vec::<f32>().unwrap() } else { Vec::new() }
+                        };
+                        (value, grad(&g, track_g), grad(&u, track_u))
+                    };
+                    let (a, b) = (run(true), run(false));
+                    for (name, x, y) in [("value", &a.0, &b.0), ("d gate", &a.1, &b.1), ("d up", &a.2, &b.2)] {
+                        assert_eq!(x.len(), y.len(), "{dims:?} {name}");
+                        let big = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        for (p, q) in x.iter().zip(y) {
+                            assert!((p - q).abs() <= 1e-5 * big.max(1e-3), "{dims:?} {name} ({track_g}, {track_u}): {p} vs {q}");
+                        }
+                    }
+                }
+            }
+        }
+        // The tensor-parallel split: gate and up are column shards, and each rank's product is
+        // its columns of the whole product, gradients included.
+        let device = Device::flex().autodiff();
+        device.seed(90);
+        let (rows, f) = (9, 34);
+        let gd: Tensor<2> = Tensor::random([rows, f], Distribution::Normal(0.0, 3.0), &device);
+        let ud: Tensor<2> = Tensor::random([rows, f], Distribution::Normal(0.0, 2.0), &device);
+        let whole = |g: Tensor<2>, u: Tensor<2>| swiglu(g, u);
+        let split = |g: Tensor<2>, u: Tensor<2>| {
+            let cut = |x: Tensor<2>| [x.clone().slice([0..rows, 0..13]), x.slice([0..rows, 13..f])];
+            let ([g0, g1], [u0, u1]) = (cut(g), cut(u));
+            Tensor::cat(vec![swiglu(g0, u0), swiglu(g1, u1)], 1)
+        };
+        let run = |f: &dyn Fn(Tensor<2>, Tensor<2>) -> Tensor<2>| {
+            let g = Tensor::<2>::from_data(gd.to_data(), &device).require_grad();
+            let u = Tensor::<2>::from_data(ud.to_data(), &device).require_grad();
+            let y = f(g.clone(), u.clone());
+            let value: Vec<f32> = y.to_data().try_into_vec::<f32>().unwrap();
+            let grads = y.mul_scalar(0.5).sum().backward();
+            let grad = |x: &Tensor<2>| x.grad(&grads).unwrap().into_data().try_into_vec::<f32>().unwrap();
+            (value, grad(&g), grad(&u))
+        };
+        let (a, b) = (run(&whole), run(&split));
+        for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+            assert!(x.iter().zip(y).all(|(p, q)| (p - q).abs() <= 1e-6 * q.abs().max(1.0)));
+        }
+        // One tensor as both inputs: its gradient is the sum of the two.
+        let before = CUSTOM_OPS.load(Ordering::Relaxed);
+        let run = |fused: bool| {
+            let x = Tensor::<2>::from_data(gd.to_data(), &device).require_grad();
+            let y = if fused { swiglu(x.clone(), x.clone()) } else { burn::tensor::activation::silu(x.clone()) * x.clone() };
+            let value: Vec<f32> = y.to_data().try_into_vec::<f32>().unwrap();
+            let grads = y.sum().backward();
+            (value, x.grad(&grads).unwrap().into_data().try_into_vec::<f32>().unwrap())
+        };
+        let (a, b) = (run(true), run(false));
+        for (x, y) in [(&a.0, &b.0), (&a.1, &b.1)] {
+            assert!(x.iter().zip(y).all(|(p, q)| (p - q).abs() <= 1e-5 * q.abs().max(1.0)));
+        }
+        assert!(CUSTOM_OPS.load(Ordering::Relaxed) > before, "the fused SwiGLU took the decomposed form");
+        // Without autodiff, the plain value.
+        let plain = Device::flex();
+        let g: Tensor<2> = Tensor::random([5, 9], Distribution::Normal(0.0, 3.0), &plain);
+        let u: Tensor<2> = Tensor::random([5, 9], Distribution::Normal(0.0, 1.0), &plain);
+        let a: Vec<f32> = swiglu(g.clone(), u.clone()).into_data().try_into_vec::<f32>().unwrap();
+        let b: Vec<f32> = (burn::tensor::activation::silu(g) * u).into_data().try_into_vec::<f32>().unwrap();
         assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-2)));
     }
 

@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_softmax, rms_norm, rope, silu};
+use copus_burn::fused::{causal_softmax, rms_norm, rope, swiglu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -283,7 +283,7 @@ pub struct Mlp {
 impl Mlp {
     /// Applies the MLP.
     pub fn forward(&self, x_bsd: Tensor<3>) -> Tensor<3> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x_bsd.clone())) * self.up_proj.forward(x_bsd))
+        self.down_proj.forward(swiglu(self.gate_proj.forward(x_bsd.clone()), self.up_proj.forward(x_bsd)))
     }
 }
 

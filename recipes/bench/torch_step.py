@@ -4,7 +4,8 @@ Same shape and work as `recipes bench`: Llama-style decoder (RMSNorm, rotate-hal
 grouped-query attention, SwiGLU), untied head, fp32, AdamW; by default d_model 256, 4 layers,
 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence 256, micro-batch 8 (`--shape` sets
 d,layers,heads,kv_heads,ffn,vocab,seq,batch). Prints JSON: seconds of each phase per timed step
-(body and final norm forward, head and loss forward, backward, optimizer), the threads, and the reference GEMM.
+(body and final norm forward, head and loss forward, backward, optimizer), the threads, and the
+GFLOP/s of each GEMM that `--gemm` names (mxkxn,...), each alone.
 """
 import argparse, json, math, time
 
@@ -91,6 +92,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--shape", type=str, default="")
+    p.add_argument("--gemm", type=str, default="", help="GEMMs to time alone, mxkxn,...")
     a = p.parse_args()
     if a.shape:
         set_shape(a.shape)
@@ -118,13 +120,18 @@ def main():
         if i >= a.warmup:
             for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(v)
-    a_, b_ = torch.rand(2048, 256), torch.rand(256, 4096)
-    (a_ @ b_).sum().item()
-    t = time.perf_counter()
-    for _ in range(5):
-        (a_ @ b_).sum().item()
-    gflops = 2 * 2048 * 256 * 4096 * 5 / (time.perf_counter() - t) / 1e9
-    print(json.dumps({**phases, "threads": torch.get_num_threads(), "gemm_gflops": gflops}))
+    gemm = []
+    for mkn in filter(None, a.gemm.split(",")):
+        m, k, n = (int(x) for x in mkn.split("x"))
+        a_, b_ = torch.rand(m, k), torch.rand(k, n)
+        (a_ @ b_)[:1, :1].sum().item()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            (a_ @ b_)[:1, :1].sum().item()
+            times.append(time.perf_counter() - t)
+        gemm.append(2 * m * k * n / sorted(times)[len(times) // 2] / 1e9)
+    print(json.dumps({**phases, "threads": torch.get_num_threads(), "gemm_gflops": gemm}))
 
 
 if __name__ == "__main__":

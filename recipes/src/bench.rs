@@ -249,18 +249,20 @@ pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
     (median(step_secs), median(probe_secs))
 }
 
-/// GFLOP/s of the LM-head GEMM of the reference step, `[2048, 256] x [256, 4096]` in fp32,
-/// on the plain Flex device (the kernel every linear layer runs on).
-pub fn gemm_gflops(reps: usize) -> f64 {
+/// The GEMMs timed on their own, `(m, k, n)`: the reference step's LM head, then tiny-20m's
+/// (sequence 256, 8 sequences) projections forward (q and o, k and v, gate and up, down, the LM
+/// head) and one weight gradient.
+pub const GEMMS: [(usize, usize, usize); 7] =
+    [(2048, 256, 4096), (2048, 512, 512), (2048, 512, 256), (2048, 512, 1376), (2048, 1376, 512), (2048, 512, 4096), (512, 2048, 1376)];
+
+/// GFLOP/s of an `[m, k] x [k, n]` fp32 GEMM on the plain Flex device (the kernel every linear
+/// layer runs on): the median of `reps` products after one, each read back.
+pub fn gemm_gflops((m, k, n): (usize, usize, usize), reps: usize) -> f64 {
     let device = Device::flex();
-    let a: Tensor<2> = Tensor::random([2048, 256], burn::tensor::Distribution::Default, &device);
-    let b: Tensor<2> = Tensor::random([256, 4096], burn::tensor::Distribution::Default, &device);
-    let _ = a.clone().matmul(b.clone()).sum().into_scalar::<f32>();
-    let t = Instant::now();
-    for _ in 0..reps {
-        let _ = a.clone().matmul(b.clone()).sum().into_scalar::<f32>();
-    }
-    2.0 * 2048.0 * 256.0 * 4096.0 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+    let a: Tensor<2> = Tensor::random([m, k], burn::tensor::Distribution::Default, &device);
+    let b: Tensor<2> = Tensor::random([k, n], burn::tensor::Distribution::Default, &device);
+    let secs = millis_of(reps, || drop(a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_data())) / 1e3;
+    2.0 * (m * k * n) as f64 / secs / 1e9
 }
 
 /// PyTorch's side of one shape, from `bench/torch_step.py`.
@@ -269,8 +271,8 @@ pub struct TorchTimes {
     pub phases: Vec<Phases>,
     /// Threads PyTorch ran on, as it reports them.
     pub threads: usize,
-    /// The reference GEMM in GFLOP/s.
-    pub gemm_gflops: f64,
+    /// GFLOP/s of each of [`GEMMS`], in order.
+    pub gemm_gflops: Vec<f64>,
 }
 
 /// PyTorch eager on `shape` with `threads` threads, or why it could not run.
@@ -284,6 +286,7 @@ pub fn time_torch(shape: &Shape, steps: usize, warmup: usize, threads: usize) ->
     let out = Command::new("python3")
         .arg(&script)
         .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string(), "--threads", &threads.to_string(), "--shape", &dims])
+        .args(["--gemm", &GEMMS.iter().map(|(m, k, n)| format!("{m}x{k}x{n}")).collect::<Vec<_>>().join(",")])
         .output()
         .map_err(|e| anyhow!("cannot run python3: {e}"))?;
     if !out.status.success() {
@@ -298,11 +301,7 @@ pub fn time_torch(shape: &Shape, steps: usize, warmup: usize, threads: usize) ->
     let phases = (0..body.len().min(head.len()).min(back.len()).min(opt.len()))
         .map(|i| Phases { body: body[i], head_loss: head[i], backward: back[i], probe: 0.0, optimizer: opt[i] })
         .collect();
-    Ok(TorchTimes {
-        phases,
-        threads: v["threads"].as_u64().unwrap_or(0) as usize,
-        gemm_gflops: v["gemm_gflops"].as_f64().unwrap_or(f64::NAN),
-    })
+    Ok(TorchTimes { phases, threads: v["threads"].as_u64().unwrap_or(0) as usize, gemm_gflops: list("gemm_gflops").unwrap_or_default() })
 }
 
 /// Sets the number of threads of rayon's global pool (Flex's GEMM and the fused loss run on
@@ -328,10 +327,15 @@ fn median_phases(v: &[Phases]) -> Phases {
 }
 
 /// Median milliseconds of `f` over 5 runs after one.
-fn millis(mut f: impl FnMut()) -> f64 {
+fn millis(f: impl FnMut()) -> f64 {
+    millis_of(5, f)
+}
+
+/// Median milliseconds of `f` over `reps` runs after one.
+fn millis_of(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     median(
-        (0..5)
+        (0..reps)
             .map(|_| {
                 let t = Instant::now();
                 f();
@@ -359,6 +363,7 @@ pub fn op_table() {
     device.seed(1);
     let scores: Tensor<4> = Tensor::random([8, 4, 512, 256], Distribution::Normal(0.0, 2.0), &device);
     let gate: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 2.0), &device);
+    let up: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 1.0), &device).require_grad();
     let logits: Tensor<3> = Tensor::random([8, 256, 4096], Distribution::Normal(0.0, 2.0), &device);
     let targets = int2((0..8 * 256).map(|j| (j * 17 % 4096) as i64).collect(), [8, 256], &device);
     let ce = |f: fn(Tensor<3>, Tensor<2, Int>) -> Tensor<1>| {
@@ -388,6 +393,11 @@ pub fn op_table() {
             "SiLU of [8,256,688] (SwiGLU gate)",
             millis(|| forward_backward(&gate, fused::silu)),
             millis(|| forward_backward(&gate, activation::silu)),
+        ),
+        (
+            "SwiGLU product silu(gate) * up of [8,256,688]",
+            millis(|| forward_backward(&gate, |g| fused::swiglu(g, up.clone()))),
+            millis(|| forward_backward(&gate, |g| activation::silu(g) * up.clone())),
         ),
         (
             "cross entropy of [8,256,4096] logits",
@@ -486,9 +496,13 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
         }
     }
     op_table();
-    let gemm = gemm_gflops(5);
-    match torch.then(|| time_torch(&shapes().remove(0), 1, 0, threads)) {
-        Some(Ok(t)) => println!("\nGEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s, PyTorch {:.1} GFLOP/s", t.gemm_gflops),
-        _ => println!("\nGEMM [2048,256]x[256,4096] fp32: copus/Flex {gemm:.1} GFLOP/s"),
+    let theirs = torch.then(|| time_torch(&shapes().remove(0), 1, 0, threads).map(|t| t.gemm_gflops));
+    println!("\n| GEMM fp32, [m,k]x[k,n] | copus/Flex GFLOP/s | PyTorch GFLOP/s | copus / PyTorch |\n|---|---:|---:|---:|");
+    for (i, &(m, k, n)) in GEMMS.iter().enumerate() {
+        let ours = gemm_gflops((m, k, n), 5);
+        match theirs.as_ref().map(|t| t.as_ref().map(|g| g.get(i).copied())) {
+            Some(Ok(Some(g))) => println!("| [{m},{k}]x[{k},{n}] | {ours:.1} | {g:.1} | {:.2} |", ours / g),
+            _ => println!("| [{m},{k}]x[{k},{n}] | {ours:.1} | | |"),
+        }
     }
 }
