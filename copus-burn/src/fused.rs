@@ -28,7 +28,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::log_softmax;
@@ -331,6 +331,17 @@ fn custom_op<const D: usize, const E: usize>(
     Ok(Tensor::from_primitive::<Ad>(out))
 }
 
+/// The inputs of a two-input custom operation: each one's values as a contiguous Flex tensor and
+/// its node in the autodiff graph, or `None` unless both are f32 tensors of [`Ad`].
+fn binary_parts<const D: usize, const E: usize>(a: &Tensor<D>, b: &Tensor<E>) -> Option<[(FlexTensor, NodeGuard); 2]> {
+    let (Ok(a), Ok(b)) = (a.clone().try_into_primitive::<Ad>(), b.clone().try_into_primitive::<Ad>()) else { return None };
+    if a.primitive().dtype() != DType::F32 || b.primitive().dtype() != DType::F32 {
+        return None;
+    }
+    let ((pa, na), (pb, nb)) = (a.into_parts(), b.into_parts());
+    Some([(contiguous(pa), na), (contiguous(pb), nb)])
+}
+
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, fused (see the module docs).
 /// On devices other than Flex it takes the decomposed form, which keeps the logits on the device.
 ///
@@ -428,14 +439,7 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
         y
     };
     let tracked = gate.is_tracked() || up.is_tracked();
-    if tracked
-        && let (Ok(ag), Ok(au)) = (gate.clone().try_into_primitive::<Ad>(), up.clone().try_into_primitive::<Ad>())
-        && ag.primitive().dtype() == DType::F32
-        && au.primitive().dtype() == DType::F32
-    {
-        let (pg, to_g) = ag.into_parts();
-        let (pu, to_u) = au.into_parts();
-        let (pg, pu) = (contiguous(pg), contiguous(pu));
+    if tracked && let Some([(pg, to_g), (pu, to_u)]) = binary_parts(&gate, &up) {
         let y = flex(forward(pg.as_slice::<f32>().expect("contiguous f32"), pu.as_slice::<f32>().expect("contiguous f32")), shape);
         let out = match SwigluBackward.prepare::<NoCheckpointing>([to_g, to_u]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((pg, pu), y),
@@ -646,14 +650,7 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64) -> Te
         (y, r)
     };
     let tracked = x.is_tracked() || weight.is_tracked();
-    if tracked
-        && let (Ok(ax), Ok(aw)) = (x.clone().try_into_primitive::<Ad>(), weight.clone().try_into_primitive::<Ad>())
-        && ax.primitive().dtype() == DType::F32
-        && aw.primitive().dtype() == DType::F32
-    {
-        let (px, gx) = ax.into_parts();
-        let (pw, gw) = aw.into_parts();
-        let (px, pw) = (contiguous(px), contiguous(pw));
+    if tracked && let Some([(px, gx), (pw, gw)]) = binary_parts(&x, &weight) {
         let (y, r) = forward(px.as_slice::<f32>().expect("contiguous f32"), pw.as_slice::<f32>().expect("contiguous f32"));
         let rows = r.len();
         let (y, r) = (flex(y, shape), flex(r, [rows]));
