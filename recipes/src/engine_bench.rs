@@ -115,22 +115,20 @@ fn settle(engine: &mut Engine<LlamaConfig>) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// Seconds of a steady training step of `engine`: the median of `n` steps after a warm-up
-/// step, each from settled to settled, less the cost of settling itself.
-fn step_secs(engine: &mut Engine<LlamaConfig>, spec: &ModelSpec, salt: usize, n: usize) -> f64 {
+/// Seconds of `n` steady training steps of `engine` after a warm-up step, each from settled to
+/// settled, less the cost of settling itself.
+fn step_times(engine: &mut Engine<LlamaConfig>, spec: &ModelSpec, salt: usize, n: usize) -> Vec<f64> {
     let b = engine.config().global_batch;
     engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt)).expect("step");
     settle(engine);
-    let mut times: Vec<f64> = (0..n)
+    (0..n)
         .map(|i| {
             let t = Instant::now();
             engine.step(synthetic_batch(b, spec.seq_len, spec.vocab_size, salt + 1 + i)).expect("step");
             settle(engine);
             t.elapsed().as_secs_f64() - settle(engine)
         })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[n / 2]
+        .collect()
 }
 
 /// Tries to drop the page cache (root with a writable `/proc/sys`), so a restart reads its
@@ -202,22 +200,28 @@ pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, lay
 /// In-memory reconfiguration against a real checkpoint-restart (write and sync the checkpoint,
 /// start a new process that loads it into the new layout), each timed from the decision to the
 /// end of the first step at the target layout, and the steady step time there.
-pub fn run_reconfig(presets: &[String]) {
+pub fn run_reconfig(presets: &[String], trials: usize) {
     let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     // Three layout changes of 8 ranks and one from 8 ranks to 4.
     let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4)), ((2, 4, 1), (1, 2, 2))];
     println!("In-memory reconfiguration against a process restart, in-process ranks, this machine.");
-    println!("switch: the layout change alone; in-memory and restart: from the decision to the end of the");
-    println!("first step at the target layout; cost: that time less one steady step (the median of three),");
-    println!("in steady steps;");
-    println!("ratio: restart cost / in-memory cost. moved: bytes the plan copied (weights, both moments,");
-    println!("previous gradient), of which rank-to-rank crossed between ranks. Every clock starts and stops");
-    println!("with all ranks' queued work done (the weights read back, that read's own time taken off).");
+    println!("switch: the layout change alone; first step: the step after it; in-memory and restart: from");
+    println!("the decision to the end of the first step at the target layout; step: a steady step there;");
+    println!("cost: that time less one steady step, in steady steps (0 where it took no longer than a steady");
+    println!("step); ratio: restart cost / in-memory cost (- where the in-memory cost is 0).");
+    println!("Times are medians of {trials} trial(s), each on a fresh engine (steady steps: the median of three");
+    println!("per trial, over all trials). moved: bytes the plan copied (weights, both moments, previous");
+    println!("gradient), of which rank-to-rank crossed between ranks. Every clock starts and stops with all");
+    println!("ranks' queued work done (the weights read back, that read's own time taken off).");
     println!(
-        "| model | params | from -> to | path | state MB | moved MB | rank-to-rank MB | switch s | in-memory s | restart s | step s | in-memory cost | restart cost | ratio |"
+        "| model | params | from -> to | path | state MB | moved MB | rank-to-rank MB | switch s | first step s | in-memory s | restart s | step s | in-memory cost | restart cost | ratio |"
     );
-    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {
         if !presets.is_empty() && !presets.iter().any(|p| p == preset) {
@@ -238,36 +242,47 @@ pub fn run_reconfig(presets: &[String]) {
             }
             let (b_g, b_m) = (8, 1);
             let mk = |d| EngineConfig::new(d, b_g, b_m, spec.seq_len, optim.clone());
-            // In memory: one step so AdamW state exists, then switch and take the first step.
-            let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
-            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
-            // The clock starts once the last step is wholly done, on both sides.
-            settle(&mut e);
-            let t = Instant::now();
-            let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
-            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
-            settle(&mut e);
-            let in_memory = t.elapsed().as_secs_f64() - settle(&mut e);
-            let step = step_secs(&mut e, &spec, 2, 3);
-            let state_mb = e.stage_state().expect("stage").bytes() as f64 / 1e6;
-            drop(e);
-            // A real restart of the same state.
-            let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
-            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
-            settle(&mut e);
-            let path = dir.join("state.bpk");
-            let (restart, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
-            cache_note.get_or_insert(dropped);
-            let _ = std::fs::remove_file(&path);
+            let (mut switch, mut first, mut in_memory, mut restart, mut steps) = (vec![], vec![], vec![], vec![], vec![]);
+            let mut last = None;
+            for _ in 0..trials {
+                // In memory: one step so AdamW state exists, then switch and take the first step.
+                let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
+                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+                // The clock starts once the last step is wholly done, on both sides.
+                settle(&mut e);
+                let t = Instant::now();
+                let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
+                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
+                settle(&mut e);
+                let total = t.elapsed().as_secs_f64() - settle(&mut e);
+                in_memory.push(total);
+                switch.push(report.total_secs);
+                first.push(total - report.total_secs);
+                steps.extend(step_times(&mut e, &spec, 2, 3));
+                let state_mb = e.stage_state().expect("stage").bytes() as f64 / 1e6;
+                last = Some((report, state_mb));
+                drop(e);
+                // A real restart of the same state.
+                let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
+                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+                settle(&mut e);
+                let path = dir.join("state.bpk");
+                let (secs, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
+                restart.push(secs);
+                cache_note.get_or_insert(dropped);
+                let _ = std::fs::remove_file(&path);
+            }
+            let Some((report, state_mb)) = last else { continue };
+            let (switch, first, in_memory, restart, step) =
+                (median(switch), median(first), median(in_memory), median(restart), median(steps));
             let (cost, restart_cost) = ((in_memory - step).max(0.0) / step, (restart - step).max(0.0) / step);
             println!(
-                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {:.1}x |",
+                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {switch:.2} | {first:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {} |",
                 spec.num_params() as f64 / 1e6,
                 if report.live { "live" } else { "staged" },
                 report.bytes as f64 / 1e6,
                 report.remote_bytes as f64 / 1e6,
-                report.total_secs,
-                restart_cost / cost.max(1e-9),
+                if cost > 0.0 { format!("{:.1}x", restart_cost / cost) } else { "-".to_string() },
             );
         }
     }

@@ -230,6 +230,9 @@ enum BenchMode {
         /// Only these model presets (repeatable); tiny-20m and small-100m by default.
         #[arg(long = "preset", value_parser = ["tiny-20m", "small-100m"])]
         presets: Vec<String>,
+        /// Trials per layout change, each on a fresh engine; the table shows medians.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
+        trials: u64,
     },
     /// The restart side of `reconfig`: load a checkpoint into a layout, run one step.
     #[command(hide = true)]
@@ -348,7 +351,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
                 BenchMode::Step { steps, warmup, no_torch, threads } => bench::run(steps.max(1), warmup, !no_torch, threads.max(1)),
                 BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
-                BenchMode::Reconfig { presets } => engine_bench::run_reconfig(&presets),
+                BenchMode::Reconfig { presets, trials } => engine_bench::run_reconfig(&presets, trials as usize),
                 BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
                     engine_bench::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }

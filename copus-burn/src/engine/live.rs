@@ -4,11 +4,14 @@
 //! on the host.
 //!
 //! Three commands, each run by every rank in parallel:
-//! 1. *send*: each rank cuts the plan's moves whose source it is from its own shards and sends
-//!    them (a send never blocks), with a checksum of each piece;
-//! 2. *build*: each rank splits its new process groups from the world, receives the moves whose
-//!    destination it is (all already sent), assembles its new shards, builds the new stage and
-//!    optimizer beside the old ones and checks what it loaded against what it received;
+//! 1. *send*: each rank offers the plan's moves whose source it is, with a checksum of each
+//!    piece. Between threads of this process a piece is not copied: the receiver gets a shared
+//!    handle to the sender's shard and where the piece lies in it ([`Handoff`]). Between
+//!    processes the piece is cut and sent (a send never blocks);
+//! 2. *build*: each rank splits its new process groups from the world, takes the moves whose
+//!    destination it is (all already offered), assembles its new shards (each value written
+//!    once, straight from where it lies), builds the new stage and optimizer beside the old ones
+//!    and checks what it loaded against what it received;
 //! 3. *commit* or *abort*: the driver compares every piece's checksum at the sender and the
 //!    receiver, and checks that each move of the plan went exactly once; then every rank swaps
 //!    to the new state, or drops it and keeps the old one (rollback costs nothing).
@@ -17,10 +20,12 @@
 //! not aborted and the old state keeps training.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use burn::tensor::TensorData;
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_pack::Scalar;
 use copus_core::layout::RankGrid;
 use copus_core::model::{ParamSpec, TpSplit};
@@ -52,6 +57,50 @@ pub(crate) struct LiveJob {
     /// A planted failure (rollback tests), struck on world rank `fault_rank`.
     pub(super) fault: Fault,
     pub(super) fault_rank: usize,
+    /// Between rank threads of this process: pieces handed over without a copy. `None` between
+    /// processes, where every piece goes through the world communicator.
+    pub(super) handoff: Option<Handoff>,
+}
+
+/// Pieces handed from one rank thread to another without a copy: a shared handle to the
+/// sender's shard and where the piece lies in it. The receiver copies the piece straight into
+/// its new shard; the sender's state is only read, so a rollback still finds it untouched.
+#[derive(Default)]
+pub(crate) struct Handoff {
+    pieces: Mutex<HashMap<u32, Shared>>,
+}
+
+impl Handoff {
+    fn put(&self, tag: u32, piece: Shared) {
+        self.pieces.lock().unwrap_or_else(|e| e.into_inner()).insert(tag, piece);
+    }
+
+    fn take(&self, tag: u32) -> Option<Shared> {
+        self.pieces.lock().unwrap_or_else(|e| e.into_inner()).remove(&tag)
+    }
+
+    /// Drops every piece not taken (a failed change); returns how many there were.
+    pub(super) fn clear(&self) -> usize {
+        let mut pieces = self.pieces.lock().unwrap_or_else(|e| e.into_inner());
+        let left = pieces.len();
+        pieces.clear();
+        left
+    }
+}
+
+/// A piece still in the sender's shard: `[offset, offset + len)` along `dim` of `values`
+/// (contiguous f32, of the sender's local `shape`).
+pub(crate) struct Shared {
+    values: FlexTensor,
+    shape: Vec<usize>,
+    dim: usize,
+    offset: usize,
+    len: usize,
+}
+
+/// The Flex handle of a contiguous f32 tensor, whose values can be read in place.
+fn flex_values(t: &Tensor<1>) -> Option<FlexTensor> {
+    t.clone().inner().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
 }
 
 /// What a rank sent: each piece's tag and checksum, the elements, and what the build step needs
@@ -123,27 +172,34 @@ fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
 /// still in cache when it is summed.
 const BLOCK: usize = 1 << 13;
 
-/// Copies `from` into `to` block by block, summing each block as it lands.
-fn copy_summed(to: &mut [f32], from: &[f32], sum: &mut Checksum) {
-    for (t, f) in to.chunks_mut(BLOCK).zip(from.chunks(BLOCK)) {
-        t.copy_from_slice(f);
-        sum.update(t);
-    }
-}
-
-/// Entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`), and their
-/// checksum, taken in the same pass.
-pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<(Vec<f32>, u64), String> {
+/// The rows of entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`):
+/// one contiguous run per index of the dims before `dim`.
+fn rows_along<'a>(
+    values: &'a [f32],
+    shape: &[usize],
+    dim: usize,
+    offset: usize,
+    len: usize,
+) -> Result<impl Iterator<Item = &'a [f32]> + use<'a>, String> {
     let (outer, extent, inner) = around(shape, dim);
     if offset + len > extent || values.len() != outer * extent * inner {
         return Err(format!("slice {offset}..{} along dim {dim} of a {shape:?} shard of {} values", offset + len, values.len()));
     }
     let row = len * inner;
-    let mut out = Vec::with_capacity(outer * row);
-    let mut sum = Checksum::new();
-    for o in 0..outer {
+    Ok((0..outer).map(move |o| {
         let base = (o * extent + offset) * inner;
-        for block in values[base..base + row].chunks(BLOCK) {
+        &values[base..base + row]
+    }))
+}
+
+/// Entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`), and their
+/// checksum, taken in the same pass.
+pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<(Vec<f32>, u64), String> {
+    let rows = rows_along(values, shape, dim, offset, len)?;
+    let mut out = Vec::with_capacity(values.len() / shape[dim].max(1) * len);
+    let mut sum = Checksum::new();
+    for row in rows {
+        for block in row.chunks(BLOCK) {
             out.extend_from_slice(block);
             sum.update(&out[out.len() - block.len()..]);
         }
@@ -151,32 +207,83 @@ pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: u
     Ok((out, sum.finish()))
 }
 
-/// Writes `piece` (what [`slice_along`] cut) at `[offset, offset + len)` along `dim`; returns
-/// the piece's checksum, taken in the same pass.
-pub(super) fn place_along(
-    values: &mut [f32],
-    shape: &[usize],
-    dim: usize,
-    offset: usize,
-    len: usize,
-    piece: &[f32],
-) -> Result<u64, String> {
-    let (outer, extent, inner) = around(shape, dim);
-    if offset + len > extent || values.len() != outer * extent * inner || piece.len() != outer * len * inner {
-        return Err(format!(
-            "a piece of {} values does not fit {offset}..{} along dim {dim} of a {shape:?} shard",
-            piece.len(),
-            offset + len
-        ));
-    }
-    let row = len * inner;
+/// The checksum and element count of entries `[offset, offset + len)` along `dim` of `values`,
+/// read in place: what [`slice_along`] would cut.
+fn sum_along(values: &[f32], shape: &[usize], dim: usize, offset: usize, len: usize) -> Result<(u64, usize), String> {
     let mut sum = Checksum::new();
-    for o in 0..outer {
-        let base = (o * extent + offset) * inner;
-        copy_summed(&mut values[base..base + row], &piece[o * row..(o + 1) * row], &mut sum);
+    let mut n = 0;
+    for row in rows_along(values, shape, dim, offset, len)? {
+        sum.update(row);
+        n += row.len();
     }
-    Ok(sum.finish())
+    Ok((sum.finish(), n))
 }
+
+/// A piece as it arrived: its own values (through the communicator), or still in the sender's
+/// shard (handed over between threads).
+enum Piece {
+    Owned(Vec<f32>),
+    Shared(Shared),
+}
+
+impl Piece {
+    /// The piece's rows along `dim` (`len` entries of the receiver's `shape` there), as
+    /// [`rows_along`] gives them.
+    fn rows<'a>(&'a self, shape: &[usize], dim: usize, len: usize) -> Result<impl Iterator<Item = &'a [f32]> + use<'a>, String> {
+        match self {
+            Piece::Owned(v) => {
+                let mut own = shape.to_vec();
+                own[dim] = len;
+                rows_along(v, &own, dim, 0, len)
+            }
+            Piece::Shared(p) => {
+                let (outer, _, inner) = around(shape, dim);
+                let (o, _, i) = around(&p.shape, p.dim);
+                if p.dim != dim || p.len != len || (o, i) != (outer, inner) {
+                    return Err(format!(
+                        "a piece of {} entries along dim {} of a {:?} shard does not fit {len} along dim {dim} of a {shape:?} shard",
+                        p.len, p.dim, p.shape
+                    ));
+                }
+                let values = p.values.as_slice::<f32>().ok_or("a handed-over shard is no longer contiguous")?;
+                rows_along(values, &p.shape, p.dim, p.offset, p.len)
+            }
+        }
+    }
+}
+
+/// Builds a shard of `shape` from pieces `(offset, len, piece)` along `dim`, sorted by offset,
+/// that must tile it exactly. Each value is written once, in order, with no zero-fill first;
+/// returns the values and each piece's checksum, taken as it lands.
+fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)]) -> Result<(Vec<f32>, Vec<u64>), String> {
+    let (outer, extent, inner) = around(shape, dim);
+    let mut at = 0;
+    for &(offset, len, _) in pieces.iter() {
+        if offset != at {
+            return Err(format!("pieces along dim {dim} of a {shape:?} shard leave a gap or overlap at {at}"));
+        }
+        at += len;
+    }
+    if at != extent {
+        return Err(format!("pieces along dim {dim} of a {shape:?} shard cover {at} of {extent} entries"));
+    }
+    let mut rows = pieces.iter().map(|(_, len, p)| p.rows(shape, dim, *len)).collect::<Result<Vec<_>, _>>()?;
+    let mut sums: Vec<Checksum> = (0..pieces.len()).map(|_| Checksum::new()).collect();
+    let mut out = Vec::with_capacity(outer * extent * inner);
+    for _ in 0..outer {
+        for (r, sum) in rows.iter_mut().zip(&mut sums) {
+            let row = r.next().ok_or("a piece ran short")?;
+            for block in row.chunks(BLOCK) {
+                out.extend_from_slice(block);
+                sum.update(&out[out.len() - block.len()..]);
+            }
+        }
+    }
+    Ok((out, sums.iter().map(Checksum::finish).collect()))
+}
+
+/// A piece of a new shard as it arrived: its offset and length along the split dim, its tag.
+type Arrival = (usize, usize, u32, Piece);
 
 /// A new shard's local shape and, per kind, its values once a piece has arrived.
 type NewShard = (Vec<usize>, Vec<Option<Vec<f32>>>);
@@ -188,6 +295,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Step 1: sends this rank's pieces of the plan.
     pub(super) fn live_send(&self, job: &LiveJob) -> Result<Sent, String> {
         let me = self.rank;
+        let clock = Instant::now();
         // This rank's shards by name: the local shape, then the weights, each optimizer moment
         // and the previous gradient, as tensors read where they lie.
         let super::rank::FlatState { shards: local, scalars, stepped, has_previous } = self.flat_state()?;
@@ -203,14 +311,25 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let (shape, tensors) =
                 local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
             for (kind, t) in tensors.iter().enumerate() {
+                let tag = tag(i, kind, kinds);
+                // Between threads, a contiguous f32 shard is handed over as it lies; otherwise
+                // the piece is cut and sent.
+                if let Some((handoff, values)) = job.handoff.as_ref().zip(flex_values(t)) {
+                    let all = values.as_slice::<f32>().expect("contiguous");
+                    let (sum, n) = sum_along(all, shape, m.dim, m.src_offset, m.len).map_err(|e| format!("`{name}`: {e}"))?;
+                    sums.push((tag, sum));
+                    elements += n as u64;
+                    handoff.put(tag, Shared { values, shape: shape.clone(), dim: m.dim, offset: m.src_offset, len: m.len });
+                    continue;
+                }
                 let (piece, sum) =
                     with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
-                let t = tag(i, kind, kinds);
-                sums.push((t, sum));
+                sums.push((tag, sum));
                 elements += piece.len() as u64;
-                self.world.send(m.dst_rank, t, piece).map_err(|e| e.to_string())?;
+                self.world.send(m.dst_rank, tag, piece).map_err(|e| e.to_string())?;
             }
         }
+        tracing::debug!("rank {me}: offered {elements} values in {:.3} s", clock.elapsed().as_secs_f64());
         Ok(Sent { sums, elements, scalars, fields, has_previous })
     }
 
@@ -218,6 +337,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// current one.
     pub(super) fn live_build(&self, job: &LiveJob, agreed: &Agreed, model: &L) -> Result<(Option<Self>, Received), PhaseError> {
         let me = self.rank;
+        let clock = Instant::now();
         let dims = job.cfg.dims;
         let struck = |phase: ReconfigPhase| me == job.fault_rank && job.fault.hits(phase);
         // Process groups first: every rank makes these collective calls, whatever fails later.
@@ -248,46 +368,69 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 shards.insert(p, (local_shape(spec, dims.tp), vec![None; kinds]));
             }
         }
-        let mut sums = Vec::new();
         let mut elements = 0u64;
         // Every piece sent here is received, even after a failure: none may stay in flight (an
         // MPI send of a large piece completes only once it is received).
         let mut failure: Option<PhaseError> = None;
+        // Per new shard and kind: the split dim and the pieces, assembled once all are here.
+        let mut arrived: HashMap<(usize, usize), (usize, Vec<Arrival>)> = HashMap::new();
         for (i, m) in job.plan.moves.iter().enumerate().filter(|(_, m)| m.dst_rank == me) {
             let name = &job.specs[m.param].name;
             for kind in 0..kinds {
                 let t = tag(i, kind, kinds);
-                let piece = self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?;
-                elements += piece.len() as u64;
-                // The piece's checksum, taken as it is placed where it can be.
-                let sum = match shards.get_mut(&m.param) {
-                    None => {
-                        failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
-                        checksum(&piece)
-                    }
-                    Some((shape, bufs)) => {
-                        let n: usize = shape.iter().product();
-                        let buf = &mut bufs[kind];
-                        if buf.is_none() && m.dst_offset == 0 && m.len == shape[m.dim] && piece.len() == n {
-                            let sum = checksum(&piece);
-                            *buf = Some(piece);
-                            sum
-                        } else {
-                            let values = buf.get_or_insert_with(|| vec![0f32; n]);
-                            place_along(values, shape, m.dim, m.dst_offset, m.len, &piece).unwrap_or_else(|e| {
-                                failure.get_or_insert_with(|| load(format!("`{name}`: {e}")));
-                                checksum(&piece)
-                            })
-                        }
-                    }
+                let piece = match job.handoff.as_ref().and_then(|h| h.take(t)) {
+                    Some(p) => Piece::Shared(p),
+                    None => Piece::Owned(self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?),
                 };
-                let sum = if struck(ReconfigPhase::Verify) && sums.is_empty() { sum ^ 1 } else { sum };
-                sums.push((t, sum));
+                elements += match &piece {
+                    Piece::Owned(v) => v.len(),
+                    Piece::Shared(p) => {
+                        let (outer, _, inner) = around(&p.shape, p.dim);
+                        outer * p.len * inner
+                    }
+                } as u64;
+                if !shards.contains_key(&m.param) {
+                    failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
+                    continue;
+                }
+                let (d, pieces) = arrived.entry((m.param, kind)).or_insert_with(|| (m.dim, Vec::new()));
+                if *d != m.dim {
+                    failure.get_or_insert_with(|| load(format!("`{name}` arrives split along dims {d} and {}", m.dim)));
+                }
+                pieces.push((m.dst_offset, m.len, t, piece));
             }
         }
         if let Some(f) = failure {
             return Err(f);
         }
+        // Each new shard: a single piece that is the whole shard is taken as it arrived; others
+        // are copied into place once, each piece summed as it lands.
+        let mut sums = Vec::new();
+        for ((p, kind), (dim, pieces)) in arrived {
+            let name = &job.specs[p].name;
+            let (shape, bufs) = shards.get_mut(&p).expect("checked on arrival");
+            let n: usize = shape.iter().product();
+            let whole = matches!(pieces.as_slice(), [(0, len, _, Piece::Owned(v))] if *len == shape[dim] && v.len() == n);
+            let values = if whole {
+                let Some((_, _, t, Piece::Owned(v))) = pieces.into_iter().next() else { unreachable!("one owned piece") };
+                sums.push((t, checksum(&v)));
+                v
+            } else {
+                let mut pieces = pieces;
+                pieces.sort_by_key(|p| p.0);
+                let (tags, parts): (Vec<u32>, Vec<(usize, usize, Piece)>) = pieces.into_iter().map(|(o, l, t, x)| (t, (o, l, x))).unzip();
+                let (values, piece_sums) = assemble(shape, dim, &parts).map_err(|e| load(format!("`{name}`: {e}")))?;
+                sums.extend(tags.into_iter().zip(piece_sums));
+                values
+            };
+            bufs[kind] = Some(values);
+        }
+        if struck(ReconfigPhase::Verify)
+            && let Some(first) = sums.first_mut()
+        {
+            first.1 ^= 1;
+        }
+        let placed = clock.elapsed().as_secs_f64();
         if struck(ReconfigPhase::Load) {
             return Err(load("injected failure while loading shards".into()));
         }
@@ -336,6 +479,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.device.clone(),
         )
         .map_err(|e| load(e.to_string()))?;
+        let built = clock.elapsed().as_secs_f64();
         let mut loaded = state.param_sums();
         loaded.sort();
         expected.sort();
@@ -343,6 +487,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let diff = expected.iter().find(|w| !loaded.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
             return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {diff} does not match what it received")));
         }
+        tracing::debug!(
+            "rank {me}: received and placed {elements} values by {placed:.3} s, built by {built:.3} s, checked by {:.3} s",
+            clock.elapsed().as_secs_f64()
+        );
         Ok((Some(state), Received { sums, elements }))
     }
 }
@@ -461,12 +609,13 @@ impl<L: ParallelLm> Engine<L> {
             fault,
             // The last rank that builds: a fault planted there is seen whatever the world size.
             fault_rank: self.cfg.dims.world_size().min(target.dims.world_size()) - 1,
+            handoff: self.runs_locally().then(Handoff::default),
         });
         let start = Instant::now();
         let outcome = self.live_steps(&job, start);
         // No piece of this change may stay queued, whatever happened.
         if let Some(world) = self.cluster.as_ref().and_then(Cluster::world) {
-            let left = world.discard_messages(TAG_BASE);
+            let left = world.discard_messages(TAG_BASE) + job.handoff.as_ref().map_or(0, Handoff::clear);
             if left > 0 && outcome.is_ok() {
                 tracing::warn!("{left} reshard piece(s) were sent but never received");
             }
@@ -561,14 +710,43 @@ mod tests {
         let want: Vec<f32> = (3..12).chain(21..30).map(|v| v as f32).collect();
         assert_eq!(piece, want);
         assert_eq!(sent, checksum(&want));
-        let mut back = vec![0f32; 36];
-        assert_eq!(place_along(&mut back, &shape, 1, 1, 3, &piece).unwrap(), sent);
-        for (i, (a, b)) in back.iter().zip(&values).enumerate() {
-            let row = (i / 3) % 6;
-            assert_eq!(*a, if (1..4).contains(&row) { *b } else { 0.0 }, "index {i}");
-        }
+        assert_eq!(sum_along(&values, &shape, 1, 1, 3).unwrap(), (sent, 18));
         assert!(slice_along(&values, &shape, 1, 4, 3).is_err());
-        assert!(place_along(&mut back, &shape, 1, 0, 2, &piece).is_err());
+        assert!(sum_along(&values, &shape, 1, 4, 3).is_err());
+    }
+
+    /// A piece `[offset, offset + len)` along dim 1 of `values` (shape [2, 6, 3]), still in
+    /// that shard, as a thread hands it over.
+    fn shared(values: &[f32], offset: usize, len: usize) -> Piece {
+        let values = FlexTensor::from_data(TensorData::new(values.to_vec(), [values.len()]));
+        Piece::Shared(Shared { values, shape: vec![2, 6, 3], dim: 1, offset, len })
+    }
+
+    #[test]
+    fn pieces_owned_and_handed_over_assemble_into_the_shard() {
+        let shape = [2, 6, 3];
+        let values: Vec<f32> = (0..36).map(|v| v as f32 * 0.5 - 4.0).collect();
+        // Three pieces along dim 1, [0, 1), [1, 4), [4, 6): the middle one cut and sent, the
+        // others read where they lie in the sender's shard.
+        let (middle, middle_sum) = slice_along(&values, &shape, 1, 1, 3).unwrap();
+        let pieces = vec![(0, 1, shared(&values, 0, 1)), (1, 3, Piece::Owned(middle)), (4, 2, shared(&values, 4, 2))];
+        let (back, sums) = assemble(&shape, 1, &pieces).unwrap();
+        assert_eq!(back, values);
+        let expect = |o, l| sum_along(&values, &shape, 1, o, l).unwrap().0;
+        assert_eq!(sums, vec![expect(0, 1), middle_sum, expect(4, 2)]);
+        // Each sum is the one of the values the piece holds, cut by hand.
+        let first: Vec<f32> = [0, 1, 2, 18, 19, 20].iter().map(|&i| values[i]).collect();
+        assert_eq!(sums[0], checksum(&first));
+
+        // A gap, an overlap, a short cover and a piece of another shard's geometry are refused.
+        let gap = vec![(0, 1, shared(&values, 0, 1)), (2, 4, shared(&values, 2, 4))];
+        assert!(assemble(&shape, 1, &gap).unwrap_err().contains("gap"));
+        let overlap = vec![(0, 2, shared(&values, 0, 2)), (1, 5, shared(&values, 1, 5))];
+        assert!(assemble(&shape, 1, &overlap).is_err());
+        let short = vec![(0, 4, shared(&values, 0, 4))];
+        assert!(assemble(&shape, 1, &short).unwrap_err().contains("cover 4 of 6"));
+        assert!(assemble(&[3, 6, 2], 1, &[(0, 6, shared(&values, 0, 6))]).is_err());
+        assert!(assemble(&shape, 1, &[(0, 6, Piece::Owned(vec![0.0; 35]))]).is_err());
     }
 
     #[test]

@@ -283,6 +283,7 @@ pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) ->
                     num_layers: order.num_layers,
                     fault: Fault::default(),
                     fault_rank: usize::MAX,
+                    handoff: None,
                 });
                 let sent = catch_unwind(AssertUnwindSafe(|| s.live_send(&j))).unwrap_or_else(|p| Err(panic_message(&p)));
                 job = Some(j);
