@@ -211,7 +211,8 @@ pub fn run_reconfig(presets: &[String], trials: usize) {
     println!("cost: that time less one steady step, in steady steps (0 where it took no longer than a steady");
     println!("step); ratio: restart cost / in-memory cost (- where the in-memory cost is 0).");
     println!("Times are medians of {trials} trial(s), each on a fresh engine (steady steps: the median of three");
-    println!("per trial, over all trials). moved: bytes the plan copied (weights, both moments, previous");
+    println!("per trial, over all trials); each column is its own median, so switch and first step need not");
+    println!("add up to in-memory. moved: bytes the plan copied (weights, both moments, previous");
     println!("gradient), of which rank-to-rank crossed between ranks. Every clock starts and stops with all");
     println!("ranks' queued work done (the weights read back, that read's own time taken off).");
     println!(
@@ -220,7 +221,8 @@ pub fn run_reconfig(presets: &[String], trials: usize) {
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        let h = v.len() / 2;
+        if v.len().is_multiple_of(2) { (v[h - 1] + v[h]) / 2.0 } else { v[h] }
     };
     let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {

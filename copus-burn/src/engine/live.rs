@@ -311,22 +311,22 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let (shape, tensors) =
                 local.get(name).ok_or_else(|| format!("the plan sends `{name}` from rank {me}, which holds none of it"))?;
             for (kind, t) in tensors.iter().enumerate() {
-                let tag = tag(i, kind, kinds);
+                let piece_tag = tag(i, kind, kinds);
                 // Between threads, a contiguous f32 shard is handed over as it lies; otherwise
                 // the piece is cut and sent.
                 if let Some((handoff, values)) = job.handoff.as_ref().zip(flex_values(t)) {
                     let all = values.as_slice::<f32>().expect("contiguous");
                     let (sum, n) = sum_along(all, shape, m.dim, m.src_offset, m.len).map_err(|e| format!("`{name}`: {e}"))?;
-                    sums.push((tag, sum));
+                    sums.push((piece_tag, sum));
                     elements += n as u64;
-                    handoff.put(tag, Shared { values, shape: shape.clone(), dim: m.dim, offset: m.src_offset, len: m.len });
+                    handoff.put(piece_tag, Shared { values, shape: shape.clone(), dim: m.dim, offset: m.src_offset, len: m.len });
                     continue;
                 }
                 let (piece, sum) =
                     with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
-                sums.push((tag, sum));
+                sums.push((piece_tag, sum));
                 elements += piece.len() as u64;
-                self.world.send(m.dst_rank, tag, piece).map_err(|e| e.to_string())?;
+                self.world.send(m.dst_rank, piece_tag, piece).map_err(|e| e.to_string())?;
             }
         }
         tracing::debug!("rank {me}: offered {elements} values in {:.3} s", clock.elapsed().as_secs_f64());
@@ -360,8 +360,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         let load = |e: String| (ReconfigPhase::Load, e);
         let kinds = agreed.kinds();
-        // Each new shard, per kind: filled in from zeros, or a single piece that is the whole
-        // shard, taken as it arrived.
+        // Each new shard, per kind: assembled from its pieces once all have arrived, or a single
+        // piece sent whole, taken as it arrived.
         let mut shards: HashMap<usize, NewShard> = HashMap::new();
         for (p, spec) in job.specs.iter().enumerate() {
             if holds(spec, &plan, job.num_layers) {
