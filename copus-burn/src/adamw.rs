@@ -221,7 +221,7 @@ fn host_update<const D: usize>(
 }
 
 /// The Flex handle of a contiguous f32 tensor on Flex.
-fn contiguous_f32<const D: usize>(t: &Tensor<D>) -> Option<FlexTensor> {
+pub(crate) fn contiguous_f32<const D: usize>(t: &Tensor<D>) -> Option<FlexTensor> {
     t.clone().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
 }
 

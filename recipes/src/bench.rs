@@ -207,9 +207,15 @@ pub fn probe_work(shape: &Shape, num_micro: usize, reps: usize) -> (f64, f64) {
     (median(on), median(off))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (of an even count, the mean of the two middle values); NaN when empty.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    let h = v.len() / 2;
+    match v.len() {
+        0 => f64::NAN,
+        n if n.is_multiple_of(2) => (v[h - 1] + v[h]) / 2.0,
+        _ => v[h],
+    }
 }
 
 /// The learner add-on's noise probe against the same step without it, on the reference shape:

@@ -11,6 +11,7 @@ use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{LlamaConfig, full_params};
 
+use crate::bench::median;
 use crate::profile::synthetic_batch;
 
 /// Seconds per all-reduce of `elems` f32 per rank on `world` ranks (rank 0's clock, between
@@ -219,11 +220,6 @@ pub fn run_reconfig(presets: &[String], trials: usize) {
         "| model | params | from -> to | path | state MB | moved MB | rank-to-rank MB | switch s | first step s | in-memory s | restart s | step s | in-memory cost | restart cost | ratio |"
     );
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        let h = v.len() / 2;
-        if v.len().is_multiple_of(2) { (v[h - 1] + v[h]) / 2.0 } else { v[h] }
-    };
     let mut cache_note = None;
     for preset in ["tiny-20m", "small-100m"] {
         if !presets.is_empty() && !presets.iter().any(|p| p == preset) {

@@ -23,9 +23,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use burn::backend::Flex;
 use burn::backend::flex::FlexTensor;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
 use copus_core::layout::RankGrid;
 use copus_core::model::{ParamSpec, TpSplit};
@@ -98,9 +97,10 @@ pub(crate) struct Shared {
     len: usize,
 }
 
-/// The Flex handle of a contiguous f32 tensor, whose values can be read in place.
+/// The Flex handle of a contiguous f32 tensor (under autodiff, of its value), whose values can
+/// be read in place.
 fn flex_values(t: &Tensor<1>) -> Option<FlexTensor> {
-    t.clone().inner().try_into_primitive::<Flex>().ok().filter(|f| f.dtype() == DType::F32 && f.as_slice::<f32>().is_some())
+    adamw::contiguous_f32(&t.clone().inner())
 }
 
 /// What a rank sent: each piece's tag and checksum, the elements, and what the build step needs
@@ -172,6 +172,14 @@ fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
 /// still in cache when it is summed.
 const BLOCK: usize = 1 << 13;
 
+/// Appends `row` to `out` block by block, summing each block just written while it is in cache.
+fn push_summed(out: &mut Vec<f32>, row: &[f32], sum: &mut Checksum) {
+    for block in row.chunks(BLOCK) {
+        out.extend_from_slice(block);
+        sum.update(&out[out.len() - block.len()..]);
+    }
+}
+
 /// The rows of entries `[offset, offset + len)` along `dim` of `values` (row-major, `shape`):
 /// one contiguous run per index of the dims before `dim`.
 fn rows_along<'a>(
@@ -199,10 +207,7 @@ pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: u
     let mut out = Vec::with_capacity(values.len() / shape[dim].max(1) * len);
     let mut sum = Checksum::new();
     for row in rows {
-        for block in row.chunks(BLOCK) {
-            out.extend_from_slice(block);
-            sum.update(&out[out.len() - block.len()..]);
-        }
+        push_summed(&mut out, row, &mut sum);
     }
     Ok((out, sum.finish()))
 }
@@ -273,10 +278,7 @@ fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)]) -> Re
     for _ in 0..outer {
         for (r, sum) in rows.iter_mut().zip(&mut sums) {
             let row = r.next().ok_or("a piece ran short")?;
-            for block in row.chunks(BLOCK) {
-                out.extend_from_slice(block);
-                sum.update(&out[out.len() - block.len()..]);
-            }
+            push_summed(&mut out, row, sum);
         }
     }
     Ok((out, sums.iter().map(Checksum::finish).collect()))
