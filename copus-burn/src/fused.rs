@@ -13,7 +13,10 @@
 //! - [`rope`] keeps its tables and applies the inverse rotation to `dy`;
 //! - [`silu`] keeps `silu'(x)` and returns `dy * silu'(x)`;
 //! - [`swiglu`] (`silu(gate) * up`, two inputs) keeps both inputs and returns both gradients in
-//!   one pass, written over the incoming gradient and the kept `up`.
+//!   one pass, written over the incoming gradient and the kept `up`;
+//! - [`causal_attention`] (`softmax(scale * q k^T + mask) v` per kv head, three inputs) runs its
+//!   products block by block, skipping the keys no query of a block sees, and writes its output
+//!   in the layout the output projection reads (see its module).
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
 //! `Device::flex().autodiff()` gives) and f32 values. On other devices, with checkpointing, or
@@ -34,6 +37,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use rayon::prelude::*;
+
+mod attention;
+pub use attention::causal_attention;
 
 /// Below this many logits one thread does the work: spawning tasks costs more.
 const PARALLEL_MIN: usize = 1 << 15;

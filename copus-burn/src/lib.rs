@@ -22,7 +22,9 @@
 //! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
-//! [`ParallelLm`] for the engine. Only [`collective`] holds `unsafe` code.
+//! [`ParallelLm`] for the engine. `unsafe` code is allowed only in [`collective`] (the in-place
+//! all-reduce), `mpi` and `gpu_comm` (library bindings) and the fused attention (direct GEMM calls
+//! on strided blocks).
 
 #![deny(unsafe_code)]
 

@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_softmax, rms_norm, rope, swiglu};
+use copus_burn::fused::{causal_attention, rms_norm, rope, swiglu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -234,14 +234,11 @@ impl Attention {
             }
         };
         // Query head i reads kv head i / g (g = h / k). Fold the g query heads of each kv head
-        // into the row dim, [b, k, g*s, e], so one batched matmul serves them without copying
-        // K and V g times.
+        // into the row dim, [b, k, g*s, e], so each kv head's keys and values serve them
+        // without being copied g times; row r is query position start + r % s.
         let g = h / k;
         let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        // Row r of the scores is query position start + r % s (see the fold above).
-        let probs_bkrt = causal_softmax(q_bkre.matmul(k_bkte.swap_dims(2, 3)), 1.0 / (e as f64).sqrt(), s, start);
-        let out_bsd = probs_bkrt.matmul(v_bkte).reshape([b, h, s, e]).swap_dims(1, 2).reshape([b, s, h * e]);
-        self.o_proj.forward(out_bsd)
+        self.o_proj.forward(causal_attention(q_bkre, k_bkte, v_bkte, 1.0 / (e as f64).sqrt(), s, start))
     }
 }
 

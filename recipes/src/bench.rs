@@ -411,6 +411,23 @@ pub fn op_table() {
             millis(|| ce(fused::cross_entropy_sum_reference)),
         ),
     ];
+    // Attention of the reference shape: 8 sequences of 256, 4 kv heads of 2 query heads, e 64.
+    let [q, k, v]: [Tensor<4>; 3] = [[8, 4, 512, 64], [8, 4, 256, 64], [8, 4, 256, 64]]
+        .map(|d| Tensor::random(d, Distribution::Normal(0.0, 1.0), &device).require_grad());
+    let attention = |f: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<3>| {
+        millis(|| {
+            let g = f(q.clone(), k.clone(), v.clone()).sum().backward();
+            let _ = (q.grad(&g).expect("a gradient").into_data(), k.grad(&g).expect("a gradient"), v.grad(&g).expect("a gradient"));
+        })
+    };
+    let rows = rows.into_iter().chain([(
+        "causal attention, q [8,4,512,64] (2 query heads per kv head), k and v [8,4,256,64]; Burn: its matmuls around the fused causal softmax",
+        attention(&|q, k, v| fused::causal_attention(q, k, v, 0.125, 256, 0)),
+        attention(&|q, k, v| {
+            let probs = fused::causal_softmax(q.matmul(k.swap_dims(2, 3)), 0.125, 256, 0);
+            probs.matmul(v).reshape([8, 8, 256, 64]).swap_dims(1, 2).reshape([8, 256, 512])
+        }),
+    )]);
     for (name, ours, theirs) in rows {
         println!("| {name} | {ours:.2} | {theirs:.2} | {:.2} |", theirs / ours);
     }
