@@ -7,9 +7,9 @@
 //! computed (37.5% at `s = 256`, towards half as `s` grows), in the forward and in the backward
 //! pass. The scores are computed in place in the rows of the probabilities, which the backward
 //! pass keeps; the gradient of a block's scores lives in one block-sized buffer per task. The
-//! output is written
-//! straight in `[b, s, h * e]`, the layout the output projection reads, so the usual transpose
-//! and copy after attention disappear, and the gradient reaching it is read in that layout too.
+//! output is written straight in `[b, s, h * e]`, the layout the output projection reads, so the
+//! usual transpose and copy after attention disappear, and the gradient reaching it is read in
+//! that layout too.
 //! Each `(batch, kv head)` is one parallel task on rayon's pool; every product is a
 //! single-threaded call of the `gemm` crate (the crate under Flex's matmul).
 
