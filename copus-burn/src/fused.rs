@@ -337,15 +337,20 @@ fn custom_op<const D: usize, const E: usize>(
     Ok(Tensor::from_primitive::<Ad>(out))
 }
 
-/// The inputs of a two-input custom operation: each one's values as a contiguous Flex tensor and
-/// its node in the autodiff graph, or `None` unless both are f32 tensors of [`Ad`].
+/// An input of a custom operation: its values as a contiguous Flex tensor and its node in the
+/// autodiff graph, or `None` unless it is an f32 tensor of [`Ad`].
+fn ad_parts<const D: usize>(x: &Tensor<D>) -> Option<(FlexTensor, NodeGuard)> {
+    let ad = x.clone().try_into_primitive::<Ad>().ok()?;
+    (ad.primitive().dtype() == DType::F32).then(|| {
+        let (p, node) = ad.into_parts();
+        (contiguous(p), node)
+    })
+}
+
+/// The inputs of a two-input custom operation ([`ad_parts`] of each), or `None` unless both
+/// are f32 tensors of [`Ad`].
 fn binary_parts<const D: usize, const E: usize>(a: &Tensor<D>, b: &Tensor<E>) -> Option<[(FlexTensor, NodeGuard); 2]> {
-    let (Ok(a), Ok(b)) = (a.clone().try_into_primitive::<Ad>(), b.clone().try_into_primitive::<Ad>()) else { return None };
-    if a.primitive().dtype() != DType::F32 || b.primitive().dtype() != DType::F32 {
-        return None;
-    }
-    let ((pa, na), (pb, nb)) = (a.into_parts(), b.into_parts());
-    Some([(contiguous(pa), na), (contiguous(pb), nb)])
+    Some([ad_parts(a)?, ad_parts(b)?])
 }
 
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, fused (see the module docs).

@@ -15,14 +15,14 @@
 
 #![allow(unsafe_code)]
 
-use super::{Ad, contiguous, flex, host_values, lane_dot, on_host, softmax_row};
+use super::{Ad, ad_parts, contiguous, flex, host_values, lane_dot, on_host, softmax_row};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
 /// Query positions per block.
@@ -61,14 +61,7 @@ pub fn causal_attention(q_bkre: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>,
         let (out, _) = geo.forward(&q, &k, &v);
         return Tensor::from_data(TensorData::new(out, [b, s, kv * g * e]), &q_bkre.device());
     }
-    let parts = |x: &Tensor<4>| {
-        let ad = x.clone().try_into_primitive::<Ad>().ok()?;
-        (ad.primitive().dtype() == DType::F32).then(|| {
-            let (p, node) = ad.into_parts();
-            (contiguous(p), node)
-        })
-    };
-    let (Some((q, nq)), Some((k, nk)), Some((v, nv))) = (parts(&q_bkre), parts(&k_bkte), parts(&v_bkte)) else {
+    let (Some((q, nq)), Some((k, nk)), Some((v, nv))) = (ad_parts(&q_bkre), ad_parts(&k_bkte), ad_parts(&v_bkte)) else {
         return decomposed(q_bkre, k_bkte, v_bkte);
     };
     let (out, probs) = geo.forward(values(&q), values(&k), values(&v));
@@ -149,7 +142,7 @@ impl Geometry {
                 let row0 = blk.j * s + blk.p0;
                 // Scaled scores of the visible keys, in place in the probabilities' rows.
                 let p_blk = &mut p[row0 * t..];
-                product(MatMut::of(p_blk, t, 1), false, Mat::of(&q[row0 * e..], e, 1), Mat::of(k, 1, e), blk.rows, blk.keys, e, self.scale);
+                product(p_blk, t, false, Mat::of(&q[row0 * e..], e, 1), Mat::of(k, 1, e), blk.rows, blk.keys, e, self.scale);
                 for (i, row) in p_blk.chunks_mut(t).take(blk.rows).enumerate() {
                     let seen = self.visible(blk.p0 + i);
                     softmax_row(&mut row[..seen]);
@@ -192,51 +185,28 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// The destination of a product.
-struct MatMut<'a> {
-    data: &'a mut [f32],
-    rs: usize,
-    cs: usize,
-}
-
-impl<'a> MatMut<'a> {
-    fn of(data: &'a mut [f32], rs: usize, cs: usize) -> Self {
-        Self { data, rs, cs }
-    }
-}
-
-/// `dst = (accumulate ? dst : 0) + beta * lhs * rhs` for `lhs` `m x k` and `rhs` `k x n`, on this
-/// thread. Panics if an operand does not hold its matrix.
+/// `dst = (accumulate ? dst : 0) + beta * lhs * rhs` for `lhs` `m x k` and `rhs` `k x n`, `dst`'s
+/// rows `rs` apart, on this thread. Panics if an operand does not hold its matrix.
 #[allow(clippy::too_many_arguments)]
-fn product(dst: MatMut, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
+fn product(dst: &mut [f32], rs: usize, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
     lhs.check(m, k);
     rhs.check(k, n);
-    Mat::of(dst.data, dst.rs, dst.cs).check(m, n);
+    Mat::of(dst, rs, 1).check(m, n);
     if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                for c in 0..n {
-                    dst.data[i * dst.rs + c * dst.cs] = 0.0;
-                }
-            }
-        }
         return;
     }
     // SAFETY: each operand was checked to hold its matrix at its strides, and `dst` is borrowed
     // mutably, so nothing else reads or writes it.
-    unsafe { gemm_raw(dst.data.as_mut_ptr(), dst.rs, dst.cs, accumulate, lhs, rhs, m, n, k, beta) }
+    unsafe { gemm_raw(dst.as_mut_ptr(), rs, accumulate, lhs, rhs, m, n, k, beta) }
 }
 
-/// [`product`] on a destination given by pointer.
+/// [`product`] on a destination given by pointer (gemm itself zero-fills when `k` is 0).
 ///
 /// # Safety
-/// `dst` must be valid for writes of the `m x n` matrix at strides `(rs, cs)`, and nothing else
+/// `dst` must be valid for writes of the `m x n` matrix with rows `rs` apart, and nothing else
 /// may access those elements during the call.
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_raw(dst: *mut f32, rs: usize, cs: usize, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
+unsafe fn gemm_raw(dst: *mut f32, rs: usize, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
     let i = |x: usize| x as isize;
     // SAFETY: the caller's contract for `dst`; `lhs` and `rhs` hold their matrices.
     unsafe {
@@ -245,7 +215,7 @@ unsafe fn gemm_raw(dst: *mut f32, rs: usize, cs: usize, accumulate: bool, lhs: M
             n,
             k,
             dst,
-            i(cs),
+            1,
             i(rs),
             accumulate,
             lhs.data.as_ptr(),
@@ -286,7 +256,7 @@ impl SharedOut {
             return;
         }
         // SAFETY: inside the buffer (checked above); exclusive by the caller's contract.
-        unsafe { gemm_raw(self.0.add(offset), rs, 1, false, lhs, rhs, m, n, k, 1.0) }
+        unsafe { gemm_raw(self.0.add(offset), rs, false, lhs, rhs, m, n, k, 1.0) }
     }
 }
 
@@ -322,7 +292,7 @@ impl Backward<Flex, 3> for AttentionBackward {
                     let p_blk = Mat::of(&p[row0 * t..], t, 1);
                     let do_blk = Mat::of(&dov[geo.out_offset(bi, ki, &blk)..], h * e, 1);
                     // dP = dO v^T.
-                    product(MatMut::of(&mut ds, n, 1), false, do_blk, Mat::of(v, e, 1).t(), blk.rows, n, e, 1.0);
+                    product(&mut ds, n, false, do_blk, Mat::of(v, e, 1).t(), blk.rows, n, e, 1.0);
                     // dS = P * (dP - sum(dP * P)) per row (the scale goes into the products
                     // below); masked keys have P = 0, so dS = 0 there.
                     for (i, d) in ds.chunks_mut(n).take(blk.rows).enumerate() {
@@ -332,9 +302,9 @@ impl Backward<Flex, 3> for AttentionBackward {
                     }
                     let ds_blk = Mat::of(&ds, n, 1);
                     // dq = scale dS k; dk += scale dS^T q; dv += P^T dO.
-                    product(MatMut::of(&mut dq[row0 * e..], e, 1), false, ds_blk, Mat::of(k, e, 1), blk.rows, e, n, geo.scale);
-                    product(MatMut::of(dk, e, 1), true, ds_blk.t(), Mat::of(&q[row0 * e..], e, 1), n, e, blk.rows, geo.scale);
-                    product(MatMut::of(dv, e, 1), true, p_blk.t(), do_blk, n, e, blk.rows, 1.0);
+                    product(&mut dq[row0 * e..], e, false, ds_blk, Mat::of(k, e, 1), blk.rows, e, n, geo.scale);
+                    product(dk, e, true, ds_blk.t(), Mat::of(&q[row0 * e..], e, 1), n, e, blk.rows, geo.scale);
+                    product(dv, e, true, p_blk.t(), do_blk, n, e, blk.rows, 1.0);
                 }
             },
         );
