@@ -16,7 +16,9 @@
 //!   one pass, written over the incoming gradient and the kept `up`;
 //! - [`causal_attention`] (`softmax(scale * q k^T + mask) v` per kv head, three inputs) runs its
 //!   products block by block, skipping the keys no query of a block sees, and writes its output
-//!   in the layout the output projection reads (see its module).
+//!   in the layout the output projection reads (see its module);
+//! - [`linear`] (`x W + b`) writes each of its three products straight into a fresh buffer,
+//!   where Flex's matmul zero-fills and copies every output first (see its module).
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
 //! `Device::flex().autodiff()` gives) and f32 values. On other devices, with checkpointing, or
@@ -39,7 +41,10 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 mod attention;
+mod gemm;
+mod linear;
 pub use attention::causal_attention;
+pub use linear::linear;
 
 /// Below this many logits one thread does the work: spawning tasks costs more.
 const PARALLEL_MIN: usize = 1 << 15;

@@ -7,8 +7,9 @@
 //! - [`closing`]: closing an optimizer step (probe memory, estimator, clipping, LR), shared by
 //!   the trainer, the engine's ranks and the Learner strategy;
 //! - [`grads`]: whole-model gradient arithmetic (squared norms, scaling, sums);
-//! - [`fused`]: the fused softmax cross entropy ([`cross_entropy_sum`], the summed next-token
-//!   loss models use) and the row kernels the vocabulary-parallel loss shares;
+//! - [`fused`]: the fused operations of a training step on Flex (the softmax cross entropy
+//!   [`cross_entropy_sum`], the summed next-token loss models use; causal attention, linear
+//!   layers, RMSNorm, RoPE, SwiGLU) and the row kernels the vocabulary-parallel loss shares;
 //! - [`collective`]: the `Collective` trait and its in-process backend (a thread per rank);
 //! - [`parallel`]: what a model implements to be sharded (`ParallelLm` with its
 //!   `ParallelPlan`, `StageModel`), shard slicing and the vocabulary-parallel embedding;
@@ -23,8 +24,8 @@
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
 //! [`ParallelLm`] for the engine. `unsafe` code is allowed only in [`collective`] (the in-place
-//! all-reduce), `mpi` and `gpu_comm` (library bindings) and the fused attention (direct GEMM calls
-//! on strided blocks).
+//! all-reduce), `mpi` and `gpu_comm` (library bindings), and the fused operations' GEMM calls
+//! (`fused::gemm`, behind bounds checks) and the fused attention's shared output.
 
 #![deny(unsafe_code)]
 

@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_attention, rms_norm, rope, swiglu};
+use copus_burn::fused::{causal_attention, linear, rms_norm, rope, swiglu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -186,6 +186,12 @@ impl Rope {
     }
 }
 
+/// `layer` applied to `x`, through the fused linear operation (one product per pass, written
+/// straight into its output; Burn's `linear` where the fused one does not apply).
+pub(crate) fn project<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+}
+
 /// Grouped-query causal self-attention.
 #[derive(Module, Debug)]
 pub struct Attention {
@@ -218,9 +224,9 @@ impl Attention {
         let [_, q_width] = self.q_proj.weight.dims();
         let [_, kv_width] = self.k_proj.weight.dims();
         let (h, k) = (q_width / e, kv_width / e);
-        let q_bhse = rope.apply(self.q_proj.forward(x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
-        let k_bkse = rope.apply(self.k_proj.forward(x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
-        let v_bkse = self.v_proj.forward(x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
+        let q_bhse = rope.apply(project(&self.q_proj, x_bsd.clone()).reshape([b, s, h, e]).swap_dims(1, 2));
+        let k_bkse = rope.apply(project(&self.k_proj, x_bsd.clone()).reshape([b, s, k, e]).swap_dims(1, 2));
+        let v_bkse = project(&self.v_proj, x_bsd).reshape([b, s, k, e]).swap_dims(1, 2);
         // With a cache, the keys and values of every position so far, [b, k, start + s, e].
         let (k_bkte, v_bkte) = match cache {
             None => (k_bkse, v_bkse),
@@ -238,7 +244,7 @@ impl Attention {
         // without being copied g times; row r is query position start + r % s.
         let g = h / k;
         let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        self.o_proj.forward(causal_attention(q_bkre, k_bkte, v_bkte, 1.0 / (e as f64).sqrt(), s, start))
+        project(&self.o_proj, causal_attention(q_bkre, k_bkte, v_bkte, 1.0 / (e as f64).sqrt(), s, start))
     }
 }
 
@@ -280,7 +286,7 @@ pub struct Mlp {
 impl Mlp {
     /// Applies the MLP.
     pub fn forward(&self, x_bsd: Tensor<3>) -> Tensor<3> {
-        self.down_proj.forward(swiglu(self.gate_proj.forward(x_bsd.clone()), self.up_proj.forward(x_bsd)))
+        project(&self.down_proj, swiglu(project(&self.gate_proj, x_bsd.clone()), project(&self.up_proj, x_bsd)))
     }
 }
 
@@ -345,7 +351,7 @@ impl Llama {
     /// Projects hidden states to logits `[b, s, v]`.
     pub fn head(&self, x_bsd: Tensor<3>) -> Tensor<3> {
         match &self.lm_head {
-            Some(head) => head.forward(x_bsd),
+            Some(head) => project(head, x_bsd),
             None => {
                 let [b, s, d] = x_bsd.dims();
                 let w_vd = self.embed_tokens.weight.val();

@@ -60,7 +60,7 @@ impl StageModel for LlamaStage {
     fn logits(&self, x_bsd: Tensor<3>) -> Tensor<3> {
         let h_bsd = self.norm.as_ref().expect("the last stage holds the final norm").forward(x_bsd);
         match (&self.lm_head, &self.embed_tokens) {
-            (Some(head), _) => head.forward(h_bsd),
+            (Some(head), _) => crate::llama::project(head, h_bsd),
             (None, Some(emb)) => {
                 let [b, s, d] = h_bsd.dims();
                 let w_vd = emb.weight.val();

@@ -3,11 +3,15 @@
 Same shape and work as `recipes bench`: Llama-style decoder (RMSNorm, rotate-half RoPE,
 grouped-query attention, SwiGLU), untied head, fp32, AdamW; by default d_model 256, 4 layers,
 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence 256, micro-batch 8 (`--shape` sets
-d,layers,heads,kv_heads,ffn,vocab,seq,batch). Prints JSON: seconds of each phase per timed step
-(body and final norm forward, head and loss forward, backward, optimizer), the threads, and the
-GFLOP/s of each GEMM that `--gemm` names (mxkxn,...), each alone.
+d,layers,heads,kv_heads,ffn,vocab,seq,batch).
+
+It serves the benchmark one request per line on stdin, so that the two sides can step in turn
+and the machine's drift falls on both: it first prints `{"threads": n}`, then answers `step`
+with the seconds of each phase of one training step (body and final norm forward, head and
+loss forward, backward, optimizer) and `gemm mxkxn,...` with the GFLOP/s of each GEMM alone,
+each answer one JSON line. It exits at the end of its input.
 """
-import argparse, json, math, time
+import argparse, json, math, sys, time
 
 import torch
 import torch.nn as nn
@@ -86,13 +90,25 @@ class Model(nn.Module):
         return self.head(x)
 
 
+def gemm_gflops(spec):
+    out = []
+    for mkn in filter(None, spec.split(",")):
+        m, k, n = (int(x) for x in mkn.split("x"))
+        a_, b_ = torch.rand(m, k), torch.rand(k, n)
+        (a_ @ b_)[:1, :1].sum().item()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            (a_ @ b_)[:1, :1].sum().item()
+            times.append(time.perf_counter() - t)
+        out.append(2 * m * k * n / sorted(times)[len(times) // 2] / 1e9)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--shape", type=str, default="")
-    p.add_argument("--gemm", type=str, default="", help="GEMMs to time alone, mxkxn,...")
     a = p.parse_args()
     if a.shape:
         set_shape(a.shape)
@@ -102,8 +118,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     cos, sin = rope_tables(S, E)
     mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
-    phases = {"body": [], "head_loss": [], "backward": [], "optimizer": []}
-    for i in range(a.warmup + a.steps):
+
+    def step():
         ids = torch.randint(0, V, (B, S))
         tgt = torch.randint(0, V, (B, S))
         opt.zero_grad(set_to_none=True)
@@ -117,21 +133,21 @@ def main():
         t3 = time.perf_counter()
         opt.step()
         t4 = time.perf_counter()
-        if i >= a.warmup:
-            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[k].append(v)
-    gemm = []
-    for mkn in filter(None, a.gemm.split(",")):
-        m, k, n = (int(x) for x in mkn.split("x"))
-        a_, b_ = torch.rand(m, k), torch.rand(k, n)
-        (a_ @ b_)[:1, :1].sum().item()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            (a_ @ b_)[:1, :1].sum().item()
-            times.append(time.perf_counter() - t)
-        gemm.append(2 * m * k * n / sorted(times)[len(times) // 2] / 1e9)
-    print(json.dumps({**phases, "threads": torch.get_num_threads(), "gemm_gflops": gemm}))
+        return {"body": t1 - t0, "head_loss": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3}
+
+    def answer(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer({"threads": torch.get_num_threads()})
+    for line in sys.stdin:
+        words = line.split()
+        if words == ["step"]:
+            answer(step())
+        elif words[:1] == ["gemm"]:
+            answer({"gemm_gflops": gemm_gflops(words[1] if len(words) > 1 else "")})
+        elif words:
+            answer({"error": "unknown request " + line.strip()})
 
 
 if __name__ == "__main__":

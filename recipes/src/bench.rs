@@ -4,8 +4,9 @@
 //! on both sides, a per-phase breakdown of each step, and the noise-scale probe's own cost (the
 //! same micro-batch split with the probe on and off).
 
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, anyhow};
@@ -72,49 +73,62 @@ fn int2(v: Vec<i64>, shape: [usize; 2], device: &Device) -> Tensor<2, Int> {
     Tensor::<2, Int>::from_data(TensorData::new(v, shape), device)
 }
 
-/// Times each phase of the copus step on `shape`, per timed step.
-pub fn time_copus(shape: &Shape, steps: usize, warmup: usize) -> Vec<Phases> {
-    let s = &shape.spec;
-    let device = Device::flex().autodiff();
-    device.seed(0);
-    let mut model = LlamaConfig::from_spec(s).init(&device);
-    let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
-    let mut optim = cfg.adamw(&model.no_decay_predicates());
-    let n = (shape.micro_batch * s.seq_len) as f64;
-    let mut previous: Option<GradientsParams> = None;
-    let mut out = Vec::new();
-    for i in 0..warmup + steps {
-        let (ids, tgt) = tokens(s, shape.micro_batch, i);
-        let inputs = int2(ids, [shape.micro_batch, s.seq_len], &device);
-        let targets = int2(tgt, [shape.micro_batch, s.seq_len], &device);
+/// The copus step on one shape, one step per call: the model, its AdamW and the probe's last
+/// gradient.
+pub struct CopusStep {
+    device: Device,
+    model: copus_models::Llama,
+    optim: copus_burn::adamw::AdamW,
+    previous: Option<GradientsParams>,
+    spec: ModelSpec,
+    micro_batch: usize,
+    steps: usize,
+}
+
+impl CopusStep {
+    /// A freshly initialised model of `shape` (seed 0) on Flex under autodiff.
+    pub fn new(shape: &Shape) -> Self {
+        let device = Device::flex().autodiff();
+        device.seed(0);
+        let model = LlamaConfig::from_spec(&shape.spec).init(&device);
+        let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
+        let optim = cfg.adamw(&model.no_decay_predicates());
+        Self { device, model, optim, previous: None, spec: shape.spec.clone(), micro_batch: shape.micro_batch, steps: 0 }
+    }
+
+    /// One training step, timed phase by phase.
+    pub fn step(&mut self) -> Phases {
+        let (s, device) = (&self.spec, &self.device);
+        let n = (self.micro_batch * s.seq_len) as f64;
+        let (ids, tgt) = tokens(s, self.micro_batch, self.steps);
+        self.steps += 1;
+        let inputs = int2(ids, [self.micro_batch, s.seq_len], device);
+        let targets = int2(tgt, [self.micro_batch, s.seq_len], device);
         let mut p = Phases::default();
         let t = Instant::now();
-        let h = model.hidden(inputs);
+        let h = self.model.hidden(inputs);
         p.body = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let loss = cross_entropy_sum(model.head(h), targets).div_scalar(n);
+        let loss = cross_entropy_sum(self.model.head(h), targets).div_scalar(n);
         let value = loss.clone().into_scalar::<f32>();
         p.head_loss = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let g = GradientsParams::from_grads(loss.backward(), &model);
+        let g = GradientsParams::from_grads(loss.backward(), &self.model);
         p.backward = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let diff = previous.as_ref().map(|prev| grads::diff_sq_norm(&model, &g, prev));
-        previous = Some(grads::scaled(&model, &g, 1.0));
+        let diff = self.previous.as_ref().map(|prev| grads::diff_sq_norm(&self.model, &g, prev));
+        self.previous = Some(grads::scaled(&self.model, &g, 1.0));
         p.probe = t.elapsed().as_secs_f64();
         let t = Instant::now();
         // |g|^2 for clipping, which a step does with or without the probe.
-        let sq = grads::sq_norm(&model, &g);
+        let sq = grads::sq_norm(&self.model, &g);
         assert!(value.is_finite() && sq.is_finite() && diff.is_none_or(f64::is_finite));
-        model = optim.step(1e-3, model, g);
+        self.model = self.optim.step(1e-3, self.model.clone(), g);
         // The step is done once its weights can be read.
-        let _ = model.embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
+        let _ = self.model.embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
         p.optimizer = t.elapsed().as_secs_f64();
-        if i >= warmup {
-            out.push(p);
-        }
+        p
     }
-    out
 }
 
 /// Median seconds per trainer step with the probe on and off, for `num_micro` micro-batches of
@@ -261,53 +275,134 @@ pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
 pub const GEMMS: [(usize, usize, usize); 7] =
     [(2048, 256, 4096), (2048, 512, 512), (2048, 512, 256), (2048, 512, 1376), (2048, 1376, 512), (2048, 512, 4096), (512, 2048, 1376)];
 
-/// GFLOP/s of an `[m, k] x [k, n]` fp32 GEMM on the plain Flex device (the kernel every linear
-/// layer runs on): the median of `reps` products after one, each read back.
-pub fn gemm_gflops((m, k, n): (usize, usize, usize), reps: usize) -> f64 {
+/// GFLOP/s of an `[m, k] x [k, n]` fp32 GEMM on the plain Flex device, as Flex's matmul and as
+/// copus's fused linear (the path of every linear layer): the median of `reps` products after
+/// one, each read back.
+pub fn gemm_gflops((m, k, n): (usize, usize, usize), reps: usize) -> (f64, f64) {
     let device = Device::flex();
     let a: Tensor<2> = Tensor::random([m, k], burn::tensor::Distribution::Default, &device);
     let b: Tensor<2> = Tensor::random([k, n], burn::tensor::Distribution::Default, &device);
-    let secs = millis_of(reps, || drop(a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_data())) / 1e3;
-    2.0 * (m * k * n) as f64 / secs / 1e9
-}
-
-/// PyTorch's side of one shape, from `bench/torch_step.py`.
-pub struct TorchTimes {
-    /// Per timed step: body, head and loss, backward, optimizer (no probe).
-    pub phases: Vec<Phases>,
-    /// Threads PyTorch ran on, as it reports them.
-    pub threads: usize,
-    /// GFLOP/s of each of [`GEMMS`], in order.
-    pub gemm_gflops: Vec<f64>,
-}
-
-/// PyTorch eager on `shape` with `threads` threads, or why it could not run.
-pub fn time_torch(shape: &Shape, steps: usize, warmup: usize, threads: usize) -> anyhow::Result<TorchTimes> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
-    let s = &shape.spec;
-    let dims = format!(
-        "{},{},{},{},{},{},{},{}",
-        s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
-    );
-    let out = Command::new("python3")
-        .arg(&script)
-        .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string(), "--threads", &threads.to_string(), "--shape", &dims])
-        .args(["--gemm", &GEMMS.iter().map(|(m, k, n)| format!("{m}x{k}x{n}")).collect::<Vec<_>>().join(",")])
-        .output()
-        .map_err(|e| anyhow!("cannot run python3: {e}"))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(anyhow!("{}", err.lines().last().unwrap_or("failed")));
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let list = |k: &str| -> anyhow::Result<Vec<f64>> {
-        Ok(v[k].as_array().with_context(|| format!("no {k}"))?.iter().filter_map(|x| x.as_f64()).collect())
+    let gflops = |f: &dyn Fn() -> Tensor<2>| {
+        let secs = millis_of(reps, || drop(f().slice([0..1, 0..1]).into_data())) / 1e3;
+        2.0 * (m * k * n) as f64 / secs / 1e9
     };
-    let (body, head, back, opt) = (list("body")?, list("head_loss")?, list("backward")?, list("optimizer")?);
-    let phases = (0..body.len().min(head.len()).min(back.len()).min(opt.len()))
-        .map(|i| Phases { body: body[i], head_loss: head[i], backward: back[i], probe: 0.0, optimizer: opt[i] })
-        .collect();
-    Ok(TorchTimes { phases, threads: v["threads"].as_u64().unwrap_or(0) as usize, gemm_gflops: list("gemm_gflops").unwrap_or_default() })
+    (gflops(&|| a.clone().matmul(b.clone())), gflops(&|| copus_burn::fused::linear(a.clone(), b.clone(), None)))
+}
+
+/// PyTorch eager on one shape (`bench/torch_step.py`), a process that steps on request, so
+/// that the two sides can step in turn.
+pub struct Torch {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// Threads PyTorch runs on, as it reports them.
+    pub threads: usize,
+}
+
+impl Torch {
+    /// Starts PyTorch on `shape` with `threads` threads, or says why it could not.
+    pub fn start(shape: &Shape, threads: usize) -> anyhow::Result<Self> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
+        let s = &shape.spec;
+        let dims = format!(
+            "{},{},{},{},{},{},{},{}",
+            s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
+        );
+        let mut child = Command::new("python3")
+            .arg(&script)
+            .args(["--threads", &threads.to_string(), "--shape", &dims])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| anyhow!("cannot run python3: {e}"))?;
+        let (stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
+        let mut torch = Self { child, stdin, stdout: BufReader::new(stdout), threads: 0 };
+        let ready = torch.answer();
+        torch.threads = ready?["threads"].as_u64().unwrap_or(0) as usize;
+        Ok(torch)
+    }
+
+    /// The next answer; when there is none, the last line PyTorch wrote to stderr (its error).
+    fn answer(&mut self) -> anyhow::Result<serde_json::Value> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            let _ = self.child.kill();
+            let mut err = String::new();
+            if let Some(mut e) = self.child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            return Err(anyhow!("{}", err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("python3 exited")));
+        }
+        let v: serde_json::Value = serde_json::from_str(&line)?;
+        match v["error"].as_str() {
+            Some(e) => Err(anyhow!("{e}")),
+            None => Ok(v),
+        }
+    }
+
+    fn request(&mut self, line: &str) -> anyhow::Result<serde_json::Value> {
+        writeln!(self.stdin, "{line}").and_then(|()| self.stdin.flush()).context("PyTorch stopped reading")?;
+        self.answer()
+    }
+
+    /// One training step: body, head and loss, backward, optimizer (no probe).
+    pub fn step(&mut self) -> anyhow::Result<Phases> {
+        let v = self.request("step")?;
+        let f = |k: &str| v[k].as_f64().with_context(|| format!("no {k} in PyTorch's answer"));
+        Ok(Phases { body: f("body")?, head_loss: f("head_loss")?, backward: f("backward")?, probe: 0.0, optimizer: f("optimizer")? })
+    }
+
+    /// GFLOP/s of each of `gemms` `(m, k, n)`, each alone.
+    pub fn gemm_gflops(&mut self, gemms: &[(usize, usize, usize)]) -> anyhow::Result<Vec<f64>> {
+        let list = gemms.iter().map(|(m, k, n)| format!("{m}x{k}x{n}")).collect::<Vec<_>>().join(",");
+        let v = self.request(&format!("gemm {list}"))?;
+        Ok(v["gemm_gflops"].as_array().context("no gemm_gflops")?.iter().filter_map(|x| x.as_f64()).collect())
+    }
+}
+
+impl Drop for Torch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// PyTorch's side of [`alternate`]: its phases per timed step and the threads it reported, or
+/// none when it was not asked for, or why it could not run.
+pub type TheirSide = anyhow::Result<Option<(Vec<Phases>, usize)>>;
+
+/// Steps copus and (with `torch` threads) PyTorch on `shape` in turn, one step each per round,
+/// the first side alternating between rounds, so that the machine's drift falls on both: the
+/// phases of each side's timed steps, and per timed round PyTorch's step time over copus's.
+pub fn alternate(shape: &Shape, steps: usize, warmup: usize, torch: Option<usize>) -> (Vec<Phases>, TheirSide, Vec<f64>) {
+    let mut copus = CopusStep::new(shape);
+    let mut server = torch.map(|threads| Torch::start(shape, threads)).transpose();
+    let (mut ours, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..warmup + steps {
+        let their_step = |server: &mut anyhow::Result<Option<Torch>>| match server {
+            Ok(Some(t)) => match t.step() {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    *server = Err(e);
+                    None
+                }
+            },
+            _ => None,
+        };
+        let first = if round % 2 == 1 { their_step(&mut server) } else { None };
+        let o = copus.step();
+        let t = if round % 2 == 0 { their_step(&mut server) } else { first };
+        if round >= warmup {
+            ours.push(o);
+            if let Some(t) = t {
+                ratios.push(t.step() / o.step());
+                theirs.push(t);
+            }
+        }
+    }
+    let theirs = server.map(|s| s.map(|t| (theirs, t.threads)));
+    (ours, theirs, ratios)
 }
 
 /// Sets the number of threads of rayon's global pool (Flex's GEMM and the fused loss run on
@@ -428,6 +523,22 @@ pub fn op_table() {
             probs.matmul(v).reshape([8, 8, 256, 64]).swap_dims(1, 2).reshape([8, 256, 512])
         }),
     )]);
+    // tiny-20m's gate projection, input and weight tracked.
+    let (lx, lw): (Tensor<3>, Tensor<2>) = (
+        Tensor::random([8, 256, 512], Distribution::Normal(0.0, 1.0), &device).require_grad(),
+        Tensor::random([512, 1376], Distribution::Normal(0.0, 0.05), &device).require_grad(),
+    );
+    let linear = |f: fn(Tensor<3>, Tensor<2>, Option<Tensor<1>>) -> Tensor<3>| {
+        millis(|| {
+            let g = f(lx.clone(), lw.clone(), None).sum().backward();
+            let _ = (lx.grad(&g).expect("a gradient").into_data(), lw.grad(&g).expect("a gradient").into_data());
+        })
+    };
+    let rows = rows.chain([(
+        "linear [8,256,512] x [512,1376] (tiny-20m's gate projection); Burn: its linear (matmul)",
+        linear(fused::linear),
+        linear(burn::tensor::module::linear),
+    )]);
     for (name, ours, theirs) in rows {
         println!("| {name} | {ours:.2} | {theirs:.2} | {:.2} |", theirs / ours);
     }
@@ -464,12 +575,9 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
             "\n{}: d_model {}, {} layers, {} heads, {} kv heads, ffn {}, vocab {}, seq {}, micro-batch {}, fp32, AdamW",
             s.name, s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
         );
-        let ours = median_phases(&time_copus(&shape, steps, warmup));
-        let theirs = if torch { Some(time_torch(&shape, steps, warmup, threads)) } else { None };
-        let theirs_phases = match &theirs {
-            Some(Ok(t)) => Some(median_phases(&t.phases)),
-            _ => None,
-        };
+        let (ours, theirs, ratios) = alternate(&shape, steps, warmup, torch.then_some(threads));
+        let ours = median_phases(&ours);
+        let theirs_phases = theirs.as_ref().ok().and_then(Option::as_ref).map(|(p, _)| median_phases(p));
         println!("| phase | copus s | PyTorch s | PyTorch / copus |\n|---|---:|---:|---:|");
         let rows: [(&str, PhaseOf); 6] = [
             ("embedding + decoder layers + final norm, forward", |p| p.body),
@@ -488,19 +596,20 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
             }
         }
         let step = ours.step();
-        match &theirs {
-            Some(Ok(t)) => {
-                let their_step = theirs_phases.map_or(f64::NAN, |p| p.step());
+        match (&theirs, theirs_phases) {
+            (Ok(Some((_, threads))), Some(their)) => {
+                let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = ratios.iter().copied().fold(0.0, f64::max);
                 println!(
-                    "tokens/s: copus {:.0}, PyTorch {:.0}; ratio (PyTorch step time / copus step time): {:.2} (PyTorch reported {} threads)",
+                    "tokens/s: copus {:.0}, PyTorch {:.0}; ratio (PyTorch step time / copus step time, the two stepping in turn): {:.2}, the median over {} rounds ({lo:.2}-{hi:.2}) (PyTorch reported {threads} threads)",
                     tokens / step,
-                    tokens / their_step,
-                    their_step / step,
-                    t.threads
+                    tokens / their.step(),
+                    median(ratios.clone()),
+                    ratios.len(),
                 );
             }
-            Some(Err(e)) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
-            None => println!("tokens/s: copus {:.0}", tokens / step),
+            (Err(e), _) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
+            _ => println!("tokens/s: copus {:.0}", tokens / step),
         }
         println!(
             "| probe, same split | step, probe on s | step, probe off s | whole-step cost | probe's work on ms | off ms | probe's work / step |\n|---|---:|---:|---:|---:|---:|---:|"
@@ -519,13 +628,15 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
         }
     }
     op_table();
-    let theirs = torch.then(|| time_torch(&shapes().remove(0), 1, 0, threads).map(|t| t.gemm_gflops));
-    println!("\n| GEMM fp32, [m,k]x[k,n] | copus/Flex GFLOP/s | PyTorch GFLOP/s | copus / PyTorch |\n|---|---:|---:|---:|");
+    let theirs = torch.then(|| Torch::start(&shapes().remove(0), threads).and_then(|mut t| t.gemm_gflops(&GEMMS)));
+    println!(
+        "\n| GEMM fp32, [m,k]x[k,n] | Flex matmul GFLOP/s | copus linear GFLOP/s | PyTorch GFLOP/s | copus linear / PyTorch |\n|---|---:|---:|---:|---:|"
+    );
     for (i, &(m, k, n)) in GEMMS.iter().enumerate() {
-        let ours = gemm_gflops((m, k, n), 5);
+        let (flex, ours) = gemm_gflops((m, k, n), 5);
         match theirs.as_ref().map(|t| t.as_ref().map(|g| g.get(i).copied())) {
-            Some(Ok(Some(g))) => println!("| [{m},{k}]x[{k},{n}] | {ours:.1} | {g:.1} | {:.2} |", ours / g),
-            _ => println!("| [{m},{k}]x[{k},{n}] | {ours:.1} | | |"),
+            Some(Ok(Some(g))) => println!("| [{m},{k}]x[{k},{n}] | {flex:.1} | {ours:.1} | {g:.1} | {:.2} |", ours / g),
+            _ => println!("| [{m},{k}]x[{k},{n}] | {flex:.1} | {ours:.1} | | |"),
         }
     }
 }

@@ -15,6 +15,7 @@
 
 #![allow(unsafe_code)]
 
+use super::gemm::{Mat, gemm_raw, product};
 use super::{Ad, ad_parts, contiguous, flex, host_values, lane_dot, on_host, softmax_row};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -161,79 +162,6 @@ impl Geometry {
     }
 }
 
-/// A read-only operand: values from `data[0]` with row and column strides.
-#[derive(Clone, Copy)]
-struct Mat<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
-}
-
-impl<'a> Mat<'a> {
-    fn of(data: &'a [f32], rs: usize, cs: usize) -> Self {
-        Self { data, rs, cs }
-    }
-
-    /// The transpose, in place.
-    fn t(self) -> Self {
-        Self { data: self.data, rs: self.cs, cs: self.rs }
-    }
-
-    /// Panics unless an `m x n` matrix fits.
-    fn check(&self, m: usize, n: usize) {
-        assert!(m == 0 || n == 0 || (m - 1) * self.rs + (n - 1) * self.cs < self.data.len(), "operand out of bounds");
-    }
-}
-
-/// `dst = (accumulate ? dst : 0) + beta * lhs * rhs` for `lhs` `m x k` and `rhs` `k x n`, `dst`'s
-/// rows `rs` apart, on this thread. Panics if an operand does not hold its matrix.
-#[allow(clippy::too_many_arguments)]
-fn product(dst: &mut [f32], rs: usize, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
-    lhs.check(m, k);
-    rhs.check(k, n);
-    Mat::of(dst, rs, 1).check(m, n);
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: each operand was checked to hold its matrix at its strides, and `dst` is borrowed
-    // mutably, so nothing else reads or writes it.
-    unsafe { gemm_raw(dst.as_mut_ptr(), rs, accumulate, lhs, rhs, m, n, k, beta) }
-}
-
-/// [`product`] on a destination given by pointer (gemm itself zero-fills when `k` is 0).
-///
-/// # Safety
-/// `dst` must be valid for writes of the `m x n` matrix with rows `rs` apart, and nothing else
-/// may access those elements during the call.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_raw(dst: *mut f32, rs: usize, accumulate: bool, lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize, beta: f32) {
-    let i = |x: usize| x as isize;
-    // SAFETY: the caller's contract for `dst`; `lhs` and `rhs` hold their matrices.
-    unsafe {
-        ::gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            i(rs),
-            accumulate,
-            lhs.data.as_ptr(),
-            i(lhs.cs),
-            i(lhs.rs),
-            rhs.data.as_ptr(),
-            i(rhs.cs),
-            i(rhs.rs),
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            ::gemm::Parallelism::None,
-        )
-    }
-}
-
 /// The output buffer, written by many tasks at places no two share.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32, usize);
@@ -256,7 +184,7 @@ impl SharedOut {
             return;
         }
         // SAFETY: inside the buffer (checked above); exclusive by the caller's contract.
-        unsafe { gemm_raw(self.0.add(offset), rs, false, lhs, rhs, m, n, k, 1.0) }
+        unsafe { gemm_raw(self.0.add(offset), rs, false, lhs, rhs, [m, n, k], 1.0, ::gemm::Parallelism::None) }
     }
 }
 
