@@ -307,6 +307,11 @@ fn values_mut(t: &mut FlexTensor) -> &mut [f32] {
     &mut t.storage_mut::<f32>()[start..end]
 }
 
+/// A contiguous f32 tensor's values.
+fn values(x: &FlexTensor) -> &[f32] {
+    x.as_slice::<f32>().expect("contiguous f32")
+}
+
 /// A Flex tensor of `shape` holding `values`.
 fn flex(values: Vec<f32>, shape: impl Into<burn::tensor::Shape>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape.into()))

@@ -16,7 +16,7 @@
 #![allow(unsafe_code)]
 
 use super::gemm::{Mat, gemm_raw, product};
-use super::{Ad, ad_parts, contiguous, flex, host_values, lane_dot, on_host, softmax_row};
+use super::{Ad, ad_parts, contiguous, flex, host_values, lane_dot, on_host, softmax_row, values};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -74,11 +74,6 @@ pub fn causal_attention(q_bkre: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>,
     #[cfg(test)]
     tests::FUSED.with(|n| n.set(n.get() + 1));
     Tensor::from_primitive::<Ad>(out)
-}
-
-/// A contiguous f32 tensor's values.
-fn values(x: &FlexTensor) -> &[f32] {
-    x.as_slice::<f32>().expect("contiguous f32")
 }
 
 /// The sizes of one attention call.

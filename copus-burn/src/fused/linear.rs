@@ -6,7 +6,7 @@
 //! weight gradient is one product over all positions.
 
 use super::gemm::{Mat, product_new};
-use super::{Ad, ad_parts, contiguous, flex};
+use super::{Ad, ad_parts, contiguous, flex, values};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -40,7 +40,7 @@ fn tracked<const D: usize>(geo: &Geometry, x: &Tensor<D>, weight: &Tensor<2>, bi
         Some(b) => Some(ad_parts(b)?),
         None => None,
     };
-    let out = geo.forward::<D>(&xf, &wf, bias.as_ref().map(|(b, _)| b));
+    let out = geo.forward(&xf, &wf, bias.as_ref().map(|(b, _)| b));
     // x is needed only for the weight's gradient, the weight only for x's.
     let state = (weight.is_tracked().then_some(xf), x.is_tracked().then_some(wf));
     let geo = LinearBackward(geo.clone());
@@ -72,12 +72,7 @@ fn plain<const D: usize>(geo: &Geometry, x: &Tensor<D>, weight: &Tensor<2>, bias
     };
     #[cfg(test)]
     tests::FUSED.with(|n| n.set(n.get() + 1));
-    Some(Tensor::from_primitive::<Flex>(geo.forward::<D>(&xf, &wf, bias.as_ref())))
-}
-
-/// A contiguous f32 tensor's values.
-fn values(x: &FlexTensor) -> &[f32] {
-    x.as_slice::<f32>().expect("contiguous f32")
+    Some(Tensor::from_primitive::<Flex>(geo.forward(&xf, &wf, bias.as_ref())))
 }
 
 /// The sizes of one linear call; `x_dims` is the shape of `x`.
@@ -91,7 +86,7 @@ struct Geometry {
 
 impl Geometry {
     /// `x W + b`, shaped like `x` with `d_out` last.
-    fn forward<const D: usize>(&self, x: &FlexTensor, w: &FlexTensor, b: Option<&FlexTensor>) -> FlexTensor {
+    fn forward(&self, x: &FlexTensor, w: &FlexTensor, b: Option<&FlexTensor>) -> FlexTensor {
         let Geometry { rows, d_in, d_out, .. } = *self;
         let mut y = product_new(Mat::of(values(x), d_in, 1), Mat::of(values(w), d_out, 1), rows, d_out, d_in);
         if let Some(b) = b {
@@ -99,7 +94,7 @@ impl Geometry {
             y.chunks_mut(d_out).for_each(|row| row.iter_mut().zip(b).for_each(|(y, b)| *y += b));
         }
         let mut dims = self.x_dims.clone();
-        dims[D - 1] = d_out;
+        *dims.last_mut().expect("x has a last dimension") = d_out;
         flex(y, dims)
     }
 }
