@@ -92,7 +92,8 @@ impl TrainingState {
         match meta.format {
             FORMAT => {}
             1 => tracing::warn!("a format-1 checkpoint has no content hashes; its tensors are loaded unverified"),
-            f => return Err(err(format!("format {f} is not supported (this build reads formats 1 and {FORMAT})"))),
+            2 => tracing::warn!("a format-2 checkpoint's content hashes are of an older kind; its tensors are loaded unverified"),
+            f => return Err(err(format!("format {f} is not supported (this build reads formats 1 to {FORMAT})"))),
         }
         if meta.format == FORMAT {
             if !has_header_hash {
@@ -137,8 +138,8 @@ fn checkpoint_message(e: EngineError) -> String {
 }
 
 const META_KEY: &str = "copus.checkpoint";
-/// The format this build writes: 2 added the manifest of content hashes.
-const FORMAT: u32 = 2;
+/// The format this build writes: 2 added the manifest of content hashes, 3 made them XXH3.
+const FORMAT: u32 = 3;
 
 /// Checks the file's tensors against the manifest: nothing missing, nothing extra, every
 /// element count and content hash as stored.

@@ -4,6 +4,7 @@
 //! (`engine/error.rs`, itself a leaf), so no file imports back into this one's users.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::Hasher as _;
 
 use burn::tensor::TensorData;
 use burn_pack::Scalar;
@@ -110,9 +111,10 @@ impl RankExport {
 /// What a rank starts from: its shards, its resume state and the checksums it must report.
 pub(crate) type RankStart = (ShardSource, RankResume, Vec<(String, u64)>);
 
-/// A 64-bit checksum of a tensor's values (bit patterns, positions and length). Eight
-/// independent lanes (element `i` goes to lane `i % 8`) keep the multiply chains short, so it
-/// runs at memory speed; the lanes are folded in order at the end.
+/// A 64-bit checksum of a tensor's values: XXH3 over their little-endian bytes, so it sees
+/// every bit pattern, each value's position and the length. Its AVX2 kernel (chosen at run time)
+/// sums a block in cache several times faster than the block can be copied from memory, so a
+/// copy can sum what it moves at little cost.
 pub fn checksum(values: &[f32]) -> u64 {
     let mut sum = Checksum::new();
     sum.update(values);
@@ -121,11 +123,7 @@ pub fn checksum(values: &[f32]) -> u64 {
 
 /// [`checksum`] fed in parts: the values in order, in any split, give the same sum. A copy can
 /// sum each block it has just written while the block is in cache.
-#[derive(Clone, Debug)]
-pub struct Checksum {
-    lanes: [u64; Checksum::LANES],
-    len: usize,
-}
+pub struct Checksum(twox_hash::XxHash3_64);
 
 impl Default for Checksum {
     fn default() -> Self {
@@ -133,46 +131,31 @@ impl Default for Checksum {
     }
 }
 
-impl Checksum {
-    const LANES: usize = 8;
-
-    fn step(h: u64, v: f32) -> u64 {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(5)
+impl std::fmt::Debug for Checksum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checksum({:016x})", self.finish())
     }
+}
 
+impl Checksum {
     /// The sum of no values yet.
     pub fn new() -> Self {
-        let mut lanes = [0u64; Self::LANES];
-        for (i, l) in lanes.iter_mut().enumerate() {
-            *l = 0xcbf2_9ce4_8422_2325 ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-        Self { lanes, len: 0 }
+        Self(twox_hash::XxHash3_64::new())
     }
 
     /// Adds the next values.
     pub fn update(&mut self, values: &[f32]) {
-        // Up to the next lane-0 position one at a time, then whole rounds of the lanes.
-        let head = ((Self::LANES - self.len % Self::LANES) % Self::LANES).min(values.len());
-        for &v in &values[..head] {
-            let l = self.len % Self::LANES;
-            self.lanes[l] = Self::step(self.lanes[l], v);
-            self.len += 1;
+        #[cfg(target_endian = "little")]
+        self.0.write(bytemuck::cast_slice(values));
+        #[cfg(target_endian = "big")]
+        for v in values {
+            self.0.write(&v.to_le_bytes());
         }
-        let mut chunks = values[head..].chunks_exact(Self::LANES);
-        for c in &mut chunks {
-            for (l, &v) in self.lanes.iter_mut().zip(c) {
-                *l = Self::step(*l, v);
-            }
-        }
-        for (i, &v) in chunks.remainder().iter().enumerate() {
-            self.lanes[i] = Self::step(self.lanes[i], v);
-        }
-        self.len += values.len() - head;
     }
 
     /// The sum of every value added.
     pub fn finish(&self) -> u64 {
-        self.lanes.iter().fold(self.len as u64, |acc, &l| (acc ^ l).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29))
+        self.0.finish()
     }
 }
 
