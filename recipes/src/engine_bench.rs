@@ -198,19 +198,45 @@ pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, lay
     Ok(())
 }
 
+/// A layout change, `(dp, tp, pp)` before and after.
+pub type Change = ((usize, usize, usize), (usize, usize, usize));
+
+/// The changes `bench reconfig` times by default: three of 8 ranks and one from 8 ranks to 4.
+const CHANGES: [Change; 4] = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4)), ((2, 4, 1), (1, 2, 2))];
+
+/// Parses `dp2,tp2,pp2->dp1,tp4,pp2` (the layouts as the table prints them).
+pub fn parse_change(text: &str) -> Result<Change, String> {
+    let layout = |part: &str| -> Result<(usize, usize, usize), String> {
+        let axes: Vec<&str> = part.trim().split(',').map(str::trim).collect();
+        let value = |axis: &str, field: &str| -> Result<usize, String> {
+            field
+                .strip_prefix(axis)
+                .and_then(|n| n.parse().ok())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("`{field}` is not {axis}N with N a positive whole number"))
+        };
+        match axes[..] {
+            [dp, tp, pp] => Ok((value("dp", dp)?, value("tp", tp)?, value("pp", pp)?)),
+            _ => Err(format!("`{part}` is not a layout dpA,tpB,ppC")),
+        }
+    };
+    let (from, to) = text.split_once("->").ok_or_else(|| format!("`{text}` is not FROM->TO, as in dp2,tp2,pp2->dp1,tp4,pp2"))?;
+    Ok((layout(from)?, layout(to)?))
+}
+
 /// In-memory reconfiguration against a real checkpoint-restart (write and sync the checkpoint,
 /// start a new process that loads it into the new layout), each timed from the decision to the
 /// end of the first step at the target layout, and the steady step time there.
-pub fn run_reconfig(presets: &[String], trials: usize) {
+pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
     let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    // Three layout changes of 8 ranks and one from 8 ranks to 4.
-    let pairs = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4)), ((2, 4, 1), (1, 2, 2))];
+    let pairs = if changes.is_empty() { &CHANGES[..] } else { changes };
     println!("In-memory reconfiguration against a process restart, in-process ranks, this machine.");
     println!("switch: the layout change alone; first step: the step after it; in-memory and restart: from");
     println!("the decision to the end of the first step at the target layout; step: a steady step there;");
-    println!("cost: that time less one steady step, in steady steps (0 where it took no longer than a steady");
-    println!("step); ratio: restart cost / in-memory cost (- where the in-memory cost is 0).");
+    println!("cost: that time less the trial's steady step, in steady steps (0 where it took no longer), the");
+    println!("median over trials; ratio: restart cost / in-memory cost (a lower bound, \"> N\", where the");
+    println!("in-memory cost is below 0.01 steps). Per-trial times go to standard error.");
     println!("Times are medians of {trials} trial(s), each on a fresh engine (steady steps: the median of three");
     println!("per trial, over all trials); each column is its own median, so switch and first step need not");
     println!("add up to in-memory. moved: bytes the plan copied (weights, both moments, previous");
@@ -232,10 +258,17 @@ pub fn run_reconfig(presets: &[String], trials: usize) {
         device.seed(0);
         let full = full_params(&cfg.init(&device));
         let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-        for ((a_dp, a_tp, a_pp), (b_dp, b_tp, b_pp)) in pairs {
-            let a = ParallelDims::new(a_dp, a_tp, a_pp, a_dp * a_tp * a_pp).expect("layout");
-            let b = ParallelDims::new(b_dp, b_tp, b_pp, b_dp * b_tp * b_pp).expect("layout");
-            if a.check_model(&spec).is_err() || b.check_model(&spec).is_err() {
+        for &((a_dp, a_tp, a_pp), (b_dp, b_tp, b_pp)) in pairs {
+            let (a, b) =
+                match (ParallelDims::new(a_dp, a_tp, a_pp, a_dp * a_tp * a_pp), ParallelDims::new(b_dp, b_tp, b_pp, b_dp * b_tp * b_pp)) {
+                    (Ok(a), Ok(b)) => (a, b),
+                    (Err(e), _) | (_, Err(e)) => {
+                        eprintln!("{preset}: a change skipped: {e}");
+                        continue;
+                    }
+                };
+            if let Some(e) = a.check_model(&spec).err().or(b.check_model(&spec).err()) {
+                eprintln!("{preset}: {a} -> {b} skipped: {e}");
                 continue;
             }
             let (b_g, b_m) = (8, 1);
@@ -267,20 +300,39 @@ pub fn run_reconfig(presets: &[String], trials: usize) {
                 let path = dir.join("state.bpk");
                 let (secs, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
                 restart.push(secs);
+                let k = restart.len() - 1;
+                eprintln!(
+                    "{preset} {a} -> {b}, trial {}: switch {:.2} s, first step {:.2} s, steady steps {:.2?} s, restart {secs:.2} s",
+                    k + 1,
+                    switch[k],
+                    first[k],
+                    &steps[3 * k..]
+                );
                 cache_note.get_or_insert(dropped);
                 let _ = std::fs::remove_file(&path);
             }
             let Some((report, state_mb)) = last else { continue };
+            // Each trial's costs against its own steady step (the machine drifts between trials),
+            // then the median over trials.
+            let steady: Vec<f64> = steps.chunks(3).map(|c| median(c.to_vec())).collect();
+            let per_trial = |t: &[f64]| median(t.iter().zip(&steady).map(|(t, s)| (t - s).max(0.0) / s).collect());
+            let (cost, restart_cost) = (per_trial(&in_memory), per_trial(&restart));
             let (switch, first, in_memory, restart, step) =
                 (median(switch), median(first), median(in_memory), median(restart), median(steps));
-            let (cost, restart_cost) = ((in_memory - step).max(0.0) / step, (restart - step).max(0.0) / step);
+            // Below the table's resolution (0.01 steps) the ratio is only a lower bound.
+            let ratio = if cost >= 0.01 {
+                format!("{:.1}x", restart_cost / cost)
+            } else if restart_cost > 0.0 {
+                format!("> {:.0}x", restart_cost / 0.01)
+            } else {
+                "-".to_string()
+            };
             println!(
-                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {switch:.2} | {first:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {} |",
+                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {switch:.2} | {first:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {ratio} |",
                 spec.num_params() as f64 / 1e6,
                 if report.live { "live" } else { "staged" },
                 report.bytes as f64 / 1e6,
                 report.remote_bytes as f64 / 1e6,
-                if cost > 0.0 { format!("{:.1}x", restart_cost / cost) } else { "-".to_string() },
             );
         }
     }

@@ -233,6 +233,10 @@ enum BenchMode {
         /// Trials per layout change, each on a fresh engine; the table shows medians.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
         trials: u64,
+        /// Only these layout changes (repeatable), as `dp2,tp2,pp2->dp1,tp4,pp2`; by default
+        /// three changes of 8 ranks and one from 8 to 4.
+        #[arg(long = "change", value_parser = engine_bench::parse_change)]
+        changes: Vec<engine_bench::Change>,
     },
     /// The restart side of `reconfig`: load a checkpoint into a layout, run one step.
     #[command(hide = true)]
@@ -351,7 +355,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
                 BenchMode::Step { steps, warmup, no_torch, threads } => bench::run(steps.max(1), warmup, !no_torch, threads.max(1)),
                 BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
-                BenchMode::Reconfig { presets, trials } => engine_bench::run_reconfig(&presets, trials as usize),
+                BenchMode::Reconfig { presets, trials, changes } => engine_bench::run_reconfig(&presets, trials as usize, &changes),
                 BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
                     engine_bench::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }

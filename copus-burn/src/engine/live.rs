@@ -179,17 +179,17 @@ fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
 const BLOCK: usize = 1 << 13;
 
 /// Appends `row` to `out` block by block, summing each block just written while it is in cache
-/// into `sum` (and `whole`, if given), and the block as read into `source`, if given.
-fn push_summed(out: &mut Vec<f32>, row: &[f32], sum: &mut Checksum, mut source: Option<&mut Checksum>, mut whole: Option<&mut Checksum>) {
+/// into `sum`. With `same`, each block written is also compared, bit for bit, with the block it
+/// was copied from, and `same` turns false at the first difference: where every block matched,
+/// the source's checksum is the landed one, with no second pass of the hash.
+fn push_summed(out: &mut Vec<f32>, row: &[f32], sum: &mut Checksum, mut same: Option<&mut bool>) {
     for block in row.chunks(BLOCK) {
         out.extend_from_slice(block);
-        if let Some(s) = source.as_deref_mut() {
-            s.update(block);
-        }
         let written = &out[out.len() - block.len()..];
         sum.update(written);
-        if let Some(w) = whole.as_deref_mut() {
-            w.update(written);
+        if let Some(same) = same.as_deref_mut() {
+            // Compared as bits (a NaN equals itself, -0.0 differs from +0.0).
+            *same &= bytemuck::cast_slice::<f32, u32>(written) == bytemuck::cast_slice::<f32, u32>(block);
         }
     }
 }
@@ -221,7 +221,7 @@ pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: u
     let mut out = Vec::with_capacity(values.len() / shape[dim].max(1) * len);
     let mut sum = Checksum::new();
     for row in rows {
-        push_summed(&mut out, row, &mut sum, None, None);
+        push_summed(&mut out, row, &mut sum, None);
     }
     Ok((out, sum.finish()))
 }
@@ -266,15 +266,14 @@ struct Assembled {
     /// Per piece: its checksum as it landed, and, for a piece handed over between threads, as
     /// it was read from the sender's shard.
     sums: Vec<(u64, Option<u64>)>,
-    /// The checksum of the whole shard, if asked for.
-    whole: Option<u64>,
 }
 
 /// Builds a shard of `shape` from pieces `(offset, len, piece)` along `dim`, sorted by offset,
 /// that must tile it exactly. Each value is written once, in order, with no zero-fill first, and
-/// each piece summed as it lands (a piece handed over also as it is read), in the same pass;
-/// with `whole`, the whole shard is summed in that pass too.
-fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)], whole: bool) -> Result<Assembled, String> {
+/// each piece summed as it lands, in the same pass. A piece handed over is compared with its
+/// source as it is copied: its source checksum is the landed one where every bit matched, and is
+/// taken from the source in a pass of its own where one did not.
+fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)]) -> Result<Assembled, String> {
     let (outer, extent, inner) = around(shape, dim);
     let mut at = 0;
     for &(offset, len, _) in pieces.iter() {
@@ -287,18 +286,68 @@ fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)], whole
         return Err(format!("pieces along dim {dim} of a {shape:?} shard cover {at} of {extent} entries"));
     }
     let mut rows = pieces.iter().map(|(_, len, p)| p.rows(shape, dim, *len)).collect::<Result<Vec<_>, _>>()?;
-    let mut sums: Vec<(Checksum, Option<Checksum>)> =
-        pieces.iter().map(|(_, _, p)| (Checksum::new(), matches!(p, Piece::Shared(_)).then(Checksum::new))).collect();
-    let mut all = whole.then(Checksum::new);
+    // Per piece: the landed checksum, and for a piece handed over whether its copy matched so far.
+    let mut sums: Vec<(Checksum, Option<bool>)> =
+        pieces.iter().map(|(_, _, p)| (Checksum::new(), matches!(p, Piece::Shared(_)).then_some(true))).collect();
     let mut out = Vec::with_capacity(outer * extent * inner);
     for _ in 0..outer {
-        for (r, (sum, source)) in rows.iter_mut().zip(&mut sums) {
+        for (r, (sum, same)) in rows.iter_mut().zip(&mut sums) {
             let row = r.next().ok_or("a piece ran short")?;
-            push_summed(&mut out, row, sum, source.as_mut(), all.as_mut());
+            push_summed(&mut out, row, sum, same.as_mut());
         }
     }
-    let sums = sums.iter().map(|(s, source)| (s.finish(), source.as_ref().map(Checksum::finish))).collect();
-    Ok(Assembled { values: out, sums, whole: all.as_ref().map(Checksum::finish) })
+    let mut done = Vec::with_capacity(pieces.len());
+    for ((sum, same), (_, len, piece)) in sums.iter().zip(pieces) {
+        let landed = sum.finish();
+        let source = match same {
+            None => None,
+            Some(true) => Some(landed),
+            // A copy that differs from its source: the source's own checksum, which the driver
+            // then finds unequal to the landed one.
+            Some(false) => {
+                let mut s = Checksum::new();
+                piece.rows(shape, dim, *len)?.for_each(|row| s.update(row));
+                Some(s.finish())
+            }
+        };
+        done.push((landed, source));
+    }
+    Ok(Assembled { values: out, sums: done })
+}
+
+/// A new weight shard as it was assembled: its pieces' landed checksums along `dim`, and the
+/// buffer (address, values) it was assembled in.
+struct Landed {
+    shape: Vec<usize>,
+    dim: usize,
+    pieces: Vec<(usize, usize, u64)>,
+    buffer: (usize, usize),
+}
+
+impl Landed {
+    /// Whether the built stage's tensor `t` holds these values. A stage that keeps the very buffer
+    /// it was given (Flex adopts host buffers as they are) holds them with nothing read: a buffer
+    /// of the same address and length alive in the stage is the one assembled, unless the builder
+    /// freed it and filled a new allocation that landed in its place, which a stage builder (it
+    /// takes each shard as it is) does not do. Otherwise each piece is summed again where it lies
+    /// in `t` and compared with its landed checksum.
+    fn held_by(&self, t: &Tensor<1>) -> bool {
+        if let Some(f) = flex_values(t)
+            && let Some(v) = f.as_slice::<f32>()
+            && (v.as_ptr() as usize, v.len()) == self.buffer
+        {
+            return true;
+        }
+        with_values(t, |v| {
+            self.pieces.iter().all(|&(offset, len, sum)| {
+                rows_along(v, &self.shape, self.dim, offset, len).is_ok_and(|rows| {
+                    let mut c = Checksum::new();
+                    rows.for_each(|row| c.update(row));
+                    c.finish() == sum
+                })
+            })
+        })
+    }
 }
 
 /// A piece of a new shard as it arrived: its offset and length along the split dim, its tag.
@@ -426,36 +475,38 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             return Err(f);
         }
         // Each new shard: a single piece that is the whole shard is taken as it arrived; others
-        // are copied into place once, each piece summed as it lands. The weights' whole-shard
-        // sums, which the built stage is checked against, are taken in the same pass.
+        // are copied into place once, each piece summed as it lands. What the built stage is
+        // checked against is recorded for the weights: each piece's landed sum and the buffer.
         let mut sums = Vec::new();
         let mut sources = Vec::new();
-        let mut expected = Vec::new();
+        let mut expected: HashMap<String, Landed> = HashMap::new();
         for ((p, kind), (dim, pieces)) in arrived {
             let name = &job.specs[p].name;
             let (shape, bufs) = shards.get_mut(&p).expect("checked on arrival");
             let n: usize = shape.iter().product();
             let whole = matches!(pieces.as_slice(), [(0, len, _, Piece::Owned(v))] if *len == shape[dim] && v.len() == n);
-            let values = if whole {
+            let (values, landed) = if whole {
                 let Some((_, _, t, Piece::Owned(v))) = pieces.into_iter().next() else { unreachable!("one owned piece") };
                 let sum = checksum(&v);
                 sums.push((t, sum));
-                if kind == 0 {
-                    expected.push((name.clone(), sum));
-                }
-                v
+                (v, vec![(0, shape[dim], sum)])
             } else {
                 let mut pieces = pieces;
                 pieces.sort_by_key(|p| p.0);
                 let (tags, parts): (Vec<u32>, Vec<(usize, usize, Piece)>) = pieces.into_iter().map(|(o, l, t, x)| (t, (o, l, x))).unzip();
-                let built = assemble(shape, dim, &parts, kind == 0).map_err(|e| load(format!("`{name}`: {e}")))?;
-                for (t, (landed, source)) in tags.into_iter().zip(built.sums) {
-                    sums.push((t, landed));
+                let built = assemble(shape, dim, &parts).map_err(|e| load(format!("`{name}`: {e}")))?;
+                let mut landed = Vec::with_capacity(parts.len());
+                for ((t, (landed_sum, source)), (offset, len, _)) in tags.into_iter().zip(built.sums).zip(&parts) {
+                    sums.push((t, landed_sum));
                     sources.extend(source.map(|s| (t, s)));
+                    landed.push((*offset, *len, landed_sum));
                 }
-                expected.extend(built.whole.map(|w| (name.clone(), w)));
-                built.values
+                (built.values, landed)
             };
+            if kind == 0 {
+                let buffer = (values.as_ptr() as usize, values.len());
+                expected.insert(name.clone(), Landed { shape: shape.clone(), dim, pieces: landed, buffer });
+            }
             bufs[kind] = Some(values);
         }
         if struck(ReconfigPhase::Verify)
@@ -511,12 +562,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         )
         .map_err(|e| load(e.to_string()))?;
         let built = clock.elapsed().as_secs_f64();
-        let mut loaded = state.param_sums();
-        loaded.sort();
-        expected.sort();
-        if loaded != expected {
-            let diff = expected.iter().find(|w| !loaded.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
-            return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {diff} does not match what it received")));
+        for (name, t) in state.named_weights() {
+            let ok = expected.remove(&name).is_some_and(|want| want.held_by(&t));
+            if !ok {
+                return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {name} does not match what it received")));
+            }
+        }
+        if let Some(name) = expected.keys().min() {
+            return Err((ReconfigPhase::Verify, format!("rank {me}: the built stage lacks {name}, which it received")));
         }
         tracing::debug!(
             "rank {me}: received and placed {elements} values by {placed:.3} s, built by {built:.3} s, checked by {:.3} s",
@@ -785,28 +838,54 @@ mod tests {
         // others read where they lie in the sender's shard.
         let (middle, middle_sum) = slice_along(&values, &shape, 1, 1, 3).unwrap();
         let pieces = vec![(0, 1, shared(&values, 0, 1)), (1, 3, Piece::Owned(middle)), (4, 2, shared(&values, 4, 2))];
-        for whole in [false, true] {
-            let built = assemble(&shape, 1, &pieces, whole).unwrap();
-            assert_eq!(built.values, values);
-            // Each piece's sum where it landed is the one of the values it holds, cut by hand;
-            // a piece handed over is summed at its source as well, to the same value.
-            let expect = |o, l| checksum(&slice_along(&values, &shape, 1, o, l).unwrap().0);
-            let (first, last) = (expect(0, 1), expect(4, 2));
-            assert_eq!(built.sums, vec![(first, Some(first)), (middle_sum, None), (last, Some(last))]);
-            let by_hand: Vec<f32> = [0, 1, 2, 18, 19, 20].iter().map(|&i| values[i]).collect();
-            assert_eq!(first, checksum(&by_hand));
-            assert_eq!(built.whole, whole.then(|| checksum(&values)));
-        }
+        let built = assemble(&shape, 1, &pieces).unwrap();
+        assert_eq!(built.values, values);
+        // Each piece's sum where it landed is the one of the values it holds, cut by hand; a
+        // piece handed over also has its source's sum, equal to the landed one.
+        let expect = |o, l| checksum(&slice_along(&values, &shape, 1, o, l).unwrap().0);
+        let (first, last) = (expect(0, 1), expect(4, 2));
+        assert_eq!(built.sums, vec![(first, Some(first)), (middle_sum, None), (last, Some(last))]);
+        let by_hand: Vec<f32> = [0, 1, 2, 18, 19, 20].iter().map(|&i| values[i]).collect();
+        assert_eq!(first, checksum(&by_hand));
 
         // A gap, an overlap, a short cover and a piece of another shard's geometry are refused.
         let gap = vec![(0, 1, shared(&values, 0, 1)), (2, 4, shared(&values, 2, 4))];
-        assert!(assemble(&shape, 1, &gap, false).unwrap_err().contains("gap"));
+        assert!(assemble(&shape, 1, &gap).unwrap_err().contains("gap"));
         let overlap = vec![(0, 2, shared(&values, 0, 2)), (1, 5, shared(&values, 1, 5))];
-        assert!(assemble(&shape, 1, &overlap, false).is_err());
+        assert!(assemble(&shape, 1, &overlap).is_err());
         let short = vec![(0, 4, shared(&values, 0, 4))];
-        assert!(assemble(&shape, 1, &short, false).unwrap_err().contains("cover 4 of 6"));
-        assert!(assemble(&[3, 6, 2], 1, &[(0, 6, shared(&values, 0, 6))], false).is_err());
-        assert!(assemble(&shape, 1, &[(0, 6, Piece::Owned(vec![0.0; 35]))], false).is_err());
+        assert!(assemble(&shape, 1, &short).unwrap_err().contains("cover 4 of 6"));
+        assert!(assemble(&[3, 6, 2], 1, &[(0, 6, shared(&values, 0, 6))]).is_err());
+        assert!(assemble(&shape, 1, &[(0, 6, Piece::Owned(vec![0.0; 35]))]).is_err());
+    }
+
+    #[test]
+    fn a_built_weight_is_checked_by_its_buffer_or_by_its_pieces() {
+        let shape = [2, 6, 3];
+        let values: Vec<f32> = (0..36).map(|v| v as f32 * 0.25 - 1.0).collect();
+        let pieces = vec![(0, 2, shared(&values, 0, 2)), (2, 4, shared(&values, 2, 4))];
+        let built = assemble(&shape, 1, &pieces).unwrap();
+        let landed =
+            |buffer| Landed { shape: shape.to_vec(), dim: 1, pieces: vec![(0, 2, built.sums[0].0), (2, 4, built.sums[1].0)], buffer };
+        let tensor = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<1>::from_data(TensorData::new(v, [n]), &burn::tensor::Device::flex())
+        };
+        // The very buffer assembled, adopted by the tensor: held, with nothing read.
+        let adopted = tensor(built.values.clone());
+        let at = flex_values(&adopted).unwrap().as_slice::<f32>().unwrap().as_ptr() as usize;
+        assert!(landed((at, 36)).held_by(&adopted));
+        // Another buffer: held when every piece sums as it landed, not when one value differs.
+        let elsewhere = (at + 4, 36);
+        assert!(landed(elsewhere).held_by(&tensor(values.clone())));
+        let mut changed = values.clone();
+        changed[20] = f32::from_bits(changed[20].to_bits() ^ 1);
+        assert!(!landed(elsewhere).held_by(&tensor(changed)));
+        // The assembled buffer's address with another length is not taken for it: the values
+        // are summed (and here they are right).
+        assert!(landed((at, 35)).held_by(&adopted));
+        assert!(!landed(elsewhere).held_by(&tensor(vec![0.0; 36])));
+        assert!(!landed(elsewhere).held_by(&tensor(vec![0.0; 30])));
     }
 
     #[test]

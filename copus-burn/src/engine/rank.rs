@@ -301,10 +301,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Checksums of this rank's parameters by global name, read where they lie.
     pub(super) fn param_sums(&self) -> Vec<(String, u64)> {
-        crate::parallel::flat_params(self.stage())
-            .into_iter()
-            .map(|(path, _, _, t)| (self.stage().global_name(&path), with_values(&t, checksum)))
-            .collect()
+        self.named_weights().into_iter().map(|(name, t)| (name, with_values(&t, checksum))).collect()
+    }
+
+    /// This rank's parameters by global name, flat, as they lie.
+    pub(super) fn named_weights(&self) -> Vec<(String, Tensor<1>)> {
+        crate::parallel::flat_params(self.stage()).into_iter().map(|(path, _, _, t)| (self.stage().global_name(&path), t)).collect()
     }
 
     /// This rank's state as flat tensors, read where it lies (see [`FlatState`]).
