@@ -343,3 +343,20 @@ pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_parses_as_the_table_prints_it_and_a_bad_one_names_its_part() {
+        let a = ParallelDims::new(2, 2, 2, 8).unwrap();
+        let b = ParallelDims::new(1, 4, 2, 8).unwrap();
+        assert_eq!(parse_change(&format!("{a}->{b}")), Ok(((2, 2, 2), (1, 4, 2))));
+        assert_eq!(parse_change(" dp2, tp4, pp1 -> dp1,tp2,pp2 "), Ok(((2, 4, 1), (1, 2, 2))));
+        assert!(parse_change("dp2,tp2,pp2").unwrap_err().contains("FROM->TO"));
+        assert!(parse_change("dp2,tp2->dp1,tp4,pp2").unwrap_err().contains("`dp2,tp2` is not a layout"));
+        assert!(parse_change("dp2,tp0,pp2->dp1,tp4,pp2").unwrap_err().contains("`tp0`"));
+        assert!(parse_change("dp2,pp2,tp2->dp1,tp4,pp2").unwrap_err().contains("`pp2` is not tpN"));
+    }
+}
