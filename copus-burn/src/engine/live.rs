@@ -11,9 +11,10 @@
 //! 2. *build*: each rank splits its new process groups from the world, takes the moves whose
 //!    destination it is (all already offered), assembles its new shards (each value written
 //!    once, straight from where it lies, and summed as it lands), builds the new stage and
-//!    optimizer beside the old ones and checks what it loaded against what it received. A piece
-//!    handed over between threads is summed at its source too, in the same pass: each block as
-//!    it is read from the sender's shard, then as it was written into the new one;
+//!    optimizer beside the old ones and checks what it loaded against what it received (on
+//!    Flex by the buffer the stage adopted, elsewhere piece by piece). A piece handed over
+//!    between threads is compared bit for bit with the sender's shard as each block is copied;
+//!    where all matched, its checksum at the source is the one taken where it landed;
 //! 3. *commit* or *abort*: the driver compares every piece's checksum at its source (the sender's
 //!    shard, or the piece as cut) and at its destination, and checks that each move of the plan
 //!    went exactly once; then every rank swaps to the new state, or drops it and keeps the old
