@@ -155,6 +155,9 @@ pub trait ParallelLm: Send + Sync + 'static {
     fn parallel_plan(&self) -> ParallelPlan;
     /// Builds the stage of `plan` on `device`, taking each parameter's local shard from
     /// `shards` (global name -> data of the local shape).
+    ///
+    /// Each shard is to be taken as it is (`ShardSource::param`), neither changed nor copied: a
+    /// live layout change on Flex checks the built stage by the buffers it adopted.
     fn build_stage(&self, plan: &ShardPlan, shards: &mut ShardSource, device: &Device) -> Result<Self::Stage, ShardError>;
     /// The model's description for the other processes of a multi-process run (its
     /// configuration as JSON, read back by the closure given to `process::serve`); `None`: the

@@ -323,7 +323,7 @@ pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
             let ratio = if cost >= 0.01 {
                 format!("{:.1}x", restart_cost / cost)
             } else if restart_cost > 0.0 {
-                format!("> {:.0}x", restart_cost / 0.01)
+                format!("> {:.0}x", (restart_cost / 0.01).floor())
             } else {
                 "-".to_string()
             };

@@ -233,7 +233,8 @@ enum BenchMode {
         /// Trials per layout change, each on a fresh engine; the table shows medians.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
         trials: u64,
-        /// Only these layout changes (repeatable), as `dp2,tp2,pp2->dp1,tp4,pp2`; by default
+        /// Only these layout changes (repeatable), as `'dp2,tp2,pp2->dp1,tp4,pp2'` (quoted: `>`
+        /// is the shell's); by default
         /// three changes of 8 ranks and one from 8 to 4.
         #[arg(long = "change", value_parser = engine_bench::parse_change)]
         changes: Vec<engine_bench::Change>,

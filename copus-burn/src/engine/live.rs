@@ -190,7 +190,8 @@ fn push_summed(out: &mut Vec<f32>, row: &[f32], sum: &mut Checksum, mut same: Op
         sum.update(written);
         if let Some(same) = same.as_deref_mut() {
             // Compared as bits (a NaN equals itself, -0.0 differs from +0.0).
-            *same &= bytemuck::cast_slice::<f32, u32>(written) == bytemuck::cast_slice::<f32, u32>(block);
+            // `black_box`: the compiler may not assume the copy it just made equals its source.
+            *same &= bytemuck::cast_slice::<f32, u32>(std::hint::black_box(written)) == bytemuck::cast_slice::<f32, u32>(block);
         }
     }
 }
@@ -873,8 +874,10 @@ mod tests {
             Tensor::<1>::from_data(TensorData::new(v, [n]), &burn::tensor::Device::flex())
         };
         // The very buffer assembled, adopted by the tensor: held, with nothing read.
-        let adopted = tensor(built.values.clone());
-        let at = flex_values(&adopted).unwrap().as_slice::<f32>().unwrap().as_ptr() as usize;
+        let assembled = built.values.clone();
+        let at = assembled.as_ptr() as usize;
+        let adopted = tensor(assembled);
+        assert_eq!(flex_values(&adopted).unwrap().as_slice::<f32>().unwrap().as_ptr() as usize, at, "Flex adopts the buffer");
         assert!(landed((at, 36)).held_by(&adopted));
         // Another buffer: held when every piece sums as it landed, not when one value differs.
         let elsewhere = (at + 4, 36);
