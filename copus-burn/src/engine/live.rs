@@ -108,7 +108,7 @@ fn flex_values(t: &Tensor<1>) -> Option<FlexTensor> {
 }
 
 /// What a rank sent: each piece's tag and checksum (`None` for a piece handed over between
-/// threads, summed at its source by the receiver), the elements, and what the build step needs
+/// threads, whose source checksum the receiver gives), the elements, and what the build step needs
 /// from every rank.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Sent {
@@ -141,7 +141,8 @@ fn kinds(fields: &[String], has_previous: bool) -> usize {
 }
 
 /// What a rank received: each piece's checksum where it landed, and of the pieces handed over
-/// between threads, the checksum of the source as it was read.
+/// between threads, the checksum of the source (the landed one where the copy matched it bit for
+/// bit).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Received {
     pub(super) sums: Vec<(u32, u64)>,
@@ -265,8 +266,8 @@ impl Piece {
 #[derive(Debug)]
 struct Assembled {
     values: Vec<f32>,
-    /// Per piece: its checksum as it landed, and, for a piece handed over between threads, as
-    /// it was read from the sender's shard.
+    /// Per piece: its checksum as it landed, and, for a piece handed over between threads, its
+    /// checksum at the sender's shard.
     sums: Vec<(u64, Option<u64>)>,
 }
 
@@ -383,7 +384,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             for (kind, t) in tensors.iter().enumerate() {
                 let piece_tag = tag(i, kind, kinds);
                 // Between threads, a contiguous f32 shard is handed over as it lies, unread (the
-                // receiver sums it at its source as it copies); otherwise the piece is cut and
+                // receiver compares it with its source as it copies); otherwise the piece is cut and
                 // sent.
                 if let Some((handoff, values)) = job.handoff.as_ref().zip(flex_values(t)) {
                     // The piece must lie within the shard; its rows are read by the receiver.
@@ -521,7 +522,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             return Err(load("injected failure while loading shards".into()));
         }
         // What the new stage must hold once built: the weights that arrived, summed above. (The
-        // optimizer tensors are checked piece by piece against the senders' sums.)
+        // optimizer tensors are checked piece by piece, by the driver, at source and landing.)
         let mut source = HashMap::new();
         let mut resume = RankResume {
             step: self.step,
