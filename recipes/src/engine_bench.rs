@@ -273,6 +273,10 @@ pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
             }
             let (b_g, b_m) = (8, 1);
             let mk = |d| EngineConfig::new(d, b_g, b_m, spec.seq_len, optim.clone());
+            if let Some(d) = [a, b].into_iter().find(|d| b_g % (d.dp * b_m) != 0) {
+                eprintln!("{preset}: {a} -> {b} skipped: B_g {b_g} does not split into {} replicas of micro-batches of {b_m}", d.dp);
+                continue;
+            }
             let (mut switch, mut first, mut in_memory, mut restart, mut steps) = (vec![], vec![], vec![], vec![], vec![]);
             let mut last = None;
             for _ in 0..trials {
