@@ -13,7 +13,7 @@ use burn::optim::GradientsParams;
 use copus_core::gns::{GnsError, GnsEstimator, NoiseEstimate, StepStats};
 
 use crate::grads;
-use crate::trainer::OptimConfig;
+use crate::optim::OptimConfig;
 
 /// The previous step's gradient, for the one-micro-batch probe.
 #[derive(Default)]

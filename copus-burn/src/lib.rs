@@ -1,6 +1,7 @@
 //! copus-burn: copus execution on Burn 0.22.
 //!
-//! - [`adamw`]: AdamW with its moments held as tensors, updated in one pass on the host;
+//! - [`optim`]: optimizer settings (`OptimConfig`: AdamW, schedule, LR rule, clipping) and the
+//!   AdamW they build, copus's (moments held as tensors, one host pass) or Burn's;
 //! - [`trainer`]: the single-rank trainer with micro-batching, token-normalised loss, AdamW,
 //!   warmup + cosine schedule with the batch-size LR rule, global-norm clipping and the
 //!   gradient-noise-scale probe feeding copus-core's estimator;
@@ -20,6 +21,8 @@
 //! - [`driver`]: the adaptive loop (step, observe, decide, validate, reconfigure) over a data
 //!   source and a decision source (embedded orchestrator, service client, scripted);
 //! - [`checkpoint`]: checkpoints of the training state, loadable into any layout;
+//! - [`run_dir`]: a run folder's checkpoints (rotation, resume from the newest that loads) and
+//!   logs cut back to a checkpoint;
 //! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
@@ -29,7 +32,6 @@
 
 #![deny(unsafe_code)]
 
-pub mod adamw;
 pub mod checkpoint;
 pub mod closing;
 pub mod collective;
@@ -43,8 +45,10 @@ pub mod grads;
 pub mod learner;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod optim;
 pub mod parallel;
 pub mod reconfig;
+pub mod run_dir;
 pub mod state;
 pub mod trainer;
 mod wire;
@@ -52,12 +56,13 @@ mod wire;
 pub use closing::{Closed, ProbeMemory, StepCloser};
 pub use driver::{Clock, DataSource, DecisionSource, Divergence, Driver, DriverError, DriverStep, Position, Scripted};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
-pub use fused::{cross_entropy_sum, cross_entropy_sum_reference};
+pub use fused::cross_entropy_sum;
+pub use optim::OptimConfig;
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;
 pub use state::TrainingState;
 pub use trainer::{
-    Accumulated, CausalLm, MicroBatch, OptimConfig, StepMetrics, TrainError, Trainer, accumulate, accumulate_with, adamw_optimizer,
+    Accumulated, CausalLm, MicroBatch, StepMetrics, TrainError, Trainer, accumulate, accumulate_with,
 };
 
 #[cfg(test)]

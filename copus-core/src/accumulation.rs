@@ -33,9 +33,9 @@ pub enum CostError {
     /// A negative, NaN or infinite part, or a model where a micro-batch takes no time.
     #[error("step cost `{field}` must be a finite number >= 0 (and a micro-batch must take time), got {value}")]
     Bad {
-        /// Field.
+        /// The part of [`StepCost`] at fault (`per_micro_batch`, `per_sample`, `per_step`).
         field: &'static str,
-        /// Value.
+        /// The value it has.
         value: f64,
     },
 }
@@ -95,7 +95,7 @@ impl Plan {
 /// A plan with its predicted numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Scored {
-    /// The plan.
+    /// The micro-batch size and accumulation count scored.
     pub plan: Plan,
     /// Predicted samples per second.
     pub throughput: f64,

@@ -89,21 +89,21 @@ pub enum Rejection {
     /// B_g is not a whole multiple of dp * B_m.
     #[error("B_g = {global_batch} is not a whole multiple of dp * B_m = {dp} * {micro_batch}")]
     BatchNotDivisible {
-        /// Global batch.
+        /// B_g asked for, in sequences.
         global_batch: usize,
-        /// Data-parallel degree.
+        /// Data-parallel degree of the layout: each dp rank takes `B_g / dp` sequences.
         dp: usize,
-        /// Micro-batch.
+        /// B_m asked for, in sequences.
         micro_batch: usize,
     },
     /// The most loaded rank needs more memory than the device has.
     #[error("out of memory: stage {stage} needs {need_gib:.2} GiB of {budget_gib:.2} GiB")]
     OutOfMemory {
-        /// The stage that overflows.
+        /// The pipeline stage that overflows (0 without pipelining).
         stage: usize,
-        /// Bytes needed, in GiB.
+        /// Memory that stage's ranks need, in GiB.
         need_gib: f64,
-        /// Device memory, in GiB.
+        /// Memory one device has, in GiB.
         budget_gib: f64,
     },
 }
@@ -111,13 +111,13 @@ pub enum Rejection {
 /// A configuration that is not a candidate, and why.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rejected {
-    /// Layout.
+    /// The layout S tried.
     pub dims: ParallelDims,
-    /// Global batch.
+    /// B_g tried, in sequences.
     pub global_batch: usize,
-    /// Micro-batch.
+    /// B_m tried, in sequences.
     pub micro_batch: usize,
-    /// Why.
+    /// The first check it failed.
     pub reason: Rejection,
 }
 
@@ -127,15 +127,15 @@ pub enum SpaceError {
     /// A list is empty or holds a zero.
     #[error("`{field}` must be a non-empty list of positive sizes, got {got:?}")]
     BadList {
-        /// The field.
+        /// The list at fault (`global_batches` or `micro_batches`).
         field: &'static str,
-        /// What was given.
+        /// The list as given.
         got: Vec<usize>,
     },
-    /// World size zero.
+    /// A world of no ranks.
     #[error("`world_size` must be at least 1")]
     ZeroWorld,
-    /// Device memory not positive.
+    /// Device memory that is zero, negative or NaN; the value given.
     #[error("`device_memory_gib` must be positive, got {0}")]
     BadMemory(f64),
 }
@@ -143,15 +143,15 @@ pub enum SpaceError {
 /// The search space of one run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CandidateSpace {
-    /// Ranks available.
+    /// Ranks available; every layout uses all of them (`dp * tp * pp = world_size`).
     pub world_size: usize,
-    /// Global batch sizes to consider, in sequences.
+    /// Global batch sizes to consider, in sequences ([`CandidateSpace::new`] sorts and dedups).
     pub global_batches: Vec<usize>,
-    /// Micro-batch sizes to consider, in sequences.
+    /// Micro-batch sizes to consider, in sequences ([`CandidateSpace::new`] sorts and dedups).
     pub micro_batches: Vec<usize>,
     /// Pipeline schedule used when pp > 1.
     pub schedule: ScheduleKind,
-    /// Bytes-per-element model.
+    /// Bytes per weight, gradient, optimizer and activation element, for the memory check.
     pub memory: MemoryModel,
     /// Device memory per rank, in bytes.
     pub device_memory: f64,
@@ -162,12 +162,13 @@ pub struct CandidateSpace {
 pub struct Enumeration {
     /// Candidates, ordered by (layout, B_g, B_m).
     pub feasible: Vec<Candidate>,
-    /// Everything else, with reasons.
+    /// Every other (layout, B_g, B_m) of the space, with the reason it was rejected.
     pub rejected: Vec<Rejected>,
 }
 
 impl CandidateSpace {
-    /// Validates the settings.
+    /// A space over `world_size` ranks. Errors: a world of zero ranks, an empty batch list or
+    /// one holding a zero, device memory not positive. The batch lists are sorted and deduplicated.
     pub fn new(
         world_size: usize,
         global_batches: Vec<usize>,

@@ -20,17 +20,17 @@ pub enum GnsError {
     /// A norm is negative, NaN or infinite.
     #[error("`{field}` must be a finite number >= 0, got {value}")]
     BadNorm {
-        /// The field.
+        /// The norm at fault, as the input names it (`sq_small`, `grad_sq_norm`, ...).
         field: &'static str,
-        /// Its value.
+        /// The value given.
         value: f64,
     },
     /// A batch size is zero, or the two sizes are equal.
     #[error("batch sizes must be positive and different, got small = {small}, big = {big}")]
     BadBatches {
-        /// Smaller batch.
+        /// The small batch size: B_m online, `b_small` offline.
         small: f64,
-        /// Bigger batch.
+        /// The big batch size: B_g = B_m * n online, `b_big` offline.
         big: f64,
     },
     /// EMA factor outside [0, 1).
@@ -227,12 +227,13 @@ impl GnsEstimator {
         (((gg - g * g).max(0.0) / n).sqrt(), ((tt - t * t).max(0.0) / n).sqrt())
     }
 
-    /// Smoothed B_simple.
+    /// B_simple of the smoothed estimate ([`Self::estimate`]); `None` before the first
+    /// estimate or while the smoothed |G|^2 is not positive.
     pub fn b_simple(&self) -> Option<f64> {
         self.estimate()?.b_simple()
     }
 
-    /// Steps that contributed an estimate.
+    /// Steps that contributed a raw estimate (an n == 1 step without a previous one does not).
     pub fn observations(&self) -> u64 {
         self.observations
     }

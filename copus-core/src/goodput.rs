@@ -75,7 +75,7 @@ impl Objective for PlainGoodput {
 pub struct LrAwareGoodput {
     /// `x0 = lr0 / lr_max`: the base learning rate as a fraction of the largest useful one, at B0.
     pub x0: f64,
-    /// The learning-rate rule in use.
+    /// How the run scales the learning rate with the batch.
     pub rule: LrRule,
 }
 
@@ -98,7 +98,7 @@ impl Objective for LrAwareGoodput {
 /// the truth "training under the LR rule at the reference-tuned rate".
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LrTunedGoodput {
-    /// The learning-rate rule in use.
+    /// How the run scales the learning rate with the batch.
     pub rule: LrRule,
 }
 
@@ -118,24 +118,24 @@ impl Objective for LrTunedGoodput {
 /// Which objective a recipe asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ObjectiveKind {
-    /// [`PlainGoodput`].
+    /// [`PlainGoodput`]: the learning rate assumed tuned at every batch.
     Plain,
-    /// [`LrAwareGoodput`].
+    /// [`LrAwareGoodput`]: progress at the rate `rule` gives from a fixed base rate.
     LrAware {
-        /// Base learning rate over the largest useful one.
+        /// `x0 = lr0 / lr_max` at B0: the base learning rate over the largest useful one.
         x0: f64,
-        /// Learning-rate rule.
+        /// How the run scales the learning rate with the batch.
         rule: LrRule,
     },
-    /// [`LrTunedGoodput`].
+    /// [`LrTunedGoodput`]: progress at the rate `rule` gives from a rate tuned at B0.
     LrTuned {
-        /// Learning-rate rule.
+        /// How the run scales the learning rate with the batch.
         rule: LrRule,
     },
 }
 
 impl ObjectiveKind {
-    /// The objective.
+    /// The objective this kind names, with its settings.
     pub fn build(self) -> Box<dyn Objective> {
         match self {
             ObjectiveKind::Plain => Box::new(PlainGoodput),

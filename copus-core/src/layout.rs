@@ -80,7 +80,7 @@ pub enum LayoutError {
         tp: usize,
         /// Which size (MLP hidden size, vocabulary).
         what: String,
-        /// The size.
+        /// That size in the model, which `tp` must divide.
         size: usize,
     },
     /// More pipeline stages than layers.
@@ -117,11 +117,11 @@ pub enum LayoutError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "RawDims")]
 pub struct ParallelDims {
-    /// Data-parallel degree.
+    /// Data-parallel degree: model replicas, each taking `B_g / dp` sequences of a step.
     pub dp: usize,
-    /// Tensor-parallel degree.
+    /// Tensor-parallel degree: ranks that split each layer's matrices.
     pub tp: usize,
-    /// Pipeline-parallel degree.
+    /// Pipeline-parallel degree: stages, each holding a run of consecutive layers.
     pub pp: usize,
 }
 
@@ -258,9 +258,9 @@ pub fn divisors(n: usize) -> Vec<usize> {
 /// A rank's coordinates in the mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Coord {
-    /// Index along dp.
+    /// Index along dp: which model replica, in `0..dp`.
     pub dp: usize,
-    /// Index along tp.
+    /// Index along tp: which slice of each split matrix, in `0..tp`.
     pub tp: usize,
     /// Index along pp (the pipeline stage).
     pub pp: usize,
@@ -278,17 +278,17 @@ impl RankGrid {
         Self { dims }
     }
 
-    /// The layout.
+    /// The layout the grid was made for.
     pub fn dims(&self) -> ParallelDims {
         self.dims
     }
 
-    /// Number of ranks.
+    /// Number of ranks, `dp * tp * pp`.
     pub fn world_size(&self) -> usize {
         self.dims.world_size()
     }
 
-    /// Coordinates of a rank.
+    /// Coordinates of a rank (tp fastest, then dp, then pp); an error outside `0..world`.
     pub fn coord(&self, rank: usize) -> Result<Coord, LayoutError> {
         let world = self.world_size();
         if rank >= world {
@@ -359,7 +359,7 @@ pub fn stage_len(num_layers: usize, pp: usize, stage: usize) -> usize {
     num_layers / pp + usize::from(stage < num_layers % pp)
 }
 
-/// The pipeline stage that holds `layer`.
+/// The pipeline stage that holds `layer`. Panics for a layer outside `0..num_layers`.
 pub fn stage_of_layer(layer: usize, num_layers: usize, pp: usize) -> usize {
     stage_layers(num_layers, pp).iter().position(|r| r.contains(&layer)).unwrap_or_else(|| panic!("layer {layer} outside 0..{num_layers}"))
 }

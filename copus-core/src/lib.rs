@@ -13,7 +13,8 @@
 //! - [`goodput`]: statistical efficiency, objectives and learning-rate rules;
 //! - [`throughput`]: measured profiles and the analytic cluster model;
 //! - [`schedule`]: GPipe and 1F1B pipeline schedules as instruction lists;
-//! - [`policy`]: the policies that decide when to change batch size or layout, and the oracle;
+//! - [`policy`]: the policies that decide when to change batch size or layout (the scorer they
+//!   share, the baselines, Copus), the hindsight oracle, and the line-up a comparison runs;
 //! - [`reshard`]: the moves that take every shard from one layout to another;
 //! - [`sim`]: the simulated clock on synthetic statistics (known noise trajectory, McCandlish
 //!   progress model);

@@ -17,13 +17,13 @@ use crate::schedule::ScheduleKind;
 /// Bytes per element of each kind of state, and what the runtime adds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MemoryModel {
-    /// Bytes per weight element.
+    /// Bytes per weight element (2 for bf16 weights).
     pub weight_bytes: f64,
-    /// Bytes per gradient element.
+    /// Bytes per gradient element (2 for bf16 gradients).
     pub grad_bytes: f64,
     /// Optimizer bytes per parameter (AdamW: two fp32 moments = 8, plus an fp32 master copy = 12).
     pub optimizer_bytes: f64,
-    /// Bytes per saved activation element.
+    /// Bytes per activation element saved for the backward pass.
     pub activation_bytes: f64,
     /// Fused (flash) attention: no `s x s` score matrix is kept.
     pub fused_attention: bool,
@@ -134,22 +134,22 @@ pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 /// Bytes on the most loaded rank of a layout.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemoryEstimate {
-    /// The pipeline stage this is for.
+    /// The pipeline stage this is for: the one that needs the most.
     pub stage: usize,
-    /// Weights.
+    /// Bytes of the weights of this rank's tp slice of the stage.
     pub weights: f64,
-    /// Gradients.
+    /// Bytes of their gradients.
     pub grads: f64,
-    /// Optimizer state.
+    /// Bytes of their optimizer state (divided over dp with ZeRO-1).
     pub optimizer: f64,
     /// Saved activations of the micro-batches in flight (and logits on the last stage).
     pub activations: f64,
-    /// Fixed runtime overhead.
+    /// Fixed runtime overhead, [`MemoryModel::overhead_bytes`].
     pub overhead: f64,
 }
 
 impl MemoryEstimate {
-    /// All bytes.
+    /// Bytes the rank needs in all: weights, gradients, optimizer state, activations, overhead.
     pub fn total(&self) -> f64 {
         self.weights + self.grads + self.optimizer + self.activations + self.overhead
     }

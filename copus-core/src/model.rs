@@ -19,37 +19,37 @@ pub enum ModelError {
     /// A size beyond [`MAX_SIZE`] (products of sizes could overflow).
     #[error("model field `{field}` = {value} exceeds the limit of {MAX_SIZE}")]
     TooLarge {
-        /// The field.
+        /// The [`ModelSpec`] field at fault (`hidden`, `vocab_size`, ...).
         field: &'static str,
-        /// Its value.
+        /// The value it has.
         value: usize,
     },
     /// A size that must be positive is zero.
     #[error("model field `{field}` must be at least 1, got 0")]
     Zero {
-        /// The field.
+        /// The [`ModelSpec`] field that is zero.
         field: &'static str,
     },
     /// hidden is not a multiple of the number of heads.
     #[error("hidden ({hidden}) must be a multiple of num_heads ({num_heads})")]
     HeadDim {
-        /// Model width.
+        /// The model width (`hidden`) given.
         hidden: usize,
-        /// Attention heads.
+        /// The number of query heads given.
         num_heads: usize,
     },
     /// The query heads are not a multiple of the key/value heads (grouped-query attention).
     #[error("num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")]
     Groups {
-        /// Attention heads.
+        /// The number of query heads given.
         num_heads: usize,
-        /// Key/value heads.
+        /// The number of key/value heads given.
         num_kv_heads: usize,
     },
     /// The head dimension must be even for rotary embeddings.
     #[error("head dimension hidden / num_heads = {head_dim} must be even for rotary embeddings")]
     OddHeadDim {
-        /// The head dimension.
+        /// `hidden / num_heads`, the odd head dimension.
         head_dim: usize,
     },
     /// No preset has this name.
@@ -57,7 +57,7 @@ pub enum ModelError {
     UnknownPreset {
         /// The name asked for.
         name: String,
-        /// The preset names.
+        /// The preset names there are, comma-separated ([`ModelSpec::PRESETS`]).
         allowed: String,
     },
 }
@@ -67,17 +67,17 @@ pub enum ModelError {
 pub struct ModelSpec {
     /// Preset or user name, for reports.
     pub name: String,
-    /// Decoder layers.
+    /// Number of decoder layers (what pipeline stages divide among themselves).
     pub num_layers: usize,
     /// Model width (d_model).
     pub hidden: usize,
-    /// Query heads.
+    /// Number of query heads; `hidden / num_heads` is the head dimension.
     pub num_heads: usize,
     /// Key/value heads (grouped-query attention; equal to `num_heads` for plain MHA).
     pub num_kv_heads: usize,
-    /// SwiGLU inner width.
+    /// SwiGLU inner width (the gate, up and down projections' other side).
     pub ffn_hidden: usize,
-    /// Vocabulary size.
+    /// Number of token ids: rows of the embedding, outputs of the LM head.
     pub vocab_size: usize,
     /// Training sequence length in tokens.
     pub seq_len: usize,
@@ -122,9 +122,9 @@ pub struct ParamSpec {
     pub name: String,
     /// Full (unsharded) shape.
     pub shape: Vec<usize>,
-    /// Split across tp.
+    /// How the tensor is split across the tp ranks, or replicated on them.
     pub tp: TpSplit,
-    /// Place along the pipeline.
+    /// Which pipeline stages hold the parameter.
     pub placement: Placement,
 }
 
@@ -138,15 +138,15 @@ impl ParamSpec {
 /// Parameter counts of a model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParamCounts {
-    /// Token embedding.
+    /// Parameters of the token embedding, `vocab_size * hidden`.
     pub embedding: u64,
-    /// One decoder layer.
+    /// Parameters of one decoder layer: attention, MLP and its two norms.
     pub per_layer: u64,
-    /// Final norm.
+    /// Parameters of the final norm, `hidden`.
     pub final_norm: u64,
-    /// LM head (0 when tied).
+    /// Parameters of the LM head (0 when tied to the embedding).
     pub lm_head: u64,
-    /// All parameters.
+    /// Parameters of the whole model, each counted once.
     pub total: u64,
 }
 
@@ -206,7 +206,7 @@ impl ModelSpec {
         ParamCounts { embedding, per_layer, final_norm: h, lm_head, total }
     }
 
-    /// All parameters.
+    /// Parameters of the whole model, each counted once ([`ParamCounts::total`]).
     pub fn num_params(&self) -> u64 {
         self.param_counts().total
     }

@@ -30,11 +30,11 @@ pub const MIN_TOKEN_LEN: usize = 16;
 pub struct RunFingerprint {
     /// The model's shape (without the vocabulary, which follows the run's tokenizer).
     pub model: String,
-    /// Ranks.
+    /// Ranks of the run, which every layout must use.
     pub world_size: usize,
-    /// Global batch sizes considered, sorted.
+    /// Global batch sizes considered, sorted and deduplicated.
     pub global_batches: Vec<usize>,
-    /// Micro-batch sizes considered, sorted.
+    /// Micro-batch sizes considered, sorted and deduplicated.
     pub micro_batches: Vec<usize>,
 }
 
@@ -75,9 +75,9 @@ pub enum Request {
         version: u32,
         /// Must equal the service's token.
         token: String,
-        /// For logs.
+        /// The run's name; only for the service's logs, not checked.
         run: String,
-        /// Must equal the service's.
+        /// Must equal the service's fingerprint: the run and the service search the same space.
         fingerprint: RunFingerprint,
     },
     /// Continue from what an orchestrator learned so far (a client that decided on its own
@@ -85,16 +85,16 @@ pub enum Request {
     Resume(OrchestratorState),
     /// A finished step, with what was measured.
     Step {
-        /// What the policy sees.
+        /// The step, its configuration and the noise estimate, as the policy sees them.
         observation: StepObservation,
         /// Measured samples/s of the step (0 when not measured).
         samples_per_sec: f64,
     },
     /// A reconfiguration was carried out and took `seconds`.
     Reconfigured {
-        /// Seconds it took.
+        /// Seconds it took on the run's clock.
         seconds: f64,
-        /// Whether the layout changed.
+        /// Whether the layout changed (only layout changes feed the policy's cost estimate).
         layout_changed: bool,
     },
     /// The run ends.
@@ -106,29 +106,29 @@ pub enum Request {
 pub enum Response {
     /// Accepted the token.
     Welcome {
-        /// The policy's name.
+        /// The name of the policy that will decide, for the client's logs.
         policy: String,
     },
     /// The decision after a step (apply at the next optimizer-step boundary).
     Decision {
-        /// Step the decision follows.
+        /// The step of the observation the decision answers.
         step: u64,
-        /// What to do.
+        /// Keep, or the configuration to change to (always a feasible candidate).
         decision: Decision,
     },
     /// Acknowledgement of a `Reconfigured` or `Bye`.
     Ack,
-    /// The request was refused.
+    /// The request was refused; the reason, for the client to show.
     Error(String),
 }
 
-/// Protocol errors.
+/// Why a frame or a session's first request was refused.
 #[derive(Clone, Debug, PartialEq, Error)]
 pub enum ProtocolError {
     /// A frame longer than [`MAX_FRAME`].
     #[error("frame of {0} bytes exceeds the limit of {MAX_FRAME}")]
     TooLarge(usize),
-    /// Not a valid message.
+    /// Not a valid message: the decoder's reason.
     #[error("malformed message: {0}")]
     Malformed(String),
     /// The token did not match.
@@ -143,9 +143,9 @@ pub enum ProtocolError {
     /// The run is not the one the service decides for.
     #[error("the service decides for {service}; this run is {run}")]
     Fingerprint {
-        /// The service's.
+        /// The service's fingerprint, as text.
         service: String,
-        /// The run's.
+        /// The fingerprint the run sent, as text.
         run: String,
     },
     /// A number that JSON cannot carry (NaN or infinite); the message is not sent.
@@ -237,11 +237,11 @@ pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtocolEr
 pub struct OrchestratorState {
     /// The policy's name when saved (a resume under another policy is refused).
     pub policy: String,
-    /// What the policy learned.
+    /// What the policy learned ([`Policy::learned`]).
     pub learned: PolicyState,
     /// The orchestrator's own measured throughput (for reports and the feasibility check).
     pub measured: Vec<(Candidate, f64)>,
-    /// Decisions refused so far.
+    /// Decisions refused so far because their target was not a feasible candidate.
     pub refused: u64,
 }
 
@@ -258,7 +258,7 @@ impl Orchestrator {
         Self { policy, scorer, refused: 0 }
     }
 
-    /// The policy's name.
+    /// The name of the policy deciding ([`Policy::name`]).
     pub fn policy_name(&self) -> String {
         self.policy.name()
     }

@@ -21,35 +21,35 @@ pub enum ReshardError {
     /// A split dim does not divide into `chunks * tp` equal parts.
     #[error("parameter `{param}`: dim {dim} of size {size} does not split into {parts} equal parts (chunks x tp)")]
     NotDivisible {
-        /// Parameter name.
+        /// The parameter's name ([`ParamSpec::name`]).
         param: String,
-        /// Tensor dim.
+        /// The tensor dimension its spec splits.
         dim: usize,
-        /// Its size.
+        /// That dimension's length.
         size: usize,
-        /// chunks * tp.
+        /// `chunks * tp`, the number of equal parts it must split into.
         parts: usize,
     },
     /// The split dim is not a dim of the tensor.
     #[error("parameter `{param}`: split dim {dim} but the tensor has {rank} dims")]
     BadDim {
-        /// Parameter name.
+        /// The parameter's name ([`ParamSpec::name`]).
         param: String,
-        /// Split dim.
+        /// The tensor dimension its spec splits.
         dim: usize,
-        /// Tensor rank.
+        /// The number of dimensions the tensor has.
         rank: usize,
     },
     /// A layer index past the model's layers, or more stages than layers.
     #[error("parameter `{param}` sits in layer {layer} but the model has {num_layers} layers (pp = {pp})")]
     BadLayer {
-        /// Parameter name.
+        /// The parameter's name ([`ParamSpec::name`]).
         param: String,
-        /// Its layer.
+        /// The decoder layer its placement names.
         layer: usize,
-        /// Model layers.
+        /// Decoder layers of the model.
         num_layers: usize,
-        /// Stages.
+        /// Pipeline stages of the layout.
         pp: usize,
     },
 }
@@ -58,7 +58,7 @@ pub enum ReshardError {
 /// shard to `dst_offset` in the destination rank's shard (other dims whole).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Move {
-    /// Index into the parameter specs.
+    /// Index into the parameter specs the plan was made from.
     pub param: usize,
     /// Rank in the old layout that holds the data.
     pub src_rank: usize,
@@ -70,7 +70,7 @@ pub struct Move {
     pub src_offset: usize,
     /// Start in the destination shard along `dim`.
     pub dst_offset: usize,
-    /// Entries along `dim`.
+    /// Entries along `dim` to copy.
     pub len: usize,
     /// Start in the full tensor along `dim`.
     pub global_start: usize,
@@ -79,9 +79,9 @@ pub struct Move {
 /// The moves of one layout change.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ReshardPlan {
-    /// Old layout.
+    /// The layout the shards are in before the change.
     pub from: ParallelDims,
-    /// New layout.
+    /// The layout they are in after it.
     pub to: ParallelDims,
     /// Moves, grouped by parameter, then destination rank.
     pub moves: Vec<Move>,
@@ -90,7 +90,7 @@ pub struct ReshardPlan {
 /// The layout-independent facts the planner needs about a model.
 #[derive(Clone, Copy, Debug)]
 pub struct Placer {
-    /// Decoder layers.
+    /// Decoder layers of the model, which the pipeline stages divide among themselves.
     pub num_layers: usize,
 }
 
@@ -207,7 +207,8 @@ impl ReshardPlan {
         self.moves.iter().filter(|m| m.src_rank != m.dst_rank).map(|m| (m.len * row_elems(&specs[m.param], m.dim)) as u64).sum()
     }
 
-    /// Elements copied within a rank.
+    /// Elements copied within a rank (from its old shard to its new one), given each
+    /// parameter's element count per entry of its split dim.
     pub fn local_elements(&self, specs: &[ParamSpec]) -> u64 {
         self.moves.iter().filter(|m| m.src_rank == m.dst_rank).map(|m| (m.len * row_elems(&specs[m.param], m.dim)) as u64).sum()
     }

@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// Which pipeline schedule.
+/// The order in which a pipeline stage runs its micro-batches' forwards and backwards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards (GPipe): `a` micro-batches in flight.
@@ -35,32 +35,32 @@ impl ScheduleKind {
 pub enum Action {
     /// Receive micro-batch `mb`'s input activation from the previous stage.
     RecvActivation {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
     /// Run micro-batch `mb` forward through this stage's layers.
     Forward {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
     /// Send micro-batch `mb`'s output activation to the next stage.
     SendActivation {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
     /// Receive the gradient of micro-batch `mb`'s output from the next stage.
     RecvGrad {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
     /// Run micro-batch `mb` backward through this stage's layers.
     Backward {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
     /// Send the gradient of micro-batch `mb`'s input to the previous stage.
     SendGrad {
-        /// Micro-batch index.
+        /// Micro-batch index within the step, in `0..num_micro`.
         mb: usize,
     },
 }
@@ -71,9 +71,9 @@ pub enum ScheduleError {
     /// Zero stages or zero micro-batches.
     #[error("a pipeline schedule needs pp >= 1 and at least one micro-batch (pp = {pp}, micro-batches = {num_micro})")]
     Empty {
-        /// Stages.
+        /// Pipeline stages asked for.
         pp: usize,
-        /// Micro-batches.
+        /// Micro-batches per step asked for.
         num_micro: usize,
     },
 }
@@ -129,7 +129,7 @@ fn stage_actions(kind: ScheduleKind, stage: usize, pp: usize, a: usize) -> Vec<A
 /// Result of running a schedule on the event simulator.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Simulation {
-    /// Time at which the last stage finishes.
+    /// Time at which the last stage finishes, in the units of the costs given.
     pub makespan: f64,
     /// Most micro-batches each stage held (forward done, backward not yet) at once.
     pub peak_in_flight: Vec<usize>,

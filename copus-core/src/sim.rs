@@ -21,13 +21,13 @@ use crate::policy::{Decision, Policy, Scorer, SwitchCosts, Trajectory};
 /// A decreasing loss curve over progress: `L(p) = l_inf + a * (1 + p / p0)^(-alpha)`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossCurve {
-    /// Irreducible loss.
+    /// Irreducible loss: the curve's limit as progress grows.
     pub l_inf: f64,
-    /// Initial excess loss.
+    /// Excess loss at progress 0, above `l_inf`.
     pub a: f64,
-    /// Progress scale, reference-batch samples.
+    /// Progress scale, reference-batch samples: the excess has fallen by `2^alpha` at `p0`.
     pub p0: f64,
-    /// Decay exponent.
+    /// Decay exponent of the excess loss over progress.
     pub alpha: f64,
 }
 
@@ -56,15 +56,15 @@ pub struct SimConfig {
     pub costs: SwitchCosts,
     /// The statistical efficiency that governs true progress (the policies may believe another).
     pub truth: Arc<dyn Objective>,
-    /// Reference batch of the truth.
+    /// Reference batch B0 of the true efficiency `truth`.
     pub b0: f64,
     /// How the policies' noise estimate is made.
     pub noise: SimNoise,
     /// Steps before the first estimate is shown (the estimator's warm-up).
     pub warmup_steps: u64,
-    /// Give up after this many steps.
+    /// Give up after this many steps ([`SimRun::time_to_target`] is then `None`).
     pub max_steps: u64,
-    /// Seed of the estimate error.
+    /// Seed of the noise estimate's random error; the same seed gives the same run.
     pub seed: u64,
     /// Keep every step in [`SimRun::steps`] (else only the last; long runs hold gigabytes).
     pub record_steps: bool,
@@ -75,7 +75,7 @@ pub struct SimConfig {
 pub enum SimNoise {
     /// The true noise scale times an independent log-normal error each step (0: exact).
     LogNormal {
-        /// Standard deviation of the log error.
+        /// Standard deviation of the natural log of the error factor.
         error: f64,
     },
     /// Each step draws the probe's numbers (the mean squared micro-batch gradient norm L and
@@ -160,7 +160,7 @@ pub struct SimStep {
     pub progress: f64,
     /// The configuration of the step.
     pub candidate: Candidate,
-    /// Samples/s of the configuration.
+    /// Samples/s of the configuration, as the scorer gives it.
     pub throughput: f64,
     /// True statistical efficiency of the step.
     pub efficiency: f64,
@@ -171,26 +171,27 @@ pub struct SimStep {
 /// A configuration change.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SimSwitch {
-    /// After this step.
+    /// The step after which the configuration changed.
     pub step: u64,
     /// At this simulated time (before paying the cost).
     pub time: f64,
-    /// From.
+    /// The configuration before the change.
     pub from: Candidate,
-    /// To.
+    /// The configuration after it.
     pub to: Candidate,
-    /// Seconds charged.
+    /// Seconds charged on the simulated clock: [`SwitchCosts::layout`] or [`SwitchCosts::batch`].
     pub cost: f64,
 }
 
 /// A policy's simulated run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SimRun {
-    /// Policy name.
+    /// The policy's name ([`Policy::name`]).
     pub policy: String,
-    /// Every step.
+    /// The steps run: all of them with [`SimConfig::record_steps`], else only the latest (and
+    /// the final one).
     pub steps: Vec<SimStep>,
-    /// Every switch.
+    /// Every configuration change, in order.
     pub switches: Vec<SimSwitch>,
     /// Simulated seconds to reach the trajectory's end (`None` if `max_steps` ran out).
     pub time_to_target: Option<f64>,

@@ -21,10 +21,10 @@ pub trait ThroughputModel: Send + Sync {
 /// Profile files that cannot be read.
 #[derive(Debug, Error)]
 pub enum ProfileError {
-    /// RON syntax or schema.
+    /// RON syntax or schema; the parser's message.
     #[error("profile RON: {0}")]
     Ron(String),
-    /// CSV syntax or schema.
+    /// CSV syntax or schema; the parser's message.
     #[error("profile CSV: {0}")]
     Csv(String),
     /// A row with an impossible value.
@@ -32,7 +32,7 @@ pub enum ProfileError {
     BadRow {
         /// Row index (0-based, after the header).
         row: usize,
-        /// What is wrong.
+        /// What is wrong with it, naming the field.
         what: String,
     },
 }
@@ -40,15 +40,15 @@ pub enum ProfileError {
 /// One measured (or modelled) point.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProfileEntry {
-    /// Data-parallel degree.
+    /// Data-parallel degree of the layout measured ([`ParallelDims::dp`]).
     pub dp: usize,
-    /// Tensor-parallel degree.
+    /// Tensor-parallel degree of the layout measured ([`ParallelDims::tp`]).
     pub tp: usize,
-    /// Pipeline-parallel degree.
+    /// Pipeline-parallel degree of the layout measured ([`ParallelDims::pp`]).
     pub pp: usize,
-    /// Global batch in sequences.
+    /// Global batch B_g in sequences; a whole multiple of `dp * micro_batch`.
     pub global_batch: usize,
-    /// Micro-batch in sequences.
+    /// Micro-batch B_m in sequences.
     pub micro_batch: usize,
     /// Measured samples (sequences) per second.
     pub samples_per_sec: f64,
@@ -75,6 +75,7 @@ pub struct ThroughputProfile {
     pub hardware: String,
     /// Model it was measured with.
     pub model: String,
+    /// The points as given (a later point of the same configuration wins in `index`).
     entries: Vec<ProfileEntry>,
     /// (layout, B_m) -> points (B_g, seconds per step), sorted by B_g.
     index: HashMap<(ParallelDims, usize), Vec<(usize, f64)>>,
@@ -100,7 +101,8 @@ impl PartialEq for ThroughputProfile {
 }
 
 impl ThroughputProfile {
-    /// A profile from points; rejects impossible rows.
+    /// A profile from points. Rejects a row with a zero degree or micro-batch, a B_g that is not
+    /// a whole multiple of `dp * micro_batch`, or a non-positive or non-finite throughput.
     pub fn new(hardware: String, model: String, entries: Vec<ProfileEntry>) -> Result<Self, ProfileError> {
         let mut index: HashMap<(ParallelDims, usize), Vec<(usize, f64)>> = HashMap::new();
         for (row, e) in entries.iter().enumerate() {
@@ -149,17 +151,17 @@ impl ThroughputProfile {
         Self::new(hardware.into(), model.into(), entries).expect("a throughput model gives valid rows")
     }
 
-    /// The points.
+    /// The points as given, repeats included, in their order.
     pub fn entries(&self) -> &[ProfileEntry] {
         &self.entries
     }
 
-    /// RON text.
+    /// The profile as pretty RON text, which [`Self::from_ron`] reads back.
     pub fn to_ron(&self) -> String {
         ron::ser::to_string_pretty(self, ron::ser::PrettyConfig::default()).expect("profile serialises")
     }
 
-    /// From RON text.
+    /// A profile from RON text as [`Self::to_ron`] writes it; its rows checked as in [`Self::new`].
     pub fn from_ron(text: &str) -> Result<Self, ProfileError> {
         ron::from_str(text).map_err(|e| ProfileError::Ron(e.to_string()))
     }
@@ -233,9 +235,9 @@ impl ThroughputModel for ThroughputProfile {
 pub struct ClusterSpec {
     /// Name for reports.
     pub name: String,
-    /// GPUs in one node.
+    /// GPUs in one node, which share the intra-node links.
     pub gpus_per_node: usize,
-    /// Nodes.
+    /// Nodes, joined by the inter-node links.
     pub num_nodes: usize,
     /// Dense bf16 peak, FLOP/s.
     pub peak_flops: f64,
@@ -253,7 +255,7 @@ pub struct ClusterSpec {
     pub intra_latency: f64,
     /// Latency of one collective hop across nodes, s.
     pub inter_latency: f64,
-    /// Device memory, bytes.
+    /// Memory of one device, bytes; a candidate that needs more does not run.
     pub memory_bytes: f64,
 }
 
@@ -333,7 +335,7 @@ impl ClusterSpec {
         }
     }
 
-    /// All GPUs.
+    /// GPUs in the whole cluster, `gpus_per_node * num_nodes`.
     pub fn world_size(&self) -> usize {
         self.gpus_per_node * self.num_nodes
     }
@@ -344,20 +346,20 @@ impl ClusterSpec {
 pub struct StepTime {
     /// Forward and backward compute of the slowest stage over all its micro-batches.
     pub compute: f64,
-    /// Tensor-parallel all-reduces.
+    /// Tensor-parallel all-reduces of activations, over all micro-batches.
     pub tp_comm: f64,
-    /// Pipeline send/recv.
+    /// Pipeline sends and receives of activations and their gradients, over all micro-batches.
     pub pp_comm: f64,
     /// Idle time of the pipeline bubble.
     pub bubble: f64,
     /// Exposed data-parallel gradient all-reduce.
     pub dp_comm: f64,
-    /// Optimizer update.
+    /// Optimizer update, bound by HBM bandwidth.
     pub optimizer: f64,
 }
 
 impl StepTime {
-    /// Whole step.
+    /// Seconds of the whole step: the sum of the parts.
     pub fn total(&self) -> f64 {
         self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
     }
@@ -366,13 +368,13 @@ impl StepTime {
 /// Analytic step-time model of a model on a cluster.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterModel {
-    /// Hardware.
+    /// The hardware: compute, links, memory.
     pub cluster: ClusterSpec,
-    /// Model shape.
+    /// The model trained: its shapes give FLOPs and bytes.
     pub model: ModelSpec,
-    /// Bytes per element.
+    /// Bytes per element, for the memory check and the bytes moved.
     pub memory: MemoryModel,
-    /// Pipeline schedule.
+    /// Pipeline schedule, for the memory check (micro-batches in flight).
     pub schedule: ScheduleKind,
     /// Fraction of the dp all-reduce hidden behind backward (bucketed overlap), in [0, 1].
     pub dp_overlap: f64,

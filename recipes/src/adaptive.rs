@@ -22,6 +22,7 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, TensorData};
 use copus_burn::driver::{DecisionSource, Scripted};
 use copus_burn::parallel::{ShardPlan, ShardSource};
+use copus_burn::run_dir::RunDir;
 use copus_burn::{Clock, Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
 use copus_core::candidates::{Candidate, Enumeration};
 use copus_core::goodput::{Objective, PlainGoodput};
@@ -35,10 +36,13 @@ use copus_models::{LlamaConfig, LlamaStage, full_params};
 use serde::{Deserialize, Serialize};
 
 use crate::data::PackedDataset;
-use crate::plot::{self, Series};
-use crate::progress::Progress;
+use crate::report::plot::{self, Series};
+use crate::report::progress::Progress;
 use crate::recipe::Recipe;
-use crate::run::{Prepared, RunOptions, Summary, TrainSequences, heldout_loss, prepare, run_folder, summary_markdown};
+use crate::eval::heldout_loss;
+use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
+use crate::prepare::RunOptions;
+use crate::summary::{Summary, summary_markdown};
 
 /// One step as the plots need it (kept in `metrics.jsonl` so a resumed run plots it all).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -184,7 +188,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     let device = Device::flex().autodiff();
     let full = match &recipe.init_from {
         Some(dir) => full_params(&crate::interop::init_from(Path::new(dir), &s.spec, &device)?),
-        None => crate::run::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device))),
+        None => crate::prepare::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device))),
     };
     let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
     let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
@@ -224,30 +228,15 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     }
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
-    let checkpoints = list_checkpoints(&run_dir.join("checkpoints"));
-    if checkpoints.is_empty() {
-        return Err(anyhow!("{} has no checkpoints to resume from", run_dir.join("checkpoints").display()));
-    }
-    // The newest that loads; a damaged newest one falls back to the one before.
-    let mut resumed = None;
-    for (_, path) in checkpoints.iter().rev() {
-        let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
-        match Driver::resume(model, path, space, Clock::Wall, s.source()) {
-            Ok((d, _)) => {
-                resumed = Some((d, path.clone()));
-                break;
-            }
-            Err(e) => tracing::warn!("checkpoint {} not usable: {e}", path.display()),
-        }
-    }
-    let (mut driver, path) =
-        resumed.with_context(|| format!("no checkpoint in {} could be loaded", run_dir.join("checkpoints").display()))?;
+    let dir = RunDir::new(run_dir);
+    let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
+    let (mut driver, path) = dir.resume(model, &space, || Clock::Wall, s.source())?;
     driver.engine_mut().set_emergency_dir(run_dir);
     let step = driver.engine().steps_done();
     tracing::info!("resuming {} at step {step} from {} in {}", recipe.name, path.display(), driver.current());
     // The logs keep what happened up to the checkpoint; later lines are redone.
     for name in LOG_FILES {
-        truncate_after(&run_dir.join(name), step)?;
+        dir.truncate_log(name, step)?;
     }
     let history = history_of(run_dir, step)?;
     let logs = Logs::open(run_dir, false)?;
@@ -278,70 +267,11 @@ fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     out
 }
 
-/// Checkpoint files `step-N.bpk` in `dir`, oldest first.
-fn list_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
-    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let step = name.strip_prefix("step-")?.strip_suffix(".bpk")?.parse().ok()?;
-            Some((step, e.path()))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// Writes a checkpoint of the run at its current step and keeps the newest two.
+/// Writes a checkpoint of the run at its current step (the logs flushed first) and keeps the
+/// newest two.
 fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
     logs.flush()?;
-    let dir = folder.join("checkpoints");
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let path = dir.join(format!("step-{:08}.bpk", driver.engine().steps_done()));
-    driver.save_checkpoint(&path, source, &BTreeMap::new())?;
-    // Left-over temporary files of a save that was cut short.
-    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-        if e.path().extension().is_some_and(|x| x == "tmp") {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-    let all = list_checkpoints(&dir);
-    for (_, old) in &all[..all.len().saturating_sub(2)] {
-        if let Err(e) = std::fs::remove_file(old) {
-            tracing::warn!("old checkpoint {} not removed: {e}", old.display());
-        }
-    }
-    tracing::debug!("checkpoint {}", path.display());
-    Ok(path)
-}
-
-/// The step a log line belongs to: a JSON line's `step` (or its `metrics.step` / `record.step`),
-/// or a CSV line's first field; `None` for a header.
-fn line_step(line: &str) -> Option<u64> {
-    if line.starts_with('{') {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        return v["step"].as_u64().or_else(|| v["metrics"]["step"].as_u64()).or_else(|| v["record"]["step"].as_u64());
-    }
-    line.split(',').next()?.parse().ok()
-}
-
-/// Drops the lines of a log that belong to steps after `step` (atomically).
-fn truncate_after(path: &Path, step: u64) -> anyhow::Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    // Lines of steps up to `step`, and a CSV header; a torn or unreadable line goes.
-    let kept: String = text
-        .lines()
-        .enumerate()
-        .filter(|(i, l)| match line_step(l) {
-            Some(s) => s <= step,
-            None => *i == 0 && !l.is_empty() && !l.starts_with('{'),
-        })
-        .map(|(_, l)| format!("{l}\n"))
-        .collect();
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, kept).and_then(|()| std::fs::rename(&tmp, path)).with_context(|| format!("cannot rewrite {}", path.display()))
+    Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?)
 }
 
 /// The plotted points and evaluations of a run folder up to `step`.
@@ -536,7 +466,7 @@ fn train(
         failed.push(format!("weights not saved: {e:#}"));
     }
     // Without a font the plots are skipped with a warning; any other failure fails the run.
-    match crate::plot::ensure_font() {
+    match crate::report::plot::ensure_font() {
         Err(e) => tracing::warn!("plots not drawn: {e}"),
         Ok(()) => {
             if let Err(e) = plots(&folder, &points, b0) {
@@ -719,7 +649,7 @@ mod tests {
         );
         let mut model = cfg.init(&Device::flex());
         copus_models::load_safetensors(&mut model, &folder.join("model.safetensors")).unwrap();
-        if crate::plot::ensure_font().is_ok() {
+        if crate::report::plot::ensure_font().is_ok() {
             for f in ["loss_time.png", "batch_schedule.png", "goodput.png"] {
                 assert!(folder.join(f).exists(), "{f} missing");
             }
@@ -764,7 +694,7 @@ mod tests {
         let parted = Recipe::parse(&text("parted", 3), "parted").unwrap();
         let (dir, first) = run(&parted, &RunOptions { max_steps: Some(6) }).unwrap();
         assert_eq!(first.steps, 6);
-        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        let kept: Vec<u64> = RunDir::new(&dir).checkpoints().iter().map(|c| c.0).collect();
         assert_eq!(kept, vec![4, 6], "the newest two");
         // A line of a step after the checkpoint (as if the process died there) is dropped.
         let mut m = std::fs::OpenOptions::new().append(true).open(dir.join("metrics.jsonl")).unwrap();
@@ -778,7 +708,7 @@ mod tests {
         // and the run folder untouched (the logs keep even the line after the checkpoint).
         let logs_before = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
         let originals: Vec<(PathBuf, Vec<u8>)> =
-            list_checkpoints(&dir.join("checkpoints")).into_iter().map(|(_, p)| (p.clone(), std::fs::read(&p).unwrap())).collect();
+            RunDir::new(&dir).checkpoints().into_iter().map(|(_, p)| (p.clone(), std::fs::read(&p).unwrap())).collect();
         for (p, bytes) in &originals {
             let mut bad = bytes.clone();
             let at = bad.len() - bad.len() / 4;
@@ -801,11 +731,11 @@ mod tests {
             assert!((la - lb).abs() <= 1e-6, "step {sa}: {la} vs {lb}");
         }
         assert!((s.final_eval_loss - whole_sum.final_eval_loss).abs() <= 1e-6, "{} vs {}", s.final_eval_loss, whole_sum.final_eval_loss);
-        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        let kept: Vec<u64> = RunDir::new(&dir).checkpoints().iter().map(|c| c.0).collect();
         assert_eq!(kept, vec![8, 10]);
         // The eval steps, the stopped run's final evaluation at 6, none repeated.
         let evals = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();
-        let steps: Vec<u64> = evals.lines().map(|l| line_step(l).unwrap()).collect();
+        let steps: Vec<u64> = evals.lines().map(|l| copus_burn::run_dir::log_line_step(l).unwrap()).collect();
         assert_eq!(steps, vec![0, 5, 6, 10]);
     }
 
@@ -832,7 +762,7 @@ mod tests {
         assert!(s.interrupted && s.stopped.contains("interrupted"), "{}", s.stopped);
         assert_eq!(s.steps, 1);
         assert!(!stop.load(Ordering::SeqCst), "the request was taken");
-        let kept: Vec<u64> = list_checkpoints(&dir.join("checkpoints")).iter().map(|c| c.0).collect();
+        let kept: Vec<u64> = RunDir::new(&dir).checkpoints().iter().map(|c| c.0).collect();
         assert_eq!(kept, vec![1]);
         let (_, done) = resume(&recipe, &dir, &RunOptions { max_steps: None }).unwrap();
         assert_eq!(done.steps, 4);

@@ -12,7 +12,8 @@ use copus_models::{Llama, LlamaConfig, hf};
 use tokenizers::Tokenizer;
 
 use crate::data::{self, PackedDataset};
-use crate::progress::Progress;
+use crate::report::progress::Progress;
+use crate::prepare::vocab_of;
 use crate::recipe::Recipe;
 
 /// A run folder's model, ready to use.
@@ -48,12 +49,6 @@ pub fn load_run(run_dir: &Path) -> anyhow::Result<RunModel> {
     let mut model = cfg.init(&Device::flex());
     copus_models::load_safetensors(&mut model, &run_dir.join("model.safetensors"))?;
     Ok(RunModel { recipe, cfg, model, tokenizer })
-}
-
-/// The model's vocabulary for a tokenizer: its size rounded up to a multiple of 64 (so tensor
-/// parallelism can split it), as every run builds it.
-pub fn vocab_of(tokenizer: &Tokenizer) -> usize {
-    tokenizer.get_vocab_size(true).div_ceil(64) * 64
 }
 
 /// `recipes export`: the run's model in the HF Llama layout, with its tokenizer.
@@ -158,7 +153,7 @@ pub fn eval_text(
     let windows = PackedDataset::new(tokens, seq, 0, "text")?;
     let count = max_windows.unwrap_or(usize::MAX).min(windows.num_seqs());
     let bar = Progress::new("eval", count.div_ceil(micro.max(1)) as u64);
-    let loss = crate::run::heldout_loss(&windows, count, micro, &model.embed_tokens.weight.device(), |b| {
+    let loss = crate::eval::heldout_loss(&windows, count, micro, &model.embed_tokens.weight.device(), |b| {
         let l = f64::from(model.loss_sum(b.inputs, b.targets).into_scalar::<f32>());
         bar.inc(1);
         l
@@ -215,7 +210,7 @@ mod tests {
         let mut spec = recipe.model_spec().unwrap();
         spec.vocab_size = vocab_of(&tok);
         let device = Device::flex();
-        let model = crate::run::seeded(&device, 5, || LlamaConfig::from_spec(&spec).init(&device));
+        let model = crate::prepare::seeded(&device, 5, || LlamaConfig::from_spec(&spec).init(&device));
         copus_models::save_safetensors(&model, &dir.join("model.safetensors")).unwrap();
         (recipe, text)
     }
@@ -228,7 +223,7 @@ mod tests {
         let m = load_run(dir.path()).unwrap();
         let got = eval_text(&m.model, &m.tokenizer, &text, 16, Some(9), 2).unwrap();
         let windows = PackedDataset::new(data::encode(&m.tokenizer, &[&text]).unwrap(), 16, 0, "held-out").unwrap();
-        let want = crate::run::evaluate(&m.model, &windows, 9, 2);
+        let want = crate::eval::evaluate(&m.model, &windows, 9, 2);
         assert_eq!(got.windows, 9);
         assert!((got.loss - want).abs() <= 1e-6 * want, "{} vs {want}", got.loss);
         assert!((got.perplexity() - want.exp()).abs() <= 1e-4 * want.exp());

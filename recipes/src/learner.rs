@@ -20,12 +20,12 @@ use burn::train::metric::{LearningRateMetric, LossMetric};
 use burn::train::{InferenceStep, Learner, SequenceOutput, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy};
 use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
 use copus_burn::trainer::{CausalLm, MicroBatch};
-use copus_burn::{adamw_optimizer, cross_entropy_sum};
+use copus_burn::cross_entropy_sum;
 use copus_models::{Llama, LlamaConfig};
 
 use crate::data::PackedDataset;
 use crate::recipe::Recipe;
-use crate::run::{Prepared, prepare, run_folder};
+use crate::prepare::{Prepared, prepare, run_folder};
 
 /// Sequences of a packed split as a Burn dataset: the training stream's order (item `i` is the
 /// stream's `i`-th sample) or stream order (held-out).
@@ -131,10 +131,10 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     // The same data budget as the recipe: max_steps at its global batch.
     let samples = max_samples.unwrap_or(t.max_steps as usize * t.global_batch);
     let eval = t.eval_sequences.min(heldout.num_seqs());
-    let llama = crate::run::seeded(&device, t.seed, || LlamaConfig::from_spec(&data.spec).init(&device));
+    let llama = crate::prepare::seeded(&device, t.seed, || LlamaConfig::from_spec(&data.spec).init(&device));
     let no_decay = llama.no_decay_predicates();
     let model = LanguageModel { llama };
-    let optim = adamw_optimizer(&recipe.optim, &no_decay);
+    let optim = recipe.optim.init(&no_decay);
     let schedule = CosineAnnealingLrSchedulerConfig::new(recipe.optim.lr, recipe.optim.total_steps.max(1) as usize)
         .with_min_lr(recipe.optim.lr * recipe.optim.min_lr_ratio)
         .init()
@@ -184,7 +184,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
         return Err(anyhow!("training failed: {e}"));
     }
     let model = result.model;
-    let heldout_loss = crate::run::evaluate(&model.llama, &heldout, eval, t.micro_batch);
+    let heldout_loss = crate::eval::evaluate(&model.llama, &heldout, eval, t.micro_batch);
     let (steps, final_batch, b_simple) = match &copus {
         Some(c) => {
             // Every optimizer step as copus ran it: plan, norms, B_simple, LR factor, time.

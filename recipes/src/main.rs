@@ -1,4 +1,6 @@
-//! `recipes`: run a recipe file, or benchmark a training step.
+//! `recipes`: the command line over the `recipes` library: argument parsing and dispatch, the
+//! allocator, and the serving loop of MPI processes 1.. . Subcommands: run (the default), bench,
+//! compare, learner, orchestrator, export, eval, generate, profile.
 //!
 //! ```text
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
@@ -47,29 +49,16 @@ fn keep_freed_memory() {
     }
 }
 
-mod adaptive;
-mod bench;
-mod compare;
-mod data;
-mod engine_bench;
-mod headline;
-mod interop;
-mod learner;
-mod plot;
-mod profile;
-mod progress;
-mod recipe;
-mod run;
-mod service;
-mod suite;
-
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use crate::service::PolicyName;
+use copus_service::PolicyName;
+use recipes::bench::reconfig::{Change, parse_change};
+use recipes::report::progress;
+use recipes::{Usage, bench, experiments, interop, learner, load_recipe, profile, run};
 
 #[derive(Parser)]
 #[command(name = "recipes", about = "copus recipes: train on real text and report", args_conflicts_with_subcommands = true)]
@@ -141,7 +130,7 @@ enum Cmd {
         #[arg(long)]
         profile: PathBuf,
         /// The decision policy.
-        #[arg(long, value_enum, default_value_t = PolicyName::Copus)]
+        #[arg(long, default_value_t = PolicyName::Copus)]
         policy: PolicyName,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7450")]
@@ -236,8 +225,8 @@ enum BenchMode {
         /// Only these layout changes (repeatable), as `'dp2,tp2,pp2->dp1,tp4,pp2'` (quoted: `>`
         /// is the shell's); by default
         /// three changes of 8 ranks and one from 8 to 4.
-        #[arg(long = "change", value_parser = engine_bench::parse_change)]
-        changes: Vec<engine_bench::Change>,
+        #[arg(long = "change", value_parser = parse_change)]
+        changes: Vec<Change>,
     },
     /// The restart side of `reconfig`: load a checkpoint into a layout, run one step.
     #[command(hide = true)]
@@ -261,40 +250,6 @@ enum BenchMode {
         #[arg(long, default_value_t = 10)]
         steps: usize,
     },
-}
-
-/// A user mistake in what was asked (exit code 2), as opposed to a failure while doing it.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct Usage(String);
-
-fn run_service(recipe: &Path, profile: &Path, policy: PolicyName, listen: std::net::SocketAddr) -> anyhow::Result<()> {
-    let token = std::env::var("COPUS_ORCHESTRATOR_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-        .context("set COPUS_ORCHESTRATOR_TOKEN to the shared token the training runs will present")?;
-    let recipe = load_recipe(recipe)?;
-    let par = recipe.parallel.clone().context("the recipe needs a `parallel` section (the candidate space)")?;
-    let text = std::fs::read_to_string(profile).with_context(|| format!("reading the profile {}", profile.display()))?;
-    let profile = copus_core::throughput::ThroughputProfile::from_ron(&text)?;
-    let spec = recipe.model_spec()?;
-    let space = par.space()?;
-    let fingerprint = copus_core::orchestrator::RunFingerprint::new(&spec, &space);
-    let feasible = space.enumerate(&spec).feasible;
-    let scorer = copus_core::policy::Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64)?;
-    let rule = copus_core::policy::SwitchRule::default();
-    service::policy_by_name(policy, &scorer, rule)?;
-    let make: service::MakeOrchestrator = std::sync::Arc::new(move || {
-        let p = service::policy_by_name(policy, &scorer, rule).expect("checked above");
-        copus_core::orchestrator::Orchestrator::new(p, scorer.clone())
-    });
-    let handle = service::spawn(listen, service::ServiceConfig::new(token, fingerprint.clone()), make)?;
-    tracing::info!("orchestrator listening on {} for runs of {fingerprint}", handle.addr);
-    handle.join()
-}
-
-fn load_recipe(path: &Path) -> anyhow::Result<recipe::Recipe> {
-    recipe::Recipe::load(path).map_err(|e| Usage(e.to_string()).into())
 }
 
 fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
@@ -334,16 +289,16 @@ fn run_recipe(path: &Path, max_steps: Option<u64>, resume: Option<&Path>) -> any
 }
 
 fn run_compare(path: &Path) -> anyhow::Result<()> {
-    let r = compare::CompareRecipe::load(path).map_err(|e| Usage(e.to_string()))?;
-    let out = compare::run(&r)?;
+    let r = experiments::compare::CompareRecipe::load(path).map_err(|e| Usage(e.to_string()))?;
+    let out = experiments::compare::run(&r)?;
     println!("{}", out.summary);
     println!("report: {}", out.folder.display());
     Ok(())
 }
 
 fn run_suite(path: &Path) -> anyhow::Result<()> {
-    let s = suite::Suite::load(path).map_err(|e| Usage(e.to_string()))?;
-    let (folder, table) = suite::run(&s)?;
+    let s = experiments::suite::Suite::load(path).map_err(|e| Usage(e.to_string()))?;
+    let (folder, table) = experiments::suite::run(&s)?;
     println!("{table}");
     println!("report: {}", folder.display());
     Ok(())
@@ -354,20 +309,13 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         (Some(Cmd::Run { recipe, max_steps, resume }), _) => run_recipe(&recipe, max_steps, resume.as_deref()),
         (Some(Cmd::Bench { mode }), _) => {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
-                BenchMode::Step { steps, warmup, no_torch, threads } => bench::run(steps.max(1), warmup, !no_torch, threads.max(1)),
-                BenchMode::Engine { steps } => engine_bench::run(steps.max(1)),
-                BenchMode::Reconfig { presets, trials, changes } => engine_bench::run_reconfig(&presets, trials as usize, &changes),
+                BenchMode::Step { steps, warmup, no_torch, threads } => bench::step::run(steps.max(1), warmup, !no_torch, threads.max(1)),
+                BenchMode::Engine { steps } => bench::engine::run(steps.max(1)),
+                BenchMode::Reconfig { presets, trials, changes } => bench::reconfig::run_reconfig(&presets, trials as usize, &changes),
                 BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
-                    engine_bench::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
+                    bench::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }
-                BenchMode::Probe { steps } => {
-                    let (step, probe) = bench::probe_overhead(steps.max(1), 2);
-                    println!("| reference step (bench-5m, B_m = 8, one micro-batch per step) | seconds |\n|---|---:|");
-                    println!(
-                        "| forward, backward, AdamW (probe off) | {step:.4} |\n| the probe: |g|^2 and |g - g_prev|^2 on the device | {probe:.4} |"
-                    );
-                    println!("\nprobe overhead: {:.2}% of the step", 100.0 * probe / step);
-                }
+                BenchMode::Probe { steps } => bench::probe::run(steps.max(1)),
             }
             Ok(())
         }
@@ -399,7 +347,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             println!("{}", learner::run(&recipe, fixed, compare, max_samples)?);
             Ok(())
         }
-        (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => run_service(&recipe, &profile, policy, listen),
+        (Some(Cmd::Orchestrator { recipe, profile, policy, listen }), _) => recipes::orchestrator::serve(&recipe, &profile, policy, listen),
         (Some(Cmd::Compare { suite: Some(suite), .. }), _) => run_suite(&suite),
         (Some(Cmd::Compare { recipe: Some(recipe), .. }), _) => run_compare(&recipe),
         (Some(Cmd::Compare { .. }), _) => Err(Usage("give a comparison recipe or --suite FILE".into()).into()),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::progress::Progress;
+use crate::report::progress::Progress;
 use anyhow::anyhow;
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
@@ -101,7 +101,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     }
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
-    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
+    let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
     let devices = recipe.backend.rank_devices(par.world_size);
     let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &devices)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -156,6 +156,26 @@ pub fn best_table(profile: &ThroughputProfile) -> String {
         }
     }
     out
+}
+
+/// Measures the throughput of `feasible` on this machine and writes the profile to `out`.
+pub fn measure_profile(
+    cfg: &LlamaConfig,
+    full: &copus_burn::parallel::FullParams,
+    feasible: &[Candidate],
+    seq: usize,
+    steps: usize,
+    out: Option<&Path>,
+) -> anyhow::Result<ThroughputProfile> {
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, &[])?;
+    let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries)?;
+    if let Some(path) = out {
+        if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d).map_err(|e| anyhow!("{}: {e}", d.display()))?;
+        }
+        std::fs::write(path, p.to_ron()).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    }
+    Ok(p)
 }
 
 #[cfg(test)]

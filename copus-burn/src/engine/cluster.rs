@@ -12,7 +12,7 @@ use copus_core::model::ParamSpec;
 
 use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
-use super::fault::Fault;
+use super::fault::{Fault, StepFault};
 use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
 use super::rank::{RankError, RankInit, RankState};
 use super::{EngineStep, RankParams};
@@ -23,9 +23,8 @@ use std::time::{Duration, Instant};
 
 /// What the engine asks of every rank.
 pub(super) enum Command {
-    /// The step's batch, whether to poison its gradient with a NaN, and the world rank that
-    /// hangs instead of stepping (fault injection).
-    Step(Arc<Vec<i64>>, bool, Option<usize>),
+    /// The step's batch, and the faults planted in it (nothing without `fault-injection`).
+    Step(Arc<Vec<i64>>, StepFault),
     Params,
     Export,
     SetBatch {
@@ -481,12 +480,12 @@ fn worker_loop<L: ParallelLm, C: Collective>(
                 Ok(Ok(Reply::Done))
             }
             Command::Stop => return,
-            Command::Step(_, _, Some(stall)) if stall == r && cfg!(feature = "fault-injection") => loop {
+            Command::Step(_, fault) if fault.stalls(r) => loop {
                 // A hung rank: it never replies and never returns.
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
-            Command::Step(batch, poison, _) => {
-                catch_unwind(AssertUnwindSafe(|| state.step(&batch, poison).map(|s| Reply::Step(Box::new(s)))))
+            Command::Step(batch, fault) => {
+                catch_unwind(AssertUnwindSafe(|| state.step(&batch, fault.poison()).map(|s| Reply::Step(Box::new(s)))))
             }
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
             Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),

@@ -8,7 +8,7 @@ use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
 use super::error::EngineError;
-use crate::trainer::OptimConfig;
+use crate::optim::OptimConfig;
 
 /// The device a rank trains on. Only Flex (Burn's pure-Rust CPU backend) is built by default;
 /// the others need the crate feature of the same name.
@@ -128,6 +128,6 @@ impl EngineConfig {
                 self.devices.len()
             )));
         }
-        self.optim.validate().map_err(EngineError::Train)
+        self.optim.validate().map_err(|e| EngineError::Train(e.into()))
     }
 }

@@ -41,7 +41,7 @@ use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::rank::{Groups, RankState};
-use crate::adamw;
+use crate::optim as adamw;
 use crate::collective::Collective;
 use crate::grads::with_values;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};

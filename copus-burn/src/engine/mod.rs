@@ -45,6 +45,7 @@ use copus_core::model::ParamSpec;
 pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
+use fault::StepFault;
 pub(crate) use live::LiveFailure;
 #[cfg(feature = "mpi")]
 pub(crate) use processes::exit_message;
@@ -82,10 +83,9 @@ pub struct Engine<L: ParallelLm> {
     steps_done: u64,
     tokens_seen: u64,
     fault: Fault,
-    /// Fault injection: poison the gradients of `.1` steps from step `.0` on.
-    poison: (u64, u64),
-    /// Fault injection: the world rank whose next step never finishes.
-    stall: Option<usize>,
+    /// Step faults planted by the tests.
+    #[cfg(feature = "fault-injection")]
+    planted: fault::PlantedSteps,
     /// Where an emergency checkpoint goes when a failed reconfiguration cannot roll back.
     emergency_dir: Option<std::path::PathBuf>,
 }
@@ -118,8 +118,8 @@ impl<L: ParallelLm> Engine<L> {
             steps_done: state.step,
             tokens_seen: state.tokens_seen,
             fault: Fault::default(),
-            poison: (0, 0),
-            stall: None,
+            #[cfg(feature = "fault-injection")]
+            planted: fault::PlantedSteps::default(),
             emergency_dir: None,
         };
         engine.check_target(&cfg)?;
@@ -169,7 +169,7 @@ impl<L: ParallelLm> Engine<L> {
     /// ranks' waits time out (the timeout tests).
     #[cfg(feature = "fault-injection")]
     pub fn inject_stall(&mut self, rank: usize) {
-        self.stall = Some(rank);
+        self.planted.stall = Some(rank);
     }
 
     /// The folder for an emergency checkpoint: written only when a failed layout change cannot
@@ -188,7 +188,7 @@ impl<L: ParallelLm> Engine<L> {
     /// `from` (divergence tests).
     #[cfg(feature = "fault-injection")]
     pub fn inject_nan_gradients(&mut self, from: u64, count: u64) {
-        self.poison = (from, count);
+        self.planted.poison = (from, count);
     }
 
     fn cluster(&mut self) -> Result<&Cluster, EngineError> {
@@ -224,12 +224,11 @@ impl<L: ParallelLm> Engine<L> {
             return Err(EngineError::Batch(format!("token id {t} is outside the vocabulary 0..{vocab}")));
         }
         let batch = Arc::new(batch);
-        let poison = self.steps_done >= self.poison.0 && self.poison.1 > 0;
-        if poison {
-            self.poison.1 -= 1;
-        }
-        let stall = self.stall.take();
-        let replies = self.broadcast(|| Command::Step(batch.clone(), poison, stall))?;
+        #[cfg(feature = "fault-injection")]
+        let fault = self.planted.next(self.steps_done);
+        #[cfg(not(feature = "fault-injection"))]
+        let fault = StepFault;
+        let replies = self.broadcast(|| Command::Step(batch.clone(), fault))?;
         let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
         if step.skipped {
             tracing::warn!(

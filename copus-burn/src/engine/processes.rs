@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cluster::{Command, Reply, panic_message, rank_init};
 use super::error::{EngineError, ReconfigPhase};
-use super::fault::Fault;
+use super::fault::{Fault, StepFault};
 use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
 use super::rank::RankState;
 use super::{EngineStep, RankParams};
@@ -32,7 +32,8 @@ enum Header {
     },
     /// One step; the payload is the batch (i64, little-endian).
     Step {
-        poison: bool,
+        /// The faults planted in the step (nothing without `fault-injection`).
+        fault: StepFault,
     },
     Params,
     Export,
@@ -137,9 +138,9 @@ impl Remote {
     /// Sends an engine command to the serving processes.
     pub(super) fn command(&self, command: &Command) -> Result<(), EngineError> {
         match command {
-            Command::Step(batch, poison, _) => {
+            Command::Step(batch, fault) => {
                 let bytes: Vec<u8> = batch.iter().flat_map(|t| t.to_le_bytes()).collect();
-                self.send(&Header::Step { poison: *poison }, &bytes)
+                self.send(&Header::Step { fault: *fault }, &bytes)
             }
             Command::Params => self.send(&Header::Params, &[]),
             Command::Export => self.send(&Header::Export, &[]),
@@ -245,10 +246,10 @@ pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) ->
                 };
                 reply(serde_json::to_vec(&answer).expect("answers serialise"))?;
             }
-            Header::Step { poison } => {
+            Header::Step { fault } => {
                 let s = running.as_mut().ok_or_else(|| comm_err("a step before any layout started".into()))?;
                 let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-                let step: Result<EngineStep, _> = s.step(&batch, poison);
+                let step: Result<EngineStep, _> = s.step(&batch, fault.poison());
                 if let Err(e) = step {
                     mpi::abort_job(&format!("rank {rank}: {e}"));
                 }

@@ -16,7 +16,7 @@ use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::grad_index::{GradIndex, ParamInfo, Role};
-use crate::adamw::{self, AdamW, Moments};
+use crate::optim::{self as adamw, AdamW, Moments};
 use crate::closing::StepCloser;
 use crate::collective::{Collective, CommError, ThreadComm};
 use crate::grads::with_values;

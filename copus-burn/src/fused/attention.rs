@@ -16,7 +16,8 @@
 #![allow(unsafe_code)]
 
 use super::gemm::{Mat, gemm_raw, product};
-use super::{Ad, ad_parts, contiguous, flex, host_values, lane_dot, on_host, softmax_row, values};
+use super::glue::{Ad, ad_parts, contiguous, flex, host_values, on_host, values};
+use super::rows::{lane_dot, softmax_row};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -42,7 +43,7 @@ pub fn causal_attention(q_bkre: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>,
     let t = k_bkte.dims()[2];
     let g = r / s.max(1);
     let decomposed = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| {
-        let probs = super::causal_softmax(q.matmul(k.swap_dims(2, 3)), scale, s, start);
+        let probs = super::softmax::causal_softmax(q.matmul(k.swap_dims(2, 3)), scale, s, start);
         probs.matmul(v).reshape([b, kv * g, s, e]).swap_dims(1, 2).reshape([b, s, kv * g * e])
     };
     let geo = Geometry { b, kv, g, s, t, e, start, scale: scale as f32 };

@@ -6,7 +6,7 @@
 //! weight gradient is one product over all positions.
 
 use super::gemm::{Mat, product_new};
-use super::{Ad, ad_parts, contiguous, flex, values};
+use super::glue::{Ad, ad_parts, contiguous, flex, values};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;

@@ -14,9 +14,10 @@ use copus_core::goodput::ObjectiveKind;
 use copus_core::policy::{SwitchCosts, SwitchRule, hindsight_oracle};
 use serde::{Deserialize, Serialize};
 
-use crate::compare::{Synthetic, default_rule, simulate_lineup, synthetic_setup};
-use crate::plot::{Series, line_plot};
-use crate::progress::Progress;
+use crate::experiments::compare::schema::{Synthetic, default_rule, read_ron};
+use crate::experiments::compare::synthetic::{simulate_lineup, synthetic_setup};
+use crate::report::plot::{Series, line_plot};
+use crate::report::progress::Progress;
 
 /// A suite file.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -76,7 +77,7 @@ fn default_c() -> f64 {
 impl Suite {
     /// Reads and checks a suite file.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let s: Self = crate::compare::read_ron(path)?;
+        let s: Self = read_ron(path)?;
         s.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok(s)
     }
@@ -144,7 +145,7 @@ impl SeedResult {
 /// Runs every scenario on every seed; writes `suite.md`, `suite.json` and `regret.png` into a
 /// new run folder; returns the folder and the table.
 pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
-    let folder = crate::run::run_folder(Path::new(&suite.output_dir), &suite.name)?;
+    let folder = crate::prepare::run_folder(Path::new(&suite.output_dir), &suite.name)?;
     let rule = suite.rule.unwrap_or(default_rule());
     let bar = Progress::new(&suite.name, (suite.scenarios.len() * suite.seeds.len()) as u64);
     let mut results: Vec<(String, Vec<SeedResult>)> = Vec::new();

@@ -421,7 +421,7 @@ mod tests {
         let net = Net { emb: EmbeddingConfig::new(7, 5).init(device), lin: LinearConfig::new(5, 5).init(device) };
         let cfg = crate::OptimConfig { weight_decay: 0.1, ..crate::OptimConfig::default() };
         let no_decay = vec!["emb".to_string()];
-        let mut burn_optim = crate::adamw_optimizer(&cfg, &no_decay);
+        let mut burn_optim = cfg.init(&no_decay);
         let mut ours = AdamW::new(cfg.beta1 as f32, cfg.beta2 as f32, cfg.eps as f32, cfg.weight_decay as f32, &no_decay);
         let (mut a, mut b) = (net.clone(), net);
         for (step, lr) in [3e-3, 1e-3, 0.0, 2.5e-2, 7e-4].into_iter().enumerate() {

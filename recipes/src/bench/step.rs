@@ -1,4 +1,4 @@
-//! `recipes bench`: training-step time on the Flex CPU backend against PyTorch eager, on the
+//! `recipes bench step` (the default bench): training-step time on the Flex CPU backend against PyTorch eager, on the
 //! reference shape (d_model 256, 4 layers, 8 heads, 4 kv heads, ffn 688, vocab 4096, sequence
 //! 256, micro-batch 8, fp32, AdamW) and on tiny-20m at sequence 256, with the thread count set
 //! on both sides, a per-phase breakdown of each step, and the noise-scale probe's own cost (the
@@ -16,29 +16,8 @@ use copus_burn::{CausalLm, MicroBatch, OptimConfig, Trainer, cross_entropy_sum, 
 use copus_core::model::ModelSpec;
 use copus_models::LlamaConfig;
 
-/// The reference shape.
-pub fn spec() -> ModelSpec {
-    ModelSpec { name: "bench-5m".into(), ..ModelSpec::tiny_5m() }
-}
-
-/// Micro-batch of the reference step.
-pub const MICRO_BATCH: usize = 8;
-
-/// A benchmarked shape: the model (its `seq_len` is the sequence) and the micro-batch.
-pub struct Shape {
-    /// The model.
-    pub spec: ModelSpec,
-    /// Sequences per step.
-    pub micro_batch: usize,
-}
-
-/// The reference shape and tiny-20m at sequence 256, both at micro-batch 8.
-pub fn shapes() -> Vec<Shape> {
-    vec![
-        Shape { spec: spec(), micro_batch: MICRO_BATCH },
-        Shape { spec: ModelSpec { seq_len: 256, ..ModelSpec::tiny_20m() }, micro_batch: 8 },
-    ]
-}
+use super::probe::{probe_on_off, probe_work};
+use super::{Shape, int2, median, shapes, tokens};
 
 /// Seconds of each phase of one training step.
 #[derive(Clone, Copy, Debug, Default)]
@@ -63,22 +42,13 @@ impl Phases {
     }
 }
 
-/// Tokens of step `i` (inputs, targets), the same on both sides of every comparison.
-fn tokens(s: &ModelSpec, micro_batch: usize, i: usize) -> (Vec<i64>, Vec<i64>) {
-    let n = micro_batch * s.seq_len;
-    ((0..n).map(|j| ((j * 31 + i * 7) % s.vocab_size) as i64).collect(), (0..n).map(|j| ((j * 17 + i) % s.vocab_size) as i64).collect())
-}
-
-fn int2(v: Vec<i64>, shape: [usize; 2], device: &Device) -> Tensor<2, Int> {
-    Tensor::<2, Int>::from_data(TensorData::new(v, shape), device)
-}
 
 /// The copus step on one shape, one step per call: the model, its AdamW and the probe's last
 /// gradient.
 pub struct CopusStep {
     device: Device,
     model: copus_models::Llama,
-    optim: copus_burn::adamw::AdamW,
+    optim: copus_burn::optim::AdamW,
     previous: Option<GradientsParams>,
     spec: ModelSpec,
     micro_batch: usize,
@@ -131,147 +101,6 @@ impl CopusStep {
     }
 }
 
-/// Median seconds per trainer step with the probe on and off, for `num_micro` micro-batches of
-/// `shape.micro_batch / num_micro` sequences; the two trainers step alternately so that drift
-/// on a shared machine falls on both.
-pub fn probe_on_off(shape: &Shape, num_micro: usize, steps: usize, warmup: usize) -> (f64, f64) {
-    let s = &shape.spec;
-    let device = Device::flex().autodiff();
-    device.seed(0);
-    let model = LlamaConfig::from_spec(s).init(&device);
-    let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
-    let mut on = Trainer::new(model.clone(), cfg.clone()).expect("valid settings");
-    let mut off = Trainer::new(model, cfg).expect("valid settings").without_probe();
-    let b = shape.micro_batch / num_micro.max(1);
-    let (mut t_on, mut t_off) = (Vec::new(), Vec::new());
-    for i in 0..warmup + steps {
-        let (ids, tgt) = tokens(s, shape.micro_batch, i);
-        let row = b * s.seq_len;
-        let micro: Vec<MicroBatch> = (0..num_micro)
-            .map(|k| MicroBatch {
-                inputs: int2(ids[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device),
-                targets: int2(tgt[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device),
-            })
-            .collect();
-        for (trainer, times) in [(&mut on, &mut t_on), (&mut off, &mut t_off)] {
-            let t = Instant::now();
-            trainer.step(&micro).expect("bench step");
-            let _ = trainer.model().embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
-            if i >= warmup {
-                times.push(t.elapsed().as_secs_f64());
-            }
-        }
-    }
-    (median(t_on), median(t_off))
-}
-
-/// The probe's own work in a trainer step of `num_micro` micro-batches, timed apart from the
-/// forward and backward passes (whose noise on a shared machine hides a 1% difference in whole
-/// steps): median seconds with the probe on and off, over `reps` steps. At one micro-batch the
-/// probe's work is `|g - g_prev|^2` and keeping `g` (off: nothing). At several it is each
-/// micro-batch's `|g_k|^2`, summed while the micro-batch gradients are added up: on is that
-/// accumulation measuring, off the same accumulation without.
-pub fn probe_work(shape: &Shape, num_micro: usize, reps: usize) -> (f64, f64) {
-    let s = &shape.spec;
-    let device = Device::flex().autodiff();
-    device.seed(0);
-    let model = LlamaConfig::from_spec(s).init(&device);
-    let b = shape.micro_batch / num_micro.max(1);
-    let total = (shape.micro_batch * s.seq_len) as f64;
-    let gradients = |i: usize| -> Vec<GradientsParams> {
-        let (ids, tgt) = tokens(s, shape.micro_batch, i);
-        let row = b * s.seq_len;
-        (0..num_micro)
-            .map(|k| {
-                let inputs = int2(ids[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device);
-                let targets = int2(tgt[k * row..(k + 1) * row].to_vec(), [b, s.seq_len], &device);
-                GradientsParams::from_grads(model.loss_sum(inputs, targets).div_scalar(total).backward(), &model)
-            })
-            .collect()
-    };
-    let (mut on, mut off) = (Vec::new(), Vec::new());
-    let mut previous = None;
-    for i in 0..reps + 1 {
-        for measure in [true, false] {
-            let gs = gradients(i);
-            let t = Instant::now();
-            if num_micro == 1 {
-                let g = gs.into_iter().next().expect("one micro-batch");
-                if measure {
-                    let diff = previous.as_ref().map(|p| grads::diff_sq_norm(&model, &g, p));
-                    assert!(diff.is_none_or(f64::is_finite));
-                    previous = Some(grads::scaled(&model, &g, 1.0));
-                }
-            } else {
-                let mut acc = None;
-                let mut sq = 0.0;
-                for g in gs {
-                    let (sum, g_sq) = grads::add_measured(&model, acc, g, measure);
-                    acc = Some(sum);
-                    sq += g_sq;
-                }
-                assert!(sq.is_finite());
-            }
-            let elapsed = t.elapsed().as_secs_f64();
-            if i > 0 {
-                if measure { on.push(elapsed) } else { off.push(elapsed) }
-            }
-        }
-    }
-    (median(on), median(off))
-}
-
-/// The median (of an even count, the mean of the two middle values); NaN when empty.
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let h = v.len() / 2;
-    match v.len() {
-        0 => f64::NAN,
-        n if n.is_multiple_of(2) => (v[h - 1] + v[h]) / 2.0,
-        _ => v[h],
-    }
-}
-
-/// The learner add-on's noise probe against the same step without it, on the reference shape:
-/// seconds per step (forward, backward, AdamW) and seconds of the probe's work at one
-/// micro-batch per step (the squared norm of the gradient and of its difference from the
-/// previous step's, each reduced on the device with one small readback), medians over `steps`.
-pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
-    let s = spec();
-    let device = Device::flex().autodiff();
-    device.seed(0);
-    let mut model = LlamaConfig::from_spec(&s).init(&device);
-    let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
-    let mut optim = copus_burn::adamw_optimizer(&cfg, &[]);
-    let n = MICRO_BATCH * s.seq_len;
-    let (mut step_secs, mut probe_secs) = (Vec::new(), Vec::new());
-    let mut previous: Option<GradientsParams> = None;
-    for i in 0..warmup + steps {
-        let (ids, tgt) = tokens(&s, MICRO_BATCH, i);
-        let (inputs, targets) = (int2(ids, [MICRO_BATCH, s.seq_len], &device), int2(tgt, [MICRO_BATCH, s.seq_len], &device));
-        let t = Instant::now();
-        let loss = model.loss_sum(inputs, targets).div_scalar(n as f64);
-        let g = GradientsParams::from_grads(loss.backward(), &model);
-        let p = Instant::now();
-        let sq = grads::sq_norm_on_device(&model, &g);
-        let diff = previous.as_ref().map(|prev| grads::diff_sq_norm_on_device(&model, &g, prev));
-        let probe = p.elapsed().as_secs_f64();
-        assert!(sq.is_finite() && diff.is_none_or(f64::is_finite));
-        previous = Some(grads::scaled(&model, &g, 1.0));
-        model = optim.step(1e-3, model, g);
-        // The step is done once its weights can be read.
-        let _ = model.embed_tokens.weight.val().slice([0..1, 0..1]).into_data();
-        if i >= warmup {
-            step_secs.push(t.elapsed().as_secs_f64() - probe);
-            probe_secs.push(probe);
-        }
-    }
-    (median(step_secs), median(probe_secs))
-}
-
-/// The GEMMs timed on their own, `(m, k, n)`: the reference step's LM head, then tiny-20m's
-/// (sequence 256, 8 sequences) projections forward (q and o, k and v, gate and up, down, the LM
-/// head) and one weight gradient.
 pub const GEMMS: [(usize, usize, usize); 7] =
     [(2048, 256, 4096), (2048, 512, 512), (2048, 512, 256), (2048, 512, 1376), (2048, 1376, 512), (2048, 512, 4096), (512, 2048, 1376)];
 
@@ -503,7 +332,7 @@ pub fn op_table() {
         (
             "cross entropy of [8,256,4096] logits",
             millis(|| ce(fused::cross_entropy_sum)),
-            millis(|| ce(fused::cross_entropy_sum_reference)),
+            millis(|| ce(log_softmax_loss)),
         ),
     ];
     // Attention of the reference shape: 8 sequences of 256, 4 kv heads of 2 query heads, e 64.
@@ -639,4 +468,10 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
             _ => println!("| [{m},{k}]x[{k},{n}] | {flex:.1} | {ours:.1} | | |"),
         }
     }
+}
+
+/// The summed cross entropy through Burn's `log_softmax`: the unfused form the op table times
+/// the fused loss against.
+fn log_softmax_loss(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
+    burn::tensor::activation::log_softmax(logits_bsv, 2).gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
 }

@@ -19,10 +19,10 @@ use copus_core::throughput::{ThroughputModel, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
 use serde::{Deserialize, Serialize};
 
-use crate::plot::{Series, line_plot};
-use crate::progress::Progress;
+use crate::report::plot::{Series, line_plot};
+use crate::report::progress::Progress;
 use crate::recipe::Recipe;
-use crate::run::{Prepared, TrainSequences, prepare};
+use crate::prepare::{Prepared, TrainSequences, prepare};
 
 /// The headline scenario of a comparison recipe.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -155,7 +155,7 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
         recipe.train.seed = seed;
         let prepared = prepare(&recipe)?;
         let device = Device::flex().autodiff();
-        let full = crate::run::seeded(&device, seed, || full_params(&cfg.init(&device)));
+        let full = crate::prepare::seeded(&device, seed, || full_params(&cfg.init(&device)));
         warm_up(&cfg, &full, &prepared, fixed[0], &recipe)?;
         for arm in &mut arms {
             let run = if let Some(c) = arm.fixed {
@@ -225,8 +225,8 @@ fn fixed_profile(
         tracing::info!("profile {} lacks some candidates; measuring again", p.display());
     }
     let device = Device::flex().autodiff();
-    let full = crate::run::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    crate::compare::measure_profile(cfg, &full, swept, seq, steps, path.as_deref())
+    let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
+    crate::profile::measure_profile(cfg, &full, swept, seq, steps, path.as_deref())
 }
 
 /// A few untimed steps so the first arm is not charged for thread pools and allocators.

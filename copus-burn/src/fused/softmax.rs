@@ -1,0 +1,123 @@
+//! Softmax over the last dimension, and causal softmax of scaled attention scores with the
+//! scale and the mask folded in.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use rayon::prelude::*;
+
+use super::glue::*;
+use super::rows::*;
+
+/// Softmax over the last dimension, fused on Flex (see the module docs): the forward pass keeps
+/// `y`, and the backward pass is `y * (dy - sum(dy * y))` per row, one pass. Masked entries may
+/// be -inf or large negative numbers. Elsewhere Burn's `softmax`.
+pub fn softmax<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    masked_softmax(x, 1.0, None)
+}
+
+/// Causal attention probabilities, `softmax(scale * scores + mask)` over the last dimension,
+/// fused on Flex: `scores` is `[.., rows, keys]`, and row `r` of the last-but-one dimension is
+/// the query at position `start + r % s`, which sees keys `0..=start + r % s` (grouped heads
+/// stack their `s` queries along the rows). The scale and the mask cost no pass of their own;
+/// masked keys are never exponentiated and get probability 0, and the backward pass is
+/// `scale * y * (dy - sum(dy * y))` per row. Elsewhere the decomposed form with an additive
+/// `-1e30` mask.
+pub fn causal_softmax<const D: usize>(scores: Tensor<D>, scale: f64, s: usize, start: usize) -> Tensor<D> {
+    masked_softmax(scores, scale, Some((s, start)))
+}
+
+/// Keys that row `row` sees: all, or with `causal = Some((s, start))` those up to its position.
+pub(super) fn visible(row: usize, rows: usize, keys: usize, causal: Option<(usize, usize)>) -> usize {
+    causal.map_or(keys, |(s, start)| (start + (row % rows) % s.max(1) + 1).min(keys))
+}
+
+/// [`softmax`] and [`causal_softmax`]: rows of the last dimension, scaled, the keys past each
+/// row's visible ones (if `causal`) given probability 0.
+pub(super) fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: Option<(usize, usize)>) -> Tensor<D> {
+    let device = x.device();
+    let last = D - 1;
+    let decomposed = |x: Tensor<D>| {
+        let x = if scale == 1.0 { x } else { x.mul_scalar(scale) };
+        let x = match causal {
+            Some((s, start)) => {
+                let mask = causal_mask::<D>(x.dims(), s, start, &x.device());
+                x + mask
+            }
+            None => x,
+        };
+        burn::tensor::activation::softmax(x, last)
+    };
+    if !on_host(&device) {
+        return decomposed(x);
+    }
+    let shape = x.dims();
+    let v = shape[last];
+    if v == 0 || shape.contains(&0) {
+        return x;
+    }
+    let rows = if D >= 2 { shape[D - 2] } else { 1 };
+    let per_task = rows_per_task(v);
+    let scale = scale as f32;
+    let forward = |x: &[f32]| {
+        let mut y = x.to_vec();
+        y.par_chunks_mut(v * per_task).enumerate().for_each(|(task, ys)| {
+            for (i, row) in ys.chunks_mut(v).enumerate() {
+                let seen = visible(task * per_task + i, rows, v, causal);
+                let (row, hidden) = row.split_at_mut(seen);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
+                }
+                softmax_row(row);
+                hidden.fill(0.0);
+            }
+        });
+        y
+    };
+    // scale * y * (dy - sum(dy * y)) per row, written over dy.
+    let backward: HostGrad = |kept, dy, scale| {
+        let v = *kept.layout().shape().last().expect("a last dimension");
+        let mut dx = contiguous(dy);
+        let y = kept.as_slice::<f32>().expect("contiguous f32");
+        let per_task = rows_per_task(v);
+        values_mut(&mut dx).par_chunks_mut(v * per_task).zip(y.par_chunks(v * per_task)).for_each(|(dxs, ys)| {
+            for (dx, y) in dxs.chunks_mut(v).zip(ys.chunks(v)) {
+                let r = lane_dot(dx, y);
+                for (g, &p) in dx.iter_mut().zip(y) {
+                    *g = scale * p * (*g - r);
+                }
+            }
+        });
+        dx
+    };
+    let tracked = |x: &[f32]| {
+        // The output is also what the backward pass keeps: one buffer, shared.
+        let y = flex(forward(x), shape);
+        (y.clone(), y)
+    };
+    match custom_op(x, tracked, backward, scale) {
+        Ok(y) => y,
+        Err(x) if x.is_tracked() => decomposed(x),
+        Err(x) => Tensor::<D>::from_data(TensorData::new(forward(&host_values(&x)), shape), &device),
+    }
+}
+
+/// The additive causal mask of [`causal_softmax`] for scores of `shape`: 0 where a row sees the
+/// key, -1e30 where it does not (finite, so that no `0 * -inf` appears in a backward pass),
+/// broadcast over the leading dimensions.
+pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device: &Device) -> Tensor<D> {
+    let (rows, keys) = (if D >= 2 { shape[D - 2] } else { 1 }, shape[D - 1]);
+    let mask: Vec<f32> =
+        (0..rows * keys).map(|i| if i % keys < visible(i / keys, rows, keys, Some((s, start))) { 0.0 } else { -1e30 }).collect();
+    let mut mask_shape = [1; D];
+    mask_shape[D - 1] = keys;
+    if D >= 2 {
+        mask_shape[D - 2] = rows;
+    }
+    Tensor::<D>::from_data(TensorData::new(mask, mask_shape), device)
+}

@@ -1,0 +1,143 @@
+//! Optimizer settings and the two AdamW implementations they build: Burn's (`init`, a
+//! `ModuleOptimizer` for burn-train users) and copus's ([`AdamW`], moments held as tensors and
+//! the update fused on the host; what the trainer and the engine's ranks use). Both update
+//! to the bit alike.
+
+mod adamw;
+
+use burn::config::Config;
+use burn::module::ParamGroup;
+use burn::optim::{AdamWConfig, ModuleOptimizer};
+use copus_core::goodput::LrRule;
+
+pub use adamw::{AdamW, Moments};
+pub(crate) use adamw::{MOMENT_1, MOMENT_2, TIME, contiguous_f32};
+
+/// An optimizer setting out of range.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("optimizer setting `{field}` must be {allowed}, got {value}")]
+pub struct SettingError {
+    /// The field of [`OptimConfig`].
+    pub field: &'static str,
+    /// The values allowed.
+    pub allowed: &'static str,
+    /// The value given.
+    pub value: f64,
+}
+
+/// AdamW, schedule and clipping settings. Defaults follow common Llama pre-training; build
+/// with `OptimConfig::new()` and the `with_*` setters, and the optimizer with
+/// [`OptimConfig::init`].
+#[derive(Config, Debug, PartialEq)]
+pub struct OptimConfig {
+    /// Peak learning rate at the reference batch `b0`.
+    #[config(default = 1e-3)]
+    pub lr: f64,
+    /// Reference global batch (sequences) for the LR rule and statistical efficiency.
+    #[config(default = 8)]
+    pub b0: usize,
+    /// How the LR follows B_g.
+    #[config(default = "LrRule::Sqrt")]
+    pub lr_rule: LrRule,
+    /// Linear warmup steps.
+    #[config(default = 20)]
+    pub warmup_steps: u64,
+    /// Steps of the cosine decay (after which the LR stays at its floor).
+    #[config(default = 1000)]
+    pub total_steps: u64,
+    /// Final LR as a fraction of the peak.
+    #[config(default = 0.1)]
+    pub min_lr_ratio: f64,
+    /// Adam beta 1.
+    #[config(default = 0.9)]
+    pub beta1: f64,
+    /// Adam beta 2.
+    #[config(default = 0.95)]
+    pub beta2: f64,
+    /// Adam epsilon (PyTorch's default 1e-8; Burn's is 1e-5).
+    #[config(default = 1e-8)]
+    pub eps: f64,
+    /// Decoupled weight decay.
+    #[config(default = 0.1)]
+    pub weight_decay: f64,
+    /// Apply weight decay to norms and embeddings too.
+    #[config(default = false)]
+    pub decay_norms_and_embeddings: bool,
+    /// Clip the global gradient norm to this value.
+    #[config(default = "Some(1.0)")]
+    pub clip_norm: Option<f64>,
+    /// EMA factor of the noise-scale estimator.
+    #[config(default = 0.95)]
+    pub gns_theta: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn check(field: &'static str, value: f64, ok: bool, allowed: &'static str) -> Result<(), SettingError> {
+    if ok && value.is_finite() { Ok(()) } else { Err(SettingError { field, allowed, value }) }
+}
+
+impl OptimConfig {
+    /// Checks every range.
+    pub fn validate(&self) -> Result<(), SettingError> {
+        check("lr", self.lr, self.lr > 0.0, "> 0")?;
+        check("b0", self.b0 as f64, self.b0 > 0, ">= 1")?;
+        check("total_steps", self.total_steps as f64, self.total_steps > 0, ">= 1")?;
+        check("min_lr_ratio", self.min_lr_ratio, (0.0..=1.0).contains(&self.min_lr_ratio), "in [0, 1]")?;
+        check("beta1", self.beta1, (0.0..1.0).contains(&self.beta1), "in [0, 1)")?;
+        check("beta2", self.beta2, (0.0..1.0).contains(&self.beta2), "in [0, 1)")?;
+        check("eps", self.eps, self.eps > 0.0, "> 0")?;
+        check("weight_decay", self.weight_decay, self.weight_decay >= 0.0, ">= 0")?;
+        if let Some(c) = self.clip_norm {
+            check("clip_norm", c, c > 0.0, "> 0 (or None)")?;
+        }
+        check("gns_theta", self.gns_theta, (0.0..1.0).contains(&self.gns_theta), "in [0, 1)")
+    }
+
+    /// Schedule factor at `step` (0-based): linear warmup to 1, cosine to `min_lr_ratio`.
+    pub fn schedule(&self, step: u64) -> f64 {
+        if step < self.warmup_steps {
+            return (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let decay = self.total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let t = ((step - self.warmup_steps) as f64 / decay).min(1.0);
+        self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    }
+
+    /// Learning rate at `step` for global batch `batch` and noise scale `phi`.
+    pub fn lr_at(&self, step: u64, batch: usize, phi: Option<f64>) -> f64 {
+        self.lr * self.schedule(step) * self.lr_rule.factor(batch as f64, self.b0 as f64, phi)
+    }
+}
+
+impl OptimConfig {
+    /// Burn's AdamW with these settings; parameters whose path contains one of `no_decay` take
+    /// no weight decay unless `decay_norms_and_embeddings`.
+    pub fn init(&self, no_decay: &[String]) -> ModuleOptimizer {
+        let adamw = |wd: f64| {
+            AdamWConfig::new()
+                .with_beta_1(self.beta1 as f32)
+                .with_beta_2(self.beta2 as f32)
+                .with_epsilon(self.eps as f32)
+                .with_weight_decay(wd as f32)
+        };
+        let mut optim = adamw(self.weight_decay).init();
+        if !self.decay_norms_and_embeddings && self.weight_decay > 0.0 {
+            for p in no_decay {
+                optim = optim.with_group(ParamGroup::from_predicate(p.clone()), adamw(0.0).build(), None);
+            }
+        }
+        optim
+    }
+
+    /// copus's AdamW ([`AdamW`]) with these settings: the same updates as [`OptimConfig::init`]'s
+    /// to the bit, with the moments held as tensors and the update fused on the host.
+    pub fn adamw(&self, no_decay: &[String]) -> AdamW {
+        let no_decay = if self.decay_norms_and_embeddings { &[] } else { no_decay };
+        AdamW::new(self.beta1 as f32, self.beta2 as f32, self.eps as f32, self.weight_decay as f32, no_decay)
+    }
+}

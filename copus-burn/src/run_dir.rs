@@ -1,0 +1,219 @@
+//! A run folder on disk: whole-run checkpoints under `checkpoints/step-N.bpk` with rotation, a
+//! resume from the newest one that loads, and log files cut back to a checkpoint's step.
+//!
+//! One rule for left-over temporary files holds everywhere: a save writes a uniquely named
+//! temporary file and renames it (`checkpoint::write_atomically`), and only the temporaries of
+//! processes that no longer run are removed, so two processes never delete each other's work in
+//! progress.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use copus_core::candidates::Enumeration;
+
+use crate::checkpoint::write_atomically;
+use crate::driver::{Clock, DecisionSource, Driver, DriverError};
+use crate::parallel::ParallelLm;
+
+/// Checkpoints kept by default: the newest and the one before, so a save cut short or a damaged
+/// newest file still leaves one to resume from.
+pub const DEFAULT_KEEP: usize = 2;
+
+/// A failure reading or writing a run folder.
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    /// A file or folder of the run could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The run folder has no checkpoint to resume from.
+    #[error("{0} has no checkpoints to resume from")]
+    NoCheckpoints(PathBuf),
+    /// Every checkpoint failed to load; the newest one's error is kept.
+    #[error("no checkpoint in {dir} could be loaded (newest: {source})")]
+    NoneLoadable {
+        /// The checkpoints folder.
+        dir: PathBuf,
+        /// Why the newest checkpoint did not load.
+        #[source]
+        source: DriverError,
+    },
+    /// Saving the checkpoint failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+/// A run folder: where a run's checkpoints and logs live.
+#[derive(Clone, Debug)]
+pub struct RunDir {
+    root: PathBuf,
+    keep: usize,
+}
+
+impl RunDir {
+    /// The run folder at `root` (not created here), keeping [`DEFAULT_KEEP`] checkpoints.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into(), keep: DEFAULT_KEEP }
+    }
+
+    /// Keeps the newest `keep` checkpoints (at least one).
+    pub fn with_keep(mut self, keep: usize) -> Self {
+        self.keep = keep.max(1);
+        self
+    }
+
+    /// The folder itself.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The folder of the checkpoints, `checkpoints/` under the root.
+    pub fn checkpoints_dir(&self) -> PathBuf {
+        self.root.join("checkpoints")
+    }
+
+    /// Where the checkpoint of `step` goes (`step-00000042.bpk`, so names sort by step).
+    pub fn checkpoint_path(&self, step: u64) -> PathBuf {
+        self.checkpoints_dir().join(format!("step-{step:08}.bpk"))
+    }
+
+    /// The checkpoint files `step-N.bpk` with their steps, oldest first (none if the folder is
+    /// missing).
+    pub fn checkpoints(&self) -> Vec<(u64, PathBuf)> {
+        let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(self.checkpoints_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let step = name.strip_prefix("step-")?.strip_suffix(".bpk")?.parse().ok()?;
+                Some((step, e.path()))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Writes a whole-run checkpoint of `driver` at its current step (atomically) and removes
+    /// all but the newest `keep`; returns the file written.
+    pub fn save<L: ParallelLm>(
+        &self,
+        driver: &mut Driver<L>,
+        source: &dyn DecisionSource,
+        extra: &BTreeMap<String, String>,
+    ) -> Result<PathBuf, RunDirError> {
+        let dir = self.checkpoints_dir();
+        std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
+        let path = self.checkpoint_path(driver.engine().steps_done());
+        driver.save_checkpoint(&path, source, extra)?;
+        let all = self.checkpoints();
+        for (_, old) in &all[..all.len().saturating_sub(self.keep)] {
+            if let Err(e) = std::fs::remove_file(old) {
+                tracing::warn!("old checkpoint {} not removed: {e}", old.display());
+            }
+        }
+        tracing::debug!("checkpoint {}", path.display());
+        Ok(path)
+    }
+
+    /// Continues the run from its newest checkpoint that loads (a damaged newest one falls back
+    /// to the one before, with a warning); `clock` makes the run's clock for each attempt.
+    /// Returns the driver and the checkpoint it came from.
+    pub fn resume<L: ParallelLm>(
+        &self,
+        model: Arc<L>,
+        space: &Enumeration,
+        mut clock: impl FnMut() -> Clock,
+        source: &mut dyn DecisionSource,
+    ) -> Result<(Driver<L>, PathBuf), RunDirError> {
+        let checkpoints = self.checkpoints();
+        if checkpoints.is_empty() {
+            return Err(RunDirError::NoCheckpoints(self.checkpoints_dir()));
+        }
+        let mut newest_error = None;
+        for (_, path) in checkpoints.iter().rev() {
+            match Driver::resume(model.clone(), path, space.clone(), clock(), source) {
+                Ok((driver, _)) => return Ok((driver, path.clone())),
+                Err(e) => {
+                    tracing::warn!("checkpoint {} not usable: {e}", path.display());
+                    newest_error.get_or_insert(e);
+                }
+            }
+        }
+        Err(RunDirError::NoneLoadable { dir: self.checkpoints_dir(), source: newest_error.expect("one checkpoint at least") })
+    }
+
+    /// Cuts the log file `name` of the run back to the lines of steps up to `step` (and a CSV
+    /// header), atomically; a torn or unreadable line goes too. A missing file is left missing.
+    pub fn truncate_log(&self, name: &str, step: u64) -> Result<(), RunDirError> {
+        let path = self.root.join(name);
+        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
+        let kept: String = text
+            .lines()
+            .enumerate()
+            .filter(|(i, l)| match log_line_step(l) {
+                Some(s) => s <= step,
+                None => *i == 0 && !l.is_empty() && !l.starts_with('{'),
+            })
+            .map(|(_, l)| format!("{l}\n"))
+            .collect();
+        write_atomically(&path, kept.as_bytes()).map_err(|source| RunDirError::Io { path, source })
+    }
+}
+
+/// The step a log line belongs to: a JSON line's `step` (or its `metrics.step` / `record.step`),
+/// or a CSV line's first field; `None` for a header or a torn line.
+pub fn log_line_step(line: &str) -> Option<u64> {
+    if line.starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        return v["step"].as_u64().or_else(|| v["metrics"]["step"].as_u64()).or_else(|| v["record"]["step"].as_u64());
+    }
+    line.split(',').next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_lines_are_cut_back_to_a_step_keeping_the_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        let csv = "step,a\n1,x\n2,y\n3,z\n";
+        std::fs::write(dir.path().join("r.csv"), csv).unwrap();
+        let json = "{\"step\": 1}\n{\"metrics\": {\"step\": 2}}\n{\"record\": {\"step\": 3}}\n{\"step\": 4, \"torn";
+        std::fs::write(dir.path().join("m.jsonl"), json).unwrap();
+        run.truncate_log("r.csv", 2).unwrap();
+        run.truncate_log("m.jsonl", 3).unwrap();
+        run.truncate_log("missing.jsonl", 3).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.path().join("r.csv")).unwrap(), "step,a\n1,x\n2,y\n");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("m.jsonl")).unwrap(),
+            "{\"step\": 1}\n{\"metrics\": {\"step\": 2}}\n{\"record\": {\"step\": 3}}\n"
+        );
+        assert!(!dir.path().join("missing.jsonl").exists());
+        // No temporary file is left behind.
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+    }
+
+    #[test]
+    fn checkpoints_are_listed_by_step_and_other_files_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::new(dir.path());
+        assert!(run.checkpoints().is_empty());
+        std::fs::create_dir_all(run.checkpoints_dir()).unwrap();
+        for name in ["step-00000010.bpk", "step-00000002.bpk", ".step-00000011.bpk.7.0.tmp", "notes.txt", "step-x.bpk"] {
+            std::fs::write(run.checkpoints_dir().join(name), b"").unwrap();
+        }
+        let steps: Vec<u64> = run.checkpoints().iter().map(|c| c.0).collect();
+        assert_eq!(steps, [2, 10]);
+        assert_eq!(run.checkpoint_path(10), run.checkpoints()[1].1);
+    }
+}

@@ -1,0 +1,448 @@
+//! The COPUS policy: Goodput over every feasible (S, B_g, B_m), with the [`SwitchRule`]
+//! thresholds, payback test, dwell time and confirmation that keep it from switching on noise.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Decision, Policy, PolicyError, PolicyState, Scorer, StepObservation, check, learned_by_scorer, restore_scorer};
+use crate::candidates::Candidate;
+use crate::layout::ParallelDims;
+
+/// Thresholds of the Goodput policies.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SwitchRule {
+    /// Relative Goodput gain needed to change the batch (same layout).
+    pub batch_threshold: f64,
+    /// Relative Goodput gain needed to change the layout.
+    pub layout_threshold: f64,
+    /// Seconds within which a layout change must repay its cost.
+    pub horizon: f64,
+    /// Estimated seconds of one layout change (updated from measurements).
+    pub layout_cost: f64,
+    /// Weight of a new measurement in the cost estimate.
+    pub cost_smoothing: f64,
+    /// Standard errors of the noise estimate a change must hold across: a switch is made only
+    /// when it pays at B_simple `z` standard errors below, at, and above the estimate.
+    #[serde(default = "default_confidence")]
+    pub confidence: f64,
+    /// Steps a configuration runs before the next change (the run's first included), so the
+    /// smoothed estimate has seen the configuration it judges.
+    #[serde(default = "default_min_dwell")]
+    pub min_dwell_steps: u64,
+    /// Consecutive decisions a change must win (to the same layout, in the same batch
+    /// direction) before it is made: the smoothed estimate's errors last about its EMA window,
+    /// so a change that only wins during one excursion is not made.
+    #[serde(default = "default_confirm")]
+    pub confirm_steps: u64,
+}
+
+fn default_confirm() -> u64 {
+    20
+}
+
+fn default_confidence() -> f64 {
+    1.0
+}
+
+fn default_min_dwell() -> u64 {
+    20
+}
+
+impl Default for SwitchRule {
+    fn default() -> Self {
+        Self {
+            batch_threshold: 0.02,
+            layout_threshold: 0.05,
+            horizon: 600.0,
+            layout_cost: 10.0,
+            cost_smoothing: 0.5,
+            confidence: default_confidence(),
+            min_dwell_steps: default_min_dwell(),
+            confirm_steps: default_confirm(),
+        }
+    }
+}
+
+impl SwitchRule {
+    /// Checks the ranges: thresholds and `layout_cost` >= 0, `horizon` > 0, `cost_smoothing` in
+    /// [0, 1], `confidence` >= 0, all finite; the error names the first setting out of range.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        check("batch_threshold", self.batch_threshold, self.batch_threshold >= 0.0, ">= 0")?;
+        check("layout_threshold", self.layout_threshold, self.layout_threshold >= 0.0, ">= 0")?;
+        check("horizon", self.horizon, self.horizon > 0.0, "> 0 seconds")?;
+        check("layout_cost", self.layout_cost, self.layout_cost >= 0.0, ">= 0 seconds")?;
+        check("cost_smoothing", self.cost_smoothing, (0.0..=1.0).contains(&self.cost_smoothing), "in [0, 1]")?;
+        check("confidence", self.confidence, self.confidence >= 0.0, ">= 0 standard errors")
+    }
+}
+
+/// The COPUS policy: Goodput over every feasible (S, B_g, B_m), with decisions that hold
+/// under the noise estimate's uncertainty.
+///
+/// A layout change must beat the current configuration by `layout_threshold` and repay its
+/// estimated cost within `horizon` at B_simple `confidence` standard errors below, at and
+/// above the estimate; a batch change must beat it by `batch_threshold` at all three. The band
+/// comes from the standard errors of the smoothed |G|^2 and tr(Sigma), so a small batch under
+/// large noise, whose |G|^2 estimate is often non-positive, still bounds B_simple from below. A
+/// change is made once it has been wanted at every judgement over `confirm_steps` steps, a
+/// configuration runs `min_dwell_steps` before the next change, and going back to the
+/// configuration (or, for a layout change, the layout) the run just left needs twice the
+/// threshold and twice the confirmation, so two near-equal configurations do not alternate. The
+/// layout cost is the policy's own running estimate, starting from `rule.layout_cost` and updated
+/// from each measured layout change.
+///
+/// Its [`Policy::learned`] saves the scorer's measurements, the layout-cost estimate and the
+/// dwell, hysteresis and confirmation state, so a resumed run decides as the original would.
+#[derive(Clone)]
+pub struct Copus {
+    scorer: Scorer,
+    rule: SwitchRule,
+    /// The configuration seen last and the step it was first seen at.
+    seen: Option<(Candidate, u64)>,
+    /// The configuration before the last change.
+    left: Option<Candidate>,
+    /// The layout before the last layout change.
+    left_layout: Option<ParallelDims>,
+    /// The change wanted at every judgement since a step: (layout, batch direction, step).
+    winning: Option<(ParallelDims, std::cmp::Ordering, u64)>,
+}
+
+impl Copus {
+    /// With switch thresholds, payback horizon and starting layout-cost estimate from `rule`;
+    /// an error if `rule` is out of range ([`SwitchRule::validate`]).
+    pub fn new(scorer: Scorer, rule: SwitchRule) -> Result<Self, PolicyError> {
+        rule.validate()?;
+        Ok(Self { scorer, rule, seen: None, left: None, left_layout: None, winning: None })
+    }
+
+    /// B_simple taken as "very large" (statistical efficiency 1 at every batch that matters).
+    const PHI_CAP: f64 = 1e9;
+
+    /// `wanted` once the same kind of change (layout, batch direction) has been the one wanted
+    /// at every judgement over `confirm_steps` steps (twice the rule's for going back);
+    /// `Keep` until then. A judgement for
+    /// keeping, or for another change, starts the count again; steps without a usable
+    /// estimate make no judgement.
+    fn confirmed(&mut self, step: u64, cur: &Candidate, wanted: Decision, confirm_steps: u64) -> Decision {
+        let target = wanted.target(*cur);
+        if target == *cur {
+            self.winning = None;
+            return Decision::Keep;
+        }
+        let key = (target.dims, target.global_batch.cmp(&cur.global_batch));
+        let since = match self.winning {
+            Some((d, o, since)) if (d, o) == key => since,
+            _ => step,
+        };
+        self.winning = Some((key.0, key.1, since));
+        if step.saturating_sub(since) + 1 >= confirm_steps {
+            self.winning = None;
+            wanted
+        } else {
+            Decision::Keep
+        }
+    }
+
+    fn goodput_at(&self, c: &Candidate, phi: f64) -> f64 {
+        self.scorer.throughput(c).map_or(0.0, |t| self.scorer.goodput(t, c.global_batch, phi))
+    }
+
+    /// The current estimate of a layout change's cost, seconds.
+    pub fn layout_cost(&self) -> f64 {
+        self.rule.layout_cost
+    }
+}
+
+impl Policy for Copus {
+    fn name(&self) -> String {
+        "copus".into()
+    }
+
+    fn decide(&mut self, obs: &StepObservation) -> Decision {
+        let cur = obs.current;
+        match self.seen {
+            Some((c, _)) if c == cur => {}
+            previous => {
+                self.left = previous.map(|p| p.0);
+                if let Some(l) = self.left.filter(|l| l.dims != cur.dims) {
+                    self.left_layout = Some(l.dims);
+                }
+                self.seen = Some((cur, obs.step));
+            }
+        }
+        let since = self.seen.map_or(0, |s| s.1);
+        if obs.step.saturating_sub(since) + 1 < self.rule.min_dwell_steps {
+            return Decision::Keep;
+        }
+        // The band of B_simple the estimate allows; the point estimate, or the band's low end
+        // while the smoothed |G|^2 is not positive. An infinite high end is a very large one.
+        // No usable estimate this step: no judgement, and the run of confirmations goes on
+        // (at a small batch under large noise this is frequent, and resetting would trap the
+        // run there).
+        let Some((low, high)) = obs.noise.and_then(|n| n.b_simple_band(self.rule.confidence)) else { return Decision::Keep };
+        let phi = obs.b_simple().unwrap_or(low);
+        let band = [low, phi, high.min(Self::PHI_CAP)];
+        let r = self.rule;
+        // Back to the configuration the run left, or (for a layout change) to its layout.
+        let back = |t: &Candidate| self.left == Some(*t) || (t.dims != cur.dims && self.left_layout == Some(t.dims));
+        let threshold = |t: &Candidate, base: f64| if back(t) { 2.0 * base } else { base };
+        // Best other layout at the estimate; it must repay across the band.
+        if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
+            let th = threshold(&o.candidate, r.layout_threshold);
+            let holds = band.iter().all(|&p| {
+                let now = self.goodput_at(&cur, p);
+                let stay = self.scorer.best(p, |c| c.dims == cur.dims).map_or(now, |s| s.goodput.max(now));
+                let go = self.goodput_at(&o.candidate, p);
+                // Progress over the horizon with the switch (paying its cost) must beat staying.
+                go > now * (1.0 + th) && go * (r.horizon - r.layout_cost).max(0.0) > stay * r.horizon
+            });
+            if holds {
+                let confirm = if back(&o.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
+                return self.confirmed(obs.step, &cur, Decision::ChangeLayout(o.candidate), confirm);
+            }
+        }
+        let (wanted, confirm) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
+            Some(s) if s.candidate != cur => {
+                let th = threshold(&s.candidate, r.batch_threshold);
+                let holds = band.iter().all(|&p| self.goodput_at(&s.candidate, p) > self.goodput_at(&cur, p) * (1.0 + th));
+                let confirm = if back(&s.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
+                (if holds { Decision::to(&cur, s.candidate) } else { Decision::Keep }, confirm)
+            }
+            _ => (Decision::Keep, r.confirm_steps),
+        };
+        self.confirmed(obs.step, &cur, wanted, confirm)
+    }
+
+    fn scorer(&self) -> Option<&Scorer> {
+        Some(&self.scorer)
+    }
+
+    fn scorer_mut(&mut self) -> Option<&mut Scorer> {
+        Some(&mut self.scorer)
+    }
+
+    fn observe_reconfiguration(&mut self, seconds: f64, layout_changed: bool) {
+        if layout_changed && seconds.is_finite() && seconds >= 0.0 {
+            let w = self.rule.cost_smoothing;
+            self.rule.layout_cost = (1.0 - w) * self.rule.layout_cost + w * seconds;
+        }
+    }
+
+    fn learned(&self) -> PolicyState {
+        PolicyState {
+            layout_cost: Some(self.rule.layout_cost),
+            seen: self.seen,
+            left: self.left,
+            left_layout: self.left_layout,
+            winning: self.winning.map(|(d, o, s)| (d, o as i8, s)),
+            ..learned_by_scorer(self.scorer())
+        }
+    }
+
+    fn restore_learned(&mut self, state: &PolicyState) {
+        restore_scorer(self.scorer_mut(), state);
+        if let Some(c) = state.layout_cost.filter(|c| c.is_finite() && *c >= 0.0) {
+            self.rule.layout_cost = c;
+        }
+        (self.seen, self.left, self.left_layout) = (state.seen, state.left, state.left_layout);
+        self.winning = state.winning.map(|(d, o, s)| (d, o.cmp(&0), s));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candidates::CandidateSpace;
+    use crate::gns::NoiseEstimate;
+    use crate::memory::MemoryModel;
+    use crate::model::ModelSpec;
+    use crate::policy::test_util::{d, no_dwell, obs, toy};
+    use crate::schedule::ScheduleKind;
+    use crate::throughput::{ClusterModel, ClusterSpec};
+
+    /// An estimate of B_simple `phi` (|G|^2 = 1) whose |G|^2 has standard error `g_se`.
+    fn noisy(current: Candidate, step: u64, phi: f64, g_se: f64) -> StepObservation {
+        StepObservation {
+            step,
+            current,
+            noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: g_se, trace_se: 0.0 }),
+        }
+    }
+
+    #[test]
+    fn copus_waits_its_dwell_time_before_a_change() {
+        let (s, _) = toy();
+        let start = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 1.0, min_dwell_steps: 20, confirm_steps: 1, ..SwitchRule::default() };
+        let mut p = Copus::new(s, rule).unwrap();
+        // High noise calls for dp4 at B_g 128 from the first step, but the run has been in this
+        // configuration for fewer than 20 steps until step 20.
+        for step in 1..20 {
+            assert_eq!(p.decide(&noisy(start, step, 1e6, 0.0)), Decision::Keep, "step {step}");
+        }
+        assert!(matches!(p.decide(&noisy(start, 20, 1e6, 0.0)), Decision::ChangeLayout(_)));
+        // After a change the count starts again.
+        let moved = Candidate::new(d(4, 1, 1), 128, 1).unwrap();
+        assert_eq!(p.decide(&noisy(moved, 21, 2.0, 0.0)), Decision::Keep);
+        assert_eq!(p.learned().seen, Some((moved, 21)));
+        assert_eq!(p.learned().left, Some(start));
+    }
+
+    #[test]
+    fn copus_changes_only_what_pays_across_the_estimates_band() {
+        let (s, _) = toy();
+        let start = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 1.0, horizon: 1e4, ..no_dwell() };
+        // The noise scale at which the best choice stops being tp2 at B_g 4, by bisection on
+        // the scorer (the decision rule's own point).
+        let best_is_start = |phi: f64| s.best(phi, |_| true).unwrap().candidate == start;
+        let (mut lo, mut hi) = (1.0, 1e6);
+        assert!(best_is_start(lo) && !best_is_start(hi));
+        for _ in 0..60 {
+            let mid: f64 = (lo * hi).sqrt();
+            if best_is_start(mid) { lo = mid } else { hi = mid }
+        }
+        // Well above the crossover a precise estimate moves; the same point estimate with a
+        // wide band (its low end below the crossover) does not.
+        let phi = 16.0 * hi;
+        let mut precise = Copus::new(s.clone(), rule).unwrap();
+        assert_ne!(precise.decide(&noisy(start, 5, phi, 0.0)), Decision::Keep);
+        let mut unsure = Copus::new(s.clone(), rule).unwrap();
+        assert_eq!(unsure.decide(&noisy(start, 5, phi, 20.0)), Decision::Keep, "phi / 21 is below the crossover");
+        // A narrow band around the same estimate moves.
+        let mut fairly_sure = Copus::new(s, rule).unwrap();
+        assert_ne!(fairly_sure.decide(&noisy(start, 5, phi, 0.1)), Decision::Keep);
+    }
+
+    #[test]
+    fn a_change_is_made_only_after_winning_its_confirmation_steps_in_a_row() {
+        let (s, _) = toy();
+        let start = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 1.0, confirm_steps: 5, ..no_dwell() };
+        let mut p = Copus::new(s, rule).unwrap();
+        // High noise wins four decisions, then one low-noise decision breaks the run.
+        for step in 1..=4 {
+            assert_eq!(p.decide(&noisy(start, step, 1e6, 0.0)), Decision::Keep, "step {step}");
+        }
+        assert_eq!(p.decide(&noisy(start, 5, 2.0, 0.0)), Decision::Keep);
+        for step in 6..=9 {
+            assert_eq!(p.decide(&noisy(start, step, 1e6, 0.0)), Decision::Keep, "step {step}");
+        }
+        assert!(matches!(p.decide(&noisy(start, 10, 1e6, 0.0)), Decision::ChangeLayout(_)), "five in a row");
+    }
+
+    #[test]
+    fn going_back_needs_twice_the_gain() {
+        // Two layouts; measured throughput puts the second 15% ahead: enough to go there
+        // (threshold 10%), not enough to come back after the first turns out 15% ahead again.
+        let (s, _) = toy();
+        let a = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let b = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 0.0, batch_threshold: 10.0, layout_threshold: 0.10, ..no_dwell() };
+        let mut p = Copus::new(s, rule).unwrap();
+        for (c, t) in [(a, 10.0), (b, 11.5)] {
+            p.observe_throughput(&c, t);
+            p.observe_throughput(&c, t);
+        }
+        assert_eq!(p.decide(&noisy(a, 1, 1.0, 0.0)), Decision::ChangeLayout(b));
+        // Now a measures 15% faster than b: going back to where it came from needs 20%.
+        for _ in 0..20 {
+            p.observe_throughput(&a, 13.2);
+        }
+        assert_eq!(p.decide(&noisy(b, 2, 1.0, 0.0)), Decision::Keep);
+        for _ in 0..20 {
+            p.observe_throughput(&a, 14.5);
+        }
+        // 26% ahead: back, once it has been wanted over twice the confirmation (2 steps here).
+        assert_eq!(p.decide(&noisy(b, 3, 1.0, 0.0)), Decision::Keep, "one judgement is not enough to go back");
+        assert_eq!(p.decide(&noisy(b, 4, 1.0, 0.0)), Decision::ChangeLayout(a), "26% ahead: back");
+    }
+
+    #[test]
+    fn copus_acts_on_measured_throughput_not_only_on_the_prior() {
+        // Low noise, B_g = 4: the prior says tp2 (0.26 s) beats dp4 (0.6 s). Measurements say
+        // the opposite on this machine: dp4 at 20 samples/s, tp2 at 5.
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { layout_cost: 0.0, ..no_dwell() };
+        let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 1.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
+        let obs = |current| StepObservation { step: 10, current, noise };
+        let mut prior_only = Copus::new(s.clone(), rule).unwrap();
+        assert_eq!(prior_only.decide(&obs(dp4)), Decision::ChangeLayout(tp2), "the prior alone moves to tp2");
+        let mut learning = Copus::new(s, rule).unwrap();
+        learning.observe_throughput(&dp4, 20.0);
+        learning.observe_throughput(&tp2, 5.0);
+        assert_eq!(learning.decide(&obs(dp4)), Decision::Keep, "measured, dp4 is faster");
+        // From tp2 the way back to dp4 (the layout it came from) needs two judgements.
+        assert_eq!(learning.decide(&obs(tp2)), Decision::Keep);
+        assert_eq!(learning.decide(&StepObservation { step: 11, current: tp2, noise }), Decision::ChangeLayout(dp4));
+    }
+
+    #[test]
+    fn copus_switches_layout_when_noise_grows_and_only_when_it_repays() {
+        let (s, _) = toy();
+        let start = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let mut p = Copus::new(s.clone(), SwitchRule { layout_cost: 1.0, ..no_dwell() }).unwrap();
+        // Low noise: small batches are efficient, tp2 at B_g = 4 stays best.
+        assert_eq!(p.decide(&obs(start, 2.0)), Decision::Keep);
+        // High noise: big batches are free of statistical cost, dp4 at 128 wins.
+        match p.decide(&obs(start, 1e6)) {
+            Decision::ChangeLayout(c) => assert_eq!((c.dims, c.global_batch), (d(4, 1, 1), 128)),
+            other => panic!("expected a layout change, got {other:?}"),
+        }
+        // The same gain does not repay a layout change that costs more than the horizon.
+        let mut slow = Copus::new(s, SwitchRule { layout_cost: 1e4, ..no_dwell() }).unwrap();
+        match slow.decide(&obs(start, 1e6)) {
+            Decision::ChangeBatch(c) => assert_eq!(c.dims, d(2, 2, 1)),
+            other => panic!("expected a batch change on the same layout, got {other:?}"),
+        }
+        // Measured costs move the estimate.
+        slow.observe_reconfiguration(2.0, true);
+        assert!((slow.layout_cost() - (0.5 * 1e4 + 0.5 * 2.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn copus_respects_the_batch_threshold() {
+        let (s, _) = toy();
+        let cur = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        // phi = 40 on tp2, by hand: B_g 4 -> 4/0.26 = 15.38; B_g 8 -> 8/0.42 * 44/48 = 17.46;
+        // B_g 16 -> 16/0.74 * 44/56 = 16.99. Best is 8, a 13.5% gain.
+        let phi = 40.0;
+        let best = s.best(phi, |c| c.dims == cur.dims).unwrap();
+        assert_eq!(best.candidate.global_batch, 8);
+        let now = s.goodput(s.throughput(&cur).unwrap(), 4, phi);
+        let gain = best.goodput / now - 1.0;
+        assert!((gain - (8.0 / 0.42 * 44.0 / 48.0) / (4.0 / 0.26) + 1.0).abs() < 1e-9, "{gain}");
+        let rule = |t| SwitchRule { batch_threshold: t, layout_threshold: 1e9, ..no_dwell() };
+        let mut below = Copus::new(s.clone(), rule(gain * 1.01)).unwrap();
+        assert_eq!(below.decide(&obs(cur, phi)), Decision::Keep);
+        let mut above = Copus::new(s, rule(gain * 0.99)).unwrap();
+        assert_eq!(above.decide(&obs(cur, phi)), Decision::ChangeBatch(best.candidate));
+    }
+
+    #[test]
+    fn copus_on_the_cluster_model_moves_to_dp_as_noise_grows() {
+        // 3B on 8xH100: with low noise small B_g on a model-parallel layout; with high noise the
+        // pure dp layout at a large batch.
+        let cm = ClusterModel::new(ClusterSpec::h100_nvlink(1), ModelSpec::llama_3_2_3b());
+        let space = CandidateSpace::new(
+            8,
+            vec![4, 8, 16, 32, 64, 128, 256],
+            vec![1, 2, 4],
+            ScheduleKind::OneFOneB,
+            MemoryModel::mixed_bf16(),
+            80e9,
+        )
+        .unwrap();
+        let cands = space.enumerate(&cm.model).feasible;
+        let s = Scorer::plain(&cands, &cm, 4.0).unwrap();
+        let low = s.best(1.0, |_| true).unwrap().candidate;
+        let high = s.best(1e5, |_| true).unwrap().candidate;
+        assert_eq!(low.global_batch, 4);
+        assert!(low.dims.dp < 8);
+        assert_eq!(high.dims.dp, 8);
+        assert!(high.global_batch >= 128);
+        let mut p = Copus::new(s, SwitchRule { layout_cost: 30.0, ..no_dwell() }).unwrap();
+        assert!(matches!(p.decide(&obs(low, 1e5)), Decision::ChangeLayout(c) if c.dims.dp == 8));
+    }
+}

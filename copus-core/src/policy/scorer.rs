@@ -1,0 +1,219 @@
+//! The scorer the policies share: candidates with a throughput prior, corrected online by
+//! measured throughput, and scored by Goodput = throughput x statistical efficiency.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::{PolicyError, check};
+use crate::candidates::Candidate;
+use crate::goodput::{Objective, PlainGoodput};
+use crate::layout::ParallelDims;
+use crate::throughput::ThroughputModel;
+
+/// Candidates with their predicted throughput; shared by the policies.
+#[derive(Clone)]
+pub struct Scorer {
+    /// Each candidate with the samples/s it is scored by: its measurement once it has one, else
+    /// its prior rescaled by the measurements (see [`Scorer::observe_throughput`]).
+    entries: Vec<(Candidate, f64)>,
+    /// The throughput model's value of each entry.
+    prior: Vec<f64>,
+    /// Smoothed measured samples/s of each entry the run has run.
+    measured: Vec<Option<f64>>,
+    /// Reference batch B0 of statistical efficiency.
+    pub b0: f64,
+    /// Turns throughput and noise into Goodput (plain, or a variant).
+    objective: Arc<dyn Objective>,
+}
+
+/// One candidate's score.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Score {
+    /// The candidate scored.
+    pub candidate: Candidate,
+    /// Samples/s the scorer holds for it: its measurement, or its prior rescaled.
+    pub throughput: f64,
+    /// Statistical efficiency at the current noise.
+    pub efficiency: f64,
+    /// throughput * efficiency.
+    pub goodput: f64,
+}
+
+impl Scorer {
+    /// Evaluates the throughput model once per candidate; candidates it cannot run are dropped.
+    pub fn new(
+        candidates: &[Candidate],
+        throughput: &dyn ThroughputModel,
+        b0: f64,
+        objective: Arc<dyn Objective>,
+    ) -> Result<Self, PolicyError> {
+        check("b0", b0, b0 > 0.0, "a positive batch size")?;
+        let entries: Vec<_> = candidates
+            .iter()
+            .filter_map(|c| throughput.samples_per_sec(c).filter(|t| *t > 0.0 && t.is_finite()).map(|t| (*c, t)))
+            .collect();
+        if entries.is_empty() {
+            return Err(PolicyError::NoCandidates);
+        }
+        let prior = entries.iter().map(|e| e.1).collect();
+        let measured = vec![None; entries.len()];
+        Ok(Self { entries, prior, measured, b0, objective })
+    }
+
+    /// Plain Goodput with reference batch `b0`.
+    pub fn plain(candidates: &[Candidate], throughput: &dyn ThroughputModel, b0: f64) -> Result<Self, PolicyError> {
+        Self::new(candidates, throughput, b0, Arc::new(PlainGoodput))
+    }
+
+    /// Learns throughput online from a step of `c` that ran at `samples_per_sec`. A candidate
+    /// the run has run is scored by its own measurements (an EMA with weight
+    /// [`Self::THROUGHPUT_SMOOTHING`] on the newest); every other candidate by its prior times
+    /// the geometric mean of measured / prior over the run ones, so a prior that is off by a
+    /// constant factor (another machine, the analytic model) is corrected from the first
+    /// measurement. Non-positive or non-finite measurements and non-candidates are ignored.
+    pub fn observe_throughput(&mut self, c: &Candidate, samples_per_sec: f64) {
+        if !(samples_per_sec.is_finite() && samples_per_sec > 0.0) {
+            return;
+        }
+        let Some(i) = self.entries.iter().position(|(d, _)| d == c) else { return };
+        let w = Self::THROUGHPUT_SMOOTHING;
+        self.measured[i] = Some(self.measured[i].map_or(samples_per_sec, |m| (1.0 - w) * m + w * samples_per_sec));
+        self.rescale();
+    }
+
+    /// The smoothed measurements of the candidates the run has run, in candidate order.
+    pub fn measured(&self) -> Vec<(Candidate, f64)> {
+        self.entries.iter().zip(&self.measured).filter_map(|((c, _), m)| m.map(|m| (*c, m))).collect()
+    }
+
+    /// Replaces the measurements by `measured` (from [`Self::measured`]) and rescales the rest,
+    /// as if they had been observed; entries that are not candidates are ignored.
+    pub fn set_measured(&mut self, measured: &[(Candidate, f64)]) {
+        self.measured = vec![None; self.entries.len()];
+        for (c, m) in measured {
+            if let Some(i) = self.entries.iter().position(|(d, _)| d == c)
+                && m.is_finite()
+                && *m > 0.0
+            {
+                self.measured[i] = Some(*m);
+            }
+        }
+        self.rescale();
+    }
+
+    /// Each entry's throughput from its measurement, else its prior times the geometric mean of
+    /// measured / prior.
+    fn rescale(&mut self) {
+        let logs: Vec<f64> = self.measured.iter().zip(&self.prior).filter_map(|(m, p)| m.map(|m| (m / p).ln())).collect();
+        let scale = if logs.is_empty() { 1.0 } else { (logs.iter().sum::<f64>() / logs.len() as f64).exp() };
+        for ((entry, prior), measured) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured) {
+            entry.1 = measured.unwrap_or(prior * scale);
+        }
+    }
+
+    /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA.
+    pub const THROUGHPUT_SMOOTHING: f64 = 0.5;
+
+    /// The candidates with throughputs.
+    pub fn candidates(&self) -> impl Iterator<Item = &(Candidate, f64)> {
+        self.entries.iter()
+    }
+
+    /// Predicted samples/s of a candidate, if it is one.
+    pub fn throughput(&self, c: &Candidate) -> Option<f64> {
+        self.entries.iter().find(|(d, _)| d == c).map(|(_, t)| *t)
+    }
+
+    /// Goodput of a throughput at batch `batch` and noise `phi`.
+    pub fn goodput(&self, throughput: f64, batch: usize, phi: f64) -> f64 {
+        self.objective.goodput(throughput, batch as f64, self.b0, phi)
+    }
+
+    /// Scores of every candidate that passes `filter`.
+    pub fn score_all(&self, phi: f64, filter: impl Fn(&Candidate) -> bool) -> Vec<Score> {
+        self.entries
+            .iter()
+            .filter(|(c, _)| filter(c))
+            .map(|&(candidate, throughput)| {
+                let efficiency = self.objective.efficiency(candidate.global_batch as f64, self.b0, phi);
+                Score { candidate, throughput, efficiency, goodput: throughput * efficiency }
+            })
+            .collect()
+    }
+
+    /// The highest-Goodput candidate that passes `filter` (ties: the smaller batch, then order).
+    pub fn best(&self, phi: f64, filter: impl Fn(&Candidate) -> bool) -> Option<Score> {
+        let mut best: Option<Score> = None;
+        for &(candidate, throughput) in &self.entries {
+            if !filter(&candidate) {
+                continue;
+            }
+            let goodput = self.goodput(throughput, candidate.global_batch, phi);
+            if best.is_none_or(|b| goodput > b.goodput) {
+                let efficiency = goodput / throughput;
+                best = Some(Score { candidate, throughput, efficiency, goodput });
+            }
+        }
+        best
+    }
+
+    /// The highest-throughput micro-batch for a layout and global batch.
+    pub fn fastest(&self, dims: ParallelDims, global_batch: usize) -> Option<Candidate> {
+        self.entries
+            .iter()
+            .filter(|(c, _)| c.dims == dims && c.global_batch == global_batch)
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(c, _)| *c)
+    }
+}
+
+#[cfg(test)]
+impl Scorer {
+    /// A scorer without candidates, which [`Scorer::new`] refuses: for tests of code that must
+    /// not panic on one.
+    pub(crate) fn empty_for_tests() -> Self {
+        Self { entries: Vec::new(), prior: Vec::new(), measured: Vec::new(), b0: 1.0, objective: Arc::new(PlainGoodput) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::test_util::{d, toy};
+
+    #[test]
+    fn measured_throughput_replaces_the_prior_and_rescales_the_rest() {
+        let (mut s, _) = toy();
+        let a = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let b = Candidate::new(d(2, 2, 1), 8, 1).unwrap();
+        let c = Candidate::new(d(2, 2, 1), 32, 1).unwrap();
+        let (pa, pb, pc) = (s.throughput(&a).unwrap(), s.throughput(&b).unwrap(), s.throughput(&c).unwrap());
+        // One measurement at half the prior: it replaces the prior, and every unrun candidate
+        // is halved too.
+        s.observe_throughput(&a, pa / 2.0);
+        assert_eq!(s.throughput(&a), Some(pa / 2.0));
+        assert!((s.throughput(&c).unwrap() - pc / 2.0).abs() < 1e-12 * pc);
+        // A second candidate at 4x its prior: the rest scale by the geometric mean, sqrt(0.5 * 4).
+        s.observe_throughput(&b, 4.0 * pb);
+        assert_eq!(s.throughput(&b), Some(4.0 * pb));
+        assert!((s.throughput(&c).unwrap() - pc * 2f64.sqrt()).abs() < 1e-12 * pc);
+        // A repeated measurement is smoothed: EMA with weight 0.5 on the newest.
+        s.observe_throughput(&a, pa);
+        assert!((s.throughput(&a).unwrap() - 0.75 * pa).abs() < 1e-12 * pa);
+        // Junk and non-candidates change nothing.
+        let before: Vec<f64> = s.candidates().map(|x| x.1).collect();
+        s.observe_throughput(&a, f64::NAN);
+        s.observe_throughput(&a, -1.0);
+        s.observe_throughput(&Candidate::new(d(1, 4, 1), 4, 1).unwrap(), 10.0);
+        assert_eq!(before, s.candidates().map(|x| x.1).collect::<Vec<f64>>());
+    }
+
+    #[test]
+    fn toy_profile_crosses_over() {
+        let (s, _) = toy();
+        // By hand: at B_g = 4, dp4 0.6 s vs tp2 0.26 s; at 128, dp4 3.7 s vs tp2 5.22 s.
+        assert_eq!(s.best(1e9, |c| c.global_batch == 4).unwrap().candidate.dims, d(2, 2, 1));
+        assert_eq!(s.best(1e9, |c| c.global_batch == 128).unwrap().candidate.dims, d(4, 1, 1));
+    }
+}

@@ -1,0 +1,38 @@
+//! copus-service: the orchestrator as a separate service (`recipes orchestrator` runs one), the
+//! client a training loop uses to reach it, and the policies it can run by name. Any Burn
+//! program that trains through `copus_burn::Driver` can take its decisions from a service with
+//! [`RemoteSource`].
+//!
+//! The service listens on TCP (127.0.0.1 by default), one session per connection, at most
+//! [`ServiceConfig::max_connections`] at once (more are closed on arrival). A session's first
+//! frame must be `Hello` with the protocol version, the shared token and the fingerprint of the
+//! run's candidate space, within [`ServiceConfig::handshake_timeout`] and in at most
+//! [`MAX_HELLO`](copus_core::orchestrator::MAX_HELLO) bytes; only then may frames grow to [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). An authenticated session
+//! that stays silent for [`ServiceConfig::idle_timeout`], or sends half a frame and stalls for
+//! [`ServiceConfig::frame_timeout`], is closed. Each session gets its own policy, built from the
+//! service's candidate space and throughput profile; the decision logic is copus-core's
+//! `Orchestrator`, the same as embedded, so decisions outside the feasible candidates are never
+//! passed on. A failing `accept` (out of file descriptors, say) is logged and survived.
+//!
+//! The client runs on a background thread: the training loop hands it observations without
+//! waiting and picks up decisions when they have arrived, applying each at the next
+//! optimizer-step boundary. The training side keeps an embedded orchestrator that sees every
+//! observation too. When the service goes away, the embedded one decides (and the log says
+//! so) while the client reconnects with exponential backoff; on reconnecting it hands the
+//! service the embedded orchestrator's state, so the service continues exactly where the run
+//! is.
+//!
+//! Files: `server` (listener and sessions), `client` (`Client`, `RemoteSource`), `registry`
+//! (`PolicyName`), `error` (`ServiceError`).
+
+mod client;
+mod error;
+mod registry;
+mod server;
+#[cfg(test)]
+mod tests;
+
+pub use client::{Client, RemoteSource};
+pub use error::ServiceError;
+pub use registry::{PolicyName, UnknownPolicy, policy_by_name};
+pub use server::{MakeOrchestrator, ServiceConfig, ServiceHandle, serve, spawn};

@@ -1,0 +1,385 @@
+//! The service and its client together on 127.0.0.1.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use copus_core::orchestrator::{MAX_FRAME, MAX_HELLO, Orchestrator, PROTOCOL_VERSION, OrchestratorState, Request, Response, RunFingerprint, decode, encode, frame_len_within};
+use copus_core::policy::{Decision, Scorer, StepObservation, SwitchRule};
+
+use crate::client::{BACKOFF, Client, RemoteSource, exchange};
+use crate::error::ServiceError;
+use crate::registry::{PolicyName, policy_by_name};
+use crate::server::{MakeOrchestrator, ServiceConfig, spawn};
+use copus_core::candidates::{Candidate, CandidateSpace};
+use copus_core::gns::NoiseEstimate;
+use copus_core::layout::ParallelDims;
+use copus_core::memory::{GIB, MemoryModel};
+use copus_core::model::ModelSpec;
+use copus_core::schedule::ScheduleKind;
+use copus_core::throughput::{ProfileEntry, ThroughputProfile};
+
+const TOKEN: &str = "0123456789abcdef-test";
+
+fn scorer() -> Scorer {
+    let e = |dp, tp, b, m, s| ProfileEntry { dp, tp, pp: 1, global_batch: b, micro_batch: m, samples_per_sec: s };
+    let p = ThroughputProfile::new(
+        "t".into(),
+        "m".into(),
+        vec![e(1, 2, 2, 1, 10.0), e(1, 2, 4, 2, 14.0), e(2, 1, 2, 1, 9.0), e(2, 1, 4, 1, 16.0), e(2, 1, 8, 1, 30.0)],
+    )
+    .unwrap();
+    let cands: Vec<Candidate> = p
+        .entries()
+        .iter()
+        .map(|x| Candidate::new(ParallelDims { dp: x.dp, tp: x.tp, pp: x.pp }, x.global_batch, x.micro_batch).unwrap())
+        .collect();
+    Scorer::plain(&cands, &p, 2.0).unwrap()
+}
+
+fn fingerprint() -> RunFingerprint {
+    let space = CandidateSpace::new(2, vec![2, 4, 8], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB).unwrap();
+    RunFingerprint::new(&ModelSpec::tiny_1m(), &space)
+}
+
+fn config() -> ServiceConfig {
+    ServiceConfig::new(TOKEN.into(), fingerprint())
+}
+
+fn make() -> MakeOrchestrator {
+    Arc::new(|| {
+        let s = scorer();
+        let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
+        Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s)
+    })
+}
+
+fn connect(addr: SocketAddr) -> Result<Client, ServiceError> {
+    Client::connect(addr, TOKEN, "test", fingerprint(), "copus")
+}
+
+fn obs(step: u64, phi: f64) -> StepObservation {
+    let cur = Candidate::new(ParallelDims { dp: 1, tp: 2, pp: 1 }, 2, 1).unwrap();
+    StepObservation {
+        step,
+        current: cur,
+        noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+    }
+}
+
+fn no_state() -> Arc<OrchestratorState> {
+    Arc::new(OrchestratorState::default())
+}
+
+/// Sends raw bytes and reads the answer frame, if one comes.
+fn raw_answer(addr: SocketAddr, bytes: &[u8]) -> Option<Response> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut header = [0u8; 4];
+    s.read_exact(&mut header).ok()?;
+    let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
+    s.read_exact(&mut body).unwrap();
+    Some(decode::<Response>(&body).unwrap())
+}
+
+#[test]
+fn the_service_decides_like_the_embedded_orchestrator() {
+    let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
+    let mut client = connect(service.addr).unwrap();
+    let mut embedded = make()();
+    for (step, phi) in [(1, 0.5), (2, 4.0), (3, 64.0)] {
+        client.observe(obs(step, phi), 10.0, no_state());
+        let remote = client.wait_for(step, Duration::from_secs(10)).expect("a decision");
+        assert_eq!(remote, embedded.on_step_measured(&obs(step, phi), 10.0), "step {step}");
+    }
+    // With a large noise scale Copus moves to the big batch on the other layout.
+    assert!(matches!(embedded.on_step(&obs(4, 64.0)), Decision::ChangeLayout(c) if c.global_batch == 8));
+    drop(service);
+}
+
+/// Short real runs through the driver on a modelled clock: decided by the service on
+/// 127.0.0.1, by the service killed after step 3 and started again after step 5 (the
+/// embedded orchestrator decides meanwhile and hands its state over on reconnecting), and
+/// in process. All give the same decisions at the same steps and the same losses.
+#[test]
+fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_killed_service() {
+    use copus_burn::{Clock, DataSource, Driver, Engine, EngineConfig, OptimConfig};
+    use copus_models::{LlamaConfig, full_params};
+
+    struct Tokens(usize);
+    impl DataSource for Tokens {
+        fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
+            // Every sequence counts up by 3 from a start that varies: a shared, learnable rule.
+            (first..first + count as u64).flat_map(|i| (0..33u64).map(move |j| ((i % 5 + 3 * j) % self.0 as u64) as i64)).collect()
+        }
+    }
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = 32;
+    let cfg = LlamaConfig::from_spec(&spec);
+    let device = burn::tensor::Device::flex().autodiff();
+    let full = {
+        device.seed(3);
+        full_params(&cfg.init(&device))
+    };
+    let space = CandidateSpace::new(2, vec![2, 4], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB).unwrap();
+    let enumeration = space.enumerate(&spec);
+    let fp = RunFingerprint::new(&spec, &space);
+    // A made-up profile on a modelled clock, so decisions do not depend on this machine.
+    let entries: Vec<ProfileEntry> = enumeration
+        .feasible
+        .iter()
+        .map(|c| ProfileEntry {
+            dp: c.dims.dp,
+            tp: c.dims.tp,
+            pp: c.dims.pp,
+            global_batch: c.global_batch,
+            micro_batch: c.micro_batch,
+            samples_per_sec: if c.dims.tp == 2 { 40.0 } else { 10.0 } * c.global_batch as f64 / (1.0 + c.micro_batch as f64),
+        })
+        .collect();
+    let profile = ThroughputProfile::new("t".into(), "tiny-1m".into(), entries).unwrap();
+    let scorer = Scorer::plain(&enumeration.feasible, &profile, 2.0).unwrap();
+    let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
+    let orchestrator = {
+        let s = scorer.clone();
+        move || Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s.clone())
+    };
+    const STEPS: usize = 8;
+    let run = |source: &mut dyn copus_burn::DecisionSource, between: &mut dyn FnMut(usize)| {
+        let start = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
+        let ec = EngineConfig::new(start.dims, 2, 1, 32, OptimConfig::new().with_b0(2).with_warmup_steps(1));
+        let engine = Engine::new(Arc::new(cfg.clone()), &full, ec).unwrap();
+        let p = profile.clone();
+        let clock = Clock::Modelled {
+            step_secs: Box::new(move |c: &Candidate| {
+                c.global_batch as f64 / copus_core::throughput::ThroughputModel::samples_per_sec(&p, c).unwrap_or(1.0)
+            }),
+            batch_switch_secs: 0.1,
+            layout_switch_secs: 1.0,
+        };
+        let mut driver = Driver::new(engine, enumeration.clone(), clock).unwrap();
+        let mut out = Vec::new();
+        for i in 0..STEPS {
+            let s = driver.step(&Tokens(spec.vocab_size), source).unwrap();
+            out.push((s.step.metrics.loss, s.step.metrics.b_simple, s.decision));
+            between(i + 1);
+        }
+        out
+    };
+    let make: MakeOrchestrator = Arc::new(orchestrator.clone());
+    let cfg_of = || ServiceConfig::new(TOKEN.into(), fp.clone());
+    let in_process = run(&mut orchestrator(), &mut |_| {});
+    assert!(
+        in_process.iter().any(|(_, _, d)| d.as_ref().is_some_and(|d| d.applied)),
+        "the policy switched at least once: {in_process:?}"
+    );
+
+    let service = spawn("127.0.0.1:0".parse().unwrap(), cfg_of(), make.clone()).unwrap();
+    let addr = service.addr;
+    let client = Client::connect(addr, TOKEN, "test", fp.clone(), "copus").unwrap();
+    let mut remote = RemoteSource::synchronous(client, orchestrator(), Duration::from_secs(10));
+    let by_service = run(&mut remote, &mut |_| {});
+    assert_eq!(by_service, in_process);
+    assert!(remote.unavailable().is_none());
+    assert_eq!(remote.fallback_steps(), 0);
+
+    let client = Client::connect(addr, TOKEN, "test", fp.clone(), "copus").unwrap();
+    let mut remote = RemoteSource::synchronous(client, orchestrator(), Duration::from_secs(10));
+    let mut service = Some(service);
+    let mut restarted = None;
+    let across = run(&mut remote, &mut |done| {
+        if done == 3 {
+            drop(service.take().expect("running"));
+        }
+        if done == 5 {
+            restarted = Some(spawn(addr, cfg_of(), make.clone()).expect("the port is free again"));
+            // Past the first reconnection backoff, so step 6 reconnects.
+            std::thread::sleep(BACKOFF.0 * 2);
+        }
+    });
+    assert_eq!(across, in_process, "decisions across the outage");
+    assert!(remote.unavailable().is_some());
+    // Steps 4 (connection lost) and 5 (nobody listening) were decided in process; from step 6
+    // on the restarted service, handed the run's state, decides.
+    assert_eq!(remote.fallback_steps(), 2, "{:?}", remote.unavailable());
+    drop(restarted.expect("restarted"));
+}
+
+#[test]
+fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
+    let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
+    let addr = service.addr;
+    let e = Client::connect(addr, "0123456789abcdef-guess", "test", fingerprint(), "copus").err().unwrap().to_string();
+    assert!(e.contains("refused") && e.contains("wrong token"), "{e}");
+    // Another run: another world size.
+    let other = RunFingerprint { world_size: 8, ..fingerprint() };
+    let e = Client::connect(addr, TOKEN, "test", other, "copus").err().unwrap().to_string();
+    assert!(e.contains("refused") && e.contains("8 ranks") && e.contains("2 ranks"), "{e}");
+    // Another policy.
+    let e = Client::connect(addr, TOKEN, "test", fingerprint(), "dp-only").err().unwrap().to_string();
+    assert!(e.contains("runs policy `copus`") && e.contains("`dp-only`"), "{e}");
+    // Another protocol version.
+    let old = Request::Hello { version: 1, token: TOKEN.into(), run: "r".into(), fingerprint: fingerprint() };
+    let answer = raw_answer(addr, &encode(&old).unwrap());
+    assert!(matches!(&answer, Some(Response::Error(e)) if e.contains("protocol version 1")), "{answer:?}");
+    // Before the hello, a frame over MAX_HELLO is refused unread.
+    let answer = raw_answer(addr, &((MAX_HELLO as u32) + 1).to_be_bytes());
+    assert!(matches!(&answer, Some(Response::Error(e)) if e.contains("exceeds")), "{answer:?}");
+    // Garbage after a valid hello.
+    let mut s = TcpStream::connect(addr).unwrap();
+    let hello = Request::Hello { version: PROTOCOL_VERSION, token: TOKEN.into(), run: "r".into(), fingerprint: fingerprint() };
+    assert!(matches!(exchange(&mut s, &hello).unwrap(), Response::Welcome { .. }));
+    let junk = b"{not json";
+    s.write_all(&(junk.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(junk).unwrap();
+    let mut header = [0u8; 4];
+    s.read_exact(&mut header).unwrap();
+    let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
+    s.read_exact(&mut body).unwrap();
+    assert!(matches!(decode::<Response>(&body).unwrap(), Response::Error(e) if e.contains("malformed")));
+    // A short token is refused at start.
+    let e = spawn("127.0.0.1:0".parse().unwrap(), ServiceConfig::new("short".into(), fingerprint()), make()).err().unwrap();
+    assert!(e.to_string().contains("at least 16"), "{e}");
+    drop(service);
+}
+
+/// An observation with an infinite samples/s is never sent: that step is decided in
+/// process, and the next one reconnects, handing the state over.
+#[test]
+fn a_non_finite_observation_is_not_sent_and_the_session_recovers() {
+    let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
+    let mut remote = RemoteSource::synchronous(connect(service.addr).unwrap(), make()(), Duration::from_secs(10));
+    let mut embedded = make()();
+    use copus_burn::DecisionSource;
+    for (step, sps) in [(1, 10.0), (2, f64::INFINITY), (3, 10.0), (4, 10.0)] {
+        let d = remote.on_step(&obs(step, 8.0), sps);
+        assert_eq!(d, embedded.on_step_measured(&obs(step, 8.0), sps), "step {step}");
+    }
+    let why = remote.unavailable().expect("the bad step fell back").to_string();
+    assert!(why.contains("Step.samples_per_sec") && why.contains("not a finite number"), "{why}");
+    assert_eq!(remote.fallback_steps(), 1, "step 2 (not sent); step 3 reconnects and is decided by the service");
+    drop(service);
+}
+
+#[test]
+fn a_vanished_service_leaves_the_embedded_orchestrator_deciding() {
+    // A listener that accepts the hello and then drops the connection.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut header = [0u8; 4];
+        s.read_exact(&mut header).unwrap();
+        let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
+        s.read_exact(&mut body).unwrap();
+        s.write_all(&encode(&Response::Welcome { policy: "copus".into() }).unwrap()).unwrap();
+        drop(s);
+        drop(listener);
+    });
+    let mut remote = RemoteSource::synchronous(connect(addr).unwrap(), make()(), Duration::from_secs(10));
+    let mut embedded = make()();
+    use copus_burn::DecisionSource;
+    let started = Instant::now();
+    for (step, phi) in [(1, 0.5), (2, 64.0), (3, 64.0)] {
+        assert_eq!(remote.on_step(&obs(step, phi), 10.0), embedded.on_step_measured(&obs(step, phi), 10.0), "step {step}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "no step waited for the lost service");
+    assert!(remote.unavailable().is_some());
+    assert_eq!(remote.fallback_steps(), 3);
+}
+
+/// 200 idle, slow or junk-sending connections at once, while a real client gets every
+/// decision within 1 s; the test stops itself.
+#[test]
+fn hostile_connections_do_not_delay_a_real_client() {
+    let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
+    let addr = service.addr;
+    let mut hostile = Vec::new();
+    for i in 0..200 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        match i % 4 {
+            // Idle: connects and says nothing.
+            0 => {}
+            // Slow: half a header, then nothing.
+            1 => s.write_all(&[0, 0]).unwrap(),
+            // Half a hello body, then nothing.
+            2 => s.write_all(&[0, 0, 1, 0, b'{']).unwrap(),
+            // Junk frames.
+            _ => {
+                let _ = s.write_all(&[0, 0, 0, 5, 1, 2, 3, 4, 5, 0, 0, 0, 5, 9, 9, 9, 9, 9]);
+            }
+        }
+        hostile.push(s);
+    }
+    let mut client = connect(addr).unwrap();
+    let mut worst = Duration::ZERO;
+    for step in 1..=20 {
+        let t = Instant::now();
+        client.observe(obs(step, 4.0), 10.0, no_state());
+        client.wait_for(step, Duration::from_secs(5)).expect("a decision");
+        worst = worst.max(t.elapsed());
+    }
+    assert!(worst < Duration::from_secs(1), "slowest decision took {worst:?}");
+    drop(hostile);
+    drop(service);
+}
+
+/// Silent connections cannot keep a real client out: beyond `max_unauthenticated` a new
+/// connection closes the oldest silent one, whatever the handshake timeout.
+#[test]
+fn silent_connections_make_room_for_new_ones() {
+    let cfg = ServiceConfig { max_unauthenticated: 4, handshake_timeout: Duration::from_secs(60), ..config() };
+    let service = spawn("127.0.0.1:0".parse().unwrap(), cfg, make()).unwrap();
+    let addr = service.addr;
+    let mut silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    let mut client = connect(addr).unwrap();
+    client.observe(obs(1, 4.0), 10.0, no_state());
+    assert!(client.wait_for(1, Duration::from_secs(5)).is_some());
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // The oldest silent connection was closed to make room; the newest is still open.
+    let mut buf = [0u8; 1];
+    silent[0].set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(matches!(silent[0].read(&mut buf), Ok(0)), "the oldest silent connection is closed");
+    silent[3].set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    assert!(silent[3].read(&mut buf).is_err(), "the newest waits on (read timed out)");
+    drop(service);
+}
+
+/// Connections beyond the cap are closed on arrival; silent ones are closed after the
+/// handshake timeout, which frees their slots.
+#[test]
+fn the_connection_cap_and_handshake_timeout_hold() {
+    let cfg = ServiceConfig { max_connections: 4, handshake_timeout: Duration::from_millis(300), ..config() };
+    let service = spawn("127.0.0.1:0".parse().unwrap(), cfg, make()).unwrap();
+    let addr = service.addr;
+    let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    // Closed means end of stream (or a reset), within `within`; a read timeout is not.
+    let closed_within = |s: &mut TcpStream, within: Duration| {
+        let t = Instant::now();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 1];
+        let closed = match s.read(&mut buf) {
+            Ok(0) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            Ok(_) => false,
+        };
+        closed && t.elapsed() < within
+    };
+    let mut extra = TcpStream::connect(addr).unwrap();
+    assert!(closed_within(&mut extra, Duration::from_secs(1)), "the fifth connection is closed at once");
+    // The idle ones are closed by the handshake timeout (300 ms).
+    let started = Instant::now();
+    for mut s in idle {
+        assert!(closed_within(&mut s, Duration::from_secs(3)));
+    }
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let mut client = connect(addr).unwrap();
+    client.observe(obs(1, 4.0), 10.0, no_state());
+    assert!(client.wait_for(1, Duration::from_secs(5)).is_some());
+    drop(service);
+}

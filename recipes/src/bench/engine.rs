@@ -1,0 +1,109 @@
+//! `recipes bench engine`: the in-process all-reduce against a plain memcpy of the same bytes,
+//! and the step time of every layout of 8 ranks against serial training of the same work.
+
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use burn::tensor::Device;
+use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+use copus_burn::{Engine, EngineConfig, MicroBatch, OptimConfig, Trainer};
+use copus_core::layout::ParallelDims;
+use copus_core::model::ModelSpec;
+use copus_models::{LlamaConfig, full_params};
+
+use super::median;
+use crate::profile::synthetic_batch;
+
+/// Seconds per all-reduce of `elems` f32 per rank on `world` ranks (rank 0's clock, between
+/// barriers), over `reps` repetitions.
+pub fn time_all_reduce(world: usize, elems: usize, reps: usize) -> f64 {
+    let start = Arc::new(Barrier::new(world));
+    let handles: Vec<_> = ThreadComm::world(world)
+        .into_iter()
+        .map(|c| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let mut buf: Vec<f32> = (0..elems).map(|i| (i % 7) as f32 + c.rank() as f32).collect();
+                c.all_reduce(&mut buf, ReduceOp::Sum).expect("warm-up all-reduce");
+                start.wait();
+                let t = Instant::now();
+                for _ in 0..reps {
+                    c.all_reduce(&mut buf, ReduceOp::Sum).expect("all-reduce");
+                }
+                c.barrier().expect("barrier");
+                t.elapsed().as_secs_f64() / reps as f64
+            })
+        })
+        .collect();
+    let times: Vec<f64> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
+    times[0]
+}
+
+/// Seconds per copy of `elems` f32 into an existing buffer.
+pub fn time_memcpy(elems: usize, reps: usize) -> f64 {
+    let src: Vec<f32> = (0..elems).map(|i| i as f32).collect();
+    let mut dst = vec![0f32; elems];
+    dst.copy_from_slice(&src);
+    let t = Instant::now();
+    for i in 0..reps {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        dst[i % elems] += 1.0;
+    }
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
+/// Prints both tables.
+pub fn run(steps: usize) {
+    let elems = 1 << 20; // 4 MiB of f32
+    let reps = 20;
+    let copy = time_memcpy(elems, reps);
+    println!("In-process all-reduce of 4 MiB per rank (fp32 sum, deterministic rank order), this machine");
+    println!("| ranks | all-reduce ms | memcpy ms | all-reduce / memcpy | algorithm GB/s |");
+    println!("|---:|---:|---:|---:|---:|");
+    for world in [2, 4, 8] {
+        let t = time_all_reduce(world, elems, reps);
+        println!("| {world} | {:.2} | {:.2} | {:.2} | {:.2} |", t * 1e3, copy * 1e3, t / copy, (elems * 4) as f64 / t / 1e9);
+    }
+    println!();
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = 64;
+    let (b_g, b_m) = (16, 2);
+    let cfg = LlamaConfig::from_spec(&spec);
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let model = cfg.init(&device);
+    let full = full_params(&model);
+    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+    let mut trainer = Trainer::new(model, optim.clone()).expect("settings");
+    let serial_step = |trainer: &mut Trainer<copus_models::Llama>, i: usize| {
+        let tokens = synthetic_batch(b_g, spec.seq_len, spec.vocab_size, i);
+        let windows: Vec<&[i64]> = tokens.chunks(spec.seq_len + 1).collect();
+        let micro: Vec<MicroBatch> = windows.chunks(b_m).map(|w| MicroBatch::from_windows(w, &device)).collect();
+        trainer.step(&micro).expect("serial step");
+    };
+    serial_step(&mut trainer, 0);
+    let t = Instant::now();
+    for i in 0..steps {
+        serial_step(&mut trainer, i + 1);
+    }
+    let serial = t.elapsed().as_secs_f64() / steps as f64;
+    println!("Step time of tiny-1m (seq {}, B_g {b_g}, B_m {b_m}) on 8 in-process ranks against serial, {steps} timed steps", spec.seq_len);
+    println!("| layout | s/step | / serial |");
+    println!("|---|---:|---:|");
+    println!("| serial (1 rank) | {serial:.3} | 1.00 |");
+    for dims in ParallelDims::all(8) {
+        if dims.check_model(&spec).is_err() {
+            continue;
+        }
+        let ec = EngineConfig::new(dims, b_g, b_m, spec.seq_len, optim.clone());
+        let mut engine = Engine::new(Arc::new(cfg.clone()), &full, ec).expect("engine");
+        engine.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+        let t = Instant::now();
+        for i in 0..steps {
+            engine.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, i + 1)).expect("step");
+        }
+        let s = t.elapsed().as_secs_f64() / steps as f64;
+        println!("| {dims} | {s:.3} | {:.2} |", s / serial);
+    }
+}

@@ -1,0 +1,100 @@
+//! What a comparison records of each policy's run, on either clock: its steps, its switches
+//! and its time to target; and how the report writes times and configurations.
+
+//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::report::progress::Progress;
+use anyhow::{Context, anyhow};
+use burn::tensor::Device;
+use copus_burn::driver::Clock as RunClock;
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
+use copus_core::candidates::{Candidate, CandidateSpace};
+use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
+use copus_core::layout::ParallelDims;
+use copus_core::memory::{GIB, MemoryModel};
+use copus_core::model::ModelSpec;
+use copus_core::orchestrator::Orchestrator;
+use copus_core::policy::{
+    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
+    hindsight_oracle,
+};
+use copus_core::schedule::ScheduleKind;
+use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
+use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
+use copus_models::{LlamaConfig, full_params};
+use serde::{Deserialize, Serialize};
+
+use crate::report::plot::{Series, line_plot, region_plot};
+use crate::recipe::Recipe;
+
+
+/// One policy's run on either clock.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyRun {
+    /// Name.
+    pub name: String,
+    /// Whether it is a baseline (Copus and the oracle are not).
+    pub baseline: bool,
+    /// (time, loss, B_g, layout, throughput, efficiency) per step.
+    pub steps: Vec<StepRecord>,
+    /// Configuration changes.
+    pub switches: Vec<SwitchRecord>,
+    /// Seconds to the target, if reached.
+    pub time_to_target: Option<f64>,
+}
+
+/// One step of a policy run.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRecord {
+    /// Step.
+    pub step: u64,
+    /// Clock seconds at the end of the step.
+    pub time: f64,
+    /// Loss (smoothed training loss in real runs, the model's loss in synthetic ones).
+    pub loss: f64,
+    /// B_g.
+    pub global_batch: usize,
+    /// B_m.
+    pub micro_batch: usize,
+    /// Layout.
+    pub layout: String,
+    /// Samples/s (predicted for the step's configuration).
+    pub throughput: f64,
+    /// Statistical efficiency at the noise of the step.
+    pub efficiency: f64,
+    /// B_simple (true or estimated).
+    pub b_simple: Option<f64>,
+}
+
+/// One configuration change.
+#[derive(Clone, Debug, Serialize)]
+pub struct SwitchRecord {
+    /// After this step.
+    pub step: u64,
+    /// Clock seconds when it started.
+    pub time: f64,
+    /// From.
+    pub from: String,
+    /// To.
+    pub to: String,
+    /// Seconds it cost on the run's clock.
+    pub cost: f64,
+    /// Whether the layout changed.
+    pub layout: bool,
+}
+
+/// Seconds with four significant digits.
+pub(crate) fn secs(t: f64) -> String {
+    if t >= 1000.0 { format!("{t:.0}") } else { format!("{t:.*}", (3 - t.abs().max(1e-12).log10().floor() as i64).clamp(0, 9) as usize) }
+}
+
+pub(crate) fn describe(c: &Candidate) -> String {
+    format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch)
+}
+
+pub(crate) type Compared = (Vec<PolicyRun>, Option<f64>, String, String, Option<String>);
+

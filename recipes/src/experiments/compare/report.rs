@@ -1,0 +1,239 @@
+//! The comparison's report: the time-to-target table with speedups and regret, loss against
+//! time with Copus's layout regions, and the switch records (PNG, CSV, JSONL, Markdown).
+
+//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::report::progress::Progress;
+use anyhow::{Context, anyhow};
+use burn::tensor::Device;
+use copus_burn::driver::Clock as RunClock;
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
+use copus_core::candidates::{Candidate, CandidateSpace};
+use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
+use copus_core::layout::ParallelDims;
+use copus_core::memory::{GIB, MemoryModel};
+use copus_core::model::ModelSpec;
+use copus_core::orchestrator::Orchestrator;
+use copus_core::policy::{
+    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
+    hindsight_oracle,
+};
+use copus_core::schedule::ScheduleKind;
+use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
+use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
+use copus_models::{LlamaConfig, full_params};
+use serde::{Deserialize, Serialize};
+
+use crate::report::plot::{Series, line_plot, region_plot};
+use crate::recipe::Recipe;
+use super::records::{PolicyRun, secs};
+use super::records::StepRecord;
+use super::schema::CompareRecipe;
+
+
+pub(super) fn report(
+    recipe: &CompareRecipe,
+    folder: &Path,
+    runs: &[PolicyRun],
+    oracle: Option<f64>,
+    clock: &str,
+    target: &str,
+    sweeps: Option<&str>,
+) -> anyhow::Result<String> {
+    let write =
+        |name: &str, text: &str| std::fs::write(folder.join(name), text).map_err(|e| anyhow!("{}: {e}", folder.join(name).display()));
+    let fastest =
+        runs.iter().filter(|r| r.baseline).filter_map(|r| r.time_to_target.map(|t| (t, r.name.clone()))).min_by(|a, b| a.0.total_cmp(&b.0));
+    let mut md = format!("# {}\n\nClock: {clock}.\nTarget: {target}.\n\n", recipe.name);
+    md.push_str("| policy | time to target (s) | speedup vs fastest baseline | regret vs oracle | steps | layout switches | batch switches |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    let mut csv = csv::Writer::from_writer(Vec::new());
+    let row = |csv: &mut csv::Writer<Vec<u8>>, fields: &[String]| csv.write_record(fields).map_err(anyhow::Error::from);
+    row(
+        &mut csv,
+        &[
+            "policy",
+            "baseline",
+            "time_to_target_s",
+            "speedup_vs_fastest_baseline",
+            "regret_vs_oracle",
+            "steps",
+            "layout_switches",
+            "batch_switches",
+        ]
+        .map(String::from),
+    )?;
+    for r in runs {
+        let t = r.time_to_target;
+        let speed = match (t, &fastest) {
+            (Some(t), Some((f, _))) => Some(f / t - 1.0),
+            _ => None,
+        };
+        let regret = match (t, oracle) {
+            (Some(t), Some(o)) if o > 0.0 => Some(t / o - 1.0),
+            _ => None,
+        };
+        let (ls, bs) = (r.switches.iter().filter(|s| s.layout).count(), r.switches.iter().filter(|s| !s.layout).count());
+        let steps = r.steps.last().map_or(0, |s| s.step);
+        let pct = |x: Option<f64>| x.map_or("-".into(), |v| format!("{:+.1}%", 100.0 * v));
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {steps} | {ls} | {bs} |",
+            r.name,
+            t.map_or("not reached".into(), secs),
+            pct(speed),
+            pct(regret)
+        );
+        row(
+            &mut csv,
+            &[
+                r.name.clone(),
+                r.baseline.to_string(),
+                t.map_or(String::new(), |t| format!("{t}")),
+                speed.map_or(String::new(), |v| format!("{v}")),
+                regret.map_or(String::new(), |v| format!("{v}")),
+                steps.to_string(),
+                ls.to_string(),
+                bs.to_string(),
+            ],
+        )?;
+    }
+    if let Some(o) = oracle {
+        let _ = writeln!(
+            md,
+            "| hindsight oracle | {} | {} | 0.0% | | | |",
+            secs(o),
+            fastest.as_ref().map_or("-".into(), |(f, _)| format!("{:+.1}%", 100.0 * (f / o - 1.0)))
+        );
+        row(
+            &mut csv,
+            &[
+                "hindsight oracle".into(),
+                "false".into(),
+                format!("{o}"),
+                String::new(),
+                "0".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ],
+        )?;
+    }
+    if let Some((f, n)) = &fastest {
+        let _ = writeln!(md, "\nFastest baseline: {n} ({} s).", secs(*f));
+    }
+    md.push_str("\n## Reconfigurations\n\n| policy | after step | at (s) | from | to | cost (s) |\n|---|---:|---:|---|---|---:|\n");
+    let mut rcsv = csv::Writer::from_writer(Vec::new());
+    row(&mut rcsv, &["policy", "step", "time_s", "from", "to", "cost_s", "layout"].map(String::from))?;
+    for r in runs {
+        for s in &r.switches {
+            let _ = writeln!(md, "| {} | {} | {:.1} | {} | {} | {:.2} |", r.name, s.step, s.time, s.from, s.to, s.cost);
+            row(
+                &mut rcsv,
+                &[
+                    r.name.clone(),
+                    s.step.to_string(),
+                    s.time.to_string(),
+                    s.from.clone(),
+                    s.to.clone(),
+                    s.cost.to_string(),
+                    s.layout.to_string(),
+                ],
+            )?;
+        }
+    }
+    if let Some(sw) = sweeps {
+        md.push_str("\n## Sweeps (Copus, synthetic statistics)\n\n");
+        md.push_str(sw);
+    }
+    let text = |w: csv::Writer<Vec<u8>>| w.into_inner().map_err(|e| anyhow!("{e}")).map(|b| String::from_utf8_lossy(&b).into_owned());
+    write("results.csv", &text(csv)?)?;
+    write("reconfigurations.csv", &text(rcsv)?)?;
+    let mut jsonl = String::new();
+    for r in runs {
+        for s in &r.steps {
+            let mut v = serde_json::to_value(s)?;
+            v["policy"] = serde_json::Value::String(r.name.clone());
+            jsonl.push_str(&v.to_string());
+            jsonl.push('\n');
+        }
+    }
+    write("steps.jsonl", &jsonl)?;
+    // Plots; a missing font is reported, the data files are written anyway.
+    let mut notes = Vec::new();
+    let copus = runs.iter().find(|r| !r.baseline);
+    let mut shown: Vec<&PolicyRun> = runs.iter().filter(|r| !r.baseline).collect();
+    if let Some((_, n)) = &fastest {
+        shown.extend(runs.iter().filter(|r| &r.name == n));
+    }
+    shown.extend(runs.iter().filter(|r| r.baseline && r.name.starts_with("dp-only")));
+    shown.extend(runs.iter().filter(|r| r.baseline && r.name.starts_with("cbs optimistic")));
+    shown.dedup_by(|a, b| a.name == b.name);
+    let series = |f: &dyn Fn(&StepRecord) -> f64| -> Vec<Series<'_>> {
+        shown.iter().map(|r| Series { label: &r.name, points: r.steps.iter().map(|s| (s.time, f(s))).collect() }).collect()
+    };
+    let regions: Vec<(f64, f64, String)> = copus.map_or(Vec::new(), |c| {
+        let mut out: Vec<(f64, f64, String)> = Vec::new();
+        let mut prev = 0.0;
+        for s in &c.steps {
+            match out.last_mut() {
+                Some(last) if last.2 == s.layout => last.1 = s.time,
+                _ => out.push((prev, s.time, s.layout.clone())),
+            }
+            prev = s.time;
+        }
+        out
+    });
+    let mut plot = |r: anyhow::Result<()>| {
+        if let Err(e) = r {
+            notes.push(e);
+        }
+    };
+    plot(region_plot(
+        &folder.join("loss_time.png"),
+        "Loss against time (shaded: Copus's layout)",
+        "seconds",
+        "loss",
+        &series(&|s| s.loss),
+        &regions,
+        &[],
+    ));
+    plot(line_plot(
+        &folder.join("batch_schedule.png"),
+        "Global batch size B_g",
+        "seconds",
+        "B_g (sequences)",
+        &series(&|s| s.global_batch as f64),
+        true,
+    ));
+    if let Some(c) = copus {
+        let tmax = c.steps.iter().map(|s| s.throughput).fold(0.0, f64::max).max(1e-12);
+        let gmax = c.steps.iter().map(|s| s.throughput * s.efficiency).fold(0.0, f64::max).max(1e-12);
+        let split = vec![
+            Series { label: "throughput / max", points: c.steps.iter().map(|s| (s.time, s.throughput / tmax)).collect() },
+            Series { label: "statistical efficiency", points: c.steps.iter().map(|s| (s.time, s.efficiency)).collect() },
+            Series { label: "goodput / max", points: c.steps.iter().map(|s| (s.time, s.throughput * s.efficiency / gmax)).collect() },
+        ];
+        plot(line_plot(
+            &folder.join("goodput_split.png"),
+            "Copus: Goodput = throughput x efficiency",
+            "seconds",
+            "relative",
+            &split,
+            false,
+        ));
+    }
+    if !notes.is_empty() {
+        md.push_str("\nPlots not written: ");
+        md.push_str(&notes.iter().map(|e: &anyhow::Error| e.to_string()).collect::<Vec<_>>().join("; "));
+        md.push('\n');
+    }
+    write("summary.md", &md)?;
+    let recipe_text = ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?;
+    write("recipe.ron", &recipe_text)?;
+    Ok(md)
+}
+

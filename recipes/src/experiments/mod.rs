@@ -1,0 +1,7 @@
+//! Experiments that put policies side by side: `compare` (one comparison recipe), `suite` (many
+//! synthetic scenarios over seeds) and `headline` (time to a held-out loss on this machine's
+//! wall clock, the adaptive run against fixed batches).
+
+pub mod compare;
+pub mod headline;
+pub mod suite;
