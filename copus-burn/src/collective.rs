@@ -42,7 +42,10 @@ mod sealed {
 }
 
 /// A value type collectives move: `f32` (tensors) and `f64` (statistics). Sealed.
-pub trait Element: sealed::Sealed + Copy + Default + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static {}
+pub trait Element:
+    sealed::Sealed + bytemuck::Pod + Copy + Default + PartialOrd + std::ops::Add<Output = Self> + Send + Sync + 'static
+{
+}
 impl Element for f32 {}
 impl Element for f64 {}
 

@@ -40,6 +40,22 @@ pub trait DataSource {
     fn sequences(&self, first: u64, count: usize) -> Vec<i64>;
 }
 
+/// A decision source's saved state that it cannot continue from.
+#[derive(Debug, Error)]
+pub enum SourceStateError {
+    /// The saved state is not the JSON this source writes.
+    #[error("the saved orchestrator state does not parse: {0}")]
+    Parse(#[from] serde_json::Error),
+    /// The state parses but belongs to another source (another policy, say).
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// Why the driver refuses a configuration: the candidate space's reason.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
+
 /// Who decides the next configuration.
 pub trait DecisionSource {
     /// For logs and reports.
@@ -54,7 +70,7 @@ pub trait DecisionSource {
         None
     }
     /// Continues from a [`DecisionSource::save_state`].
-    fn restore_state(&mut self, _state: &str) -> Result<(), String> {
+    fn restore_state(&mut self, _state: &str) -> Result<(), SourceStateError> {
         Ok(())
     }
 }
@@ -72,9 +88,9 @@ impl DecisionSource for Orchestrator {
     fn save_state(&self) -> Option<String> {
         serde_json::to_string(&self.state()).ok()
     }
-    fn restore_state(&mut self, state: &str) -> Result<(), String> {
-        let state = serde_json::from_str(state).map_err(|e| format!("the saved orchestrator state does not parse: {e}"))?;
-        self.restore(&state)
+    fn restore_state(&mut self, state: &str) -> Result<(), SourceStateError> {
+        let state = serde_json::from_str(state)?;
+        self.restore(&state).map_err(SourceStateError::Mismatch)
     }
 }
 
@@ -299,7 +315,7 @@ impl<L: ParallelLm> Driver<L> {
             restores: 0,
             warming_up: false,
         };
-        driver.check(&current).map_err(|reason| DriverError::Start { candidate: current, reason })?;
+        driver.check(&current).map_err(|Refusal(reason)| DriverError::Start { candidate: current, reason })?;
         driver.take_snapshot()?;
         Ok(driver)
     }
@@ -352,7 +368,7 @@ impl<L: ParallelLm> Driver<L> {
             .ok_or_else(|| fail("not a whole-run checkpoint (no driver position)".into()))
             .and_then(|p| serde_json::from_str(&p).map_err(|e| fail(format!("driver position: {e}"))))?;
         match extra.remove(SOURCE_KEY) {
-            Some(s) => source.restore_state(&s).map_err(fail)?,
+            Some(s) => source.restore_state(&s).map_err(|e| fail(e.to_string()))?,
             None if source.save_state().is_some() => {
                 tracing::warn!("{}: the checkpoint holds no decision state; the policy starts afresh", source.name())
             }
@@ -457,7 +473,7 @@ impl<L: ParallelLm> Driver<L> {
 
     /// Whether `target` may run: one of the feasible candidates. A refusal names the reason
     /// the enumeration gave, or why it is outside the space.
-    pub fn check(&self, target: &Candidate) -> Result<(), String> {
+    pub fn check(&self, target: &Candidate) -> Result<(), Refusal> {
         if self.space.feasible.contains(target) {
             return Ok(());
         }
@@ -465,7 +481,7 @@ impl<L: ParallelLm> Driver<L> {
             r.dims == target.dims && r.global_batch == target.global_batch && r.micro_batch == target.micro_batch
         };
         if let Some(r) = self.space.rejected.iter().find(same) {
-            return Err(r.reason.to_string());
+            return Err(Refusal(r.reason.to_string()));
         }
         let mut why = Vec::new();
         let batches: Vec<usize> = self.space.feasible.iter().map(|c| c.global_batch).collect();
@@ -485,7 +501,7 @@ impl<L: ParallelLm> Driver<L> {
         if why.is_empty() {
             why.push("not a candidate of the run".into());
         }
-        Err(why.join("; "))
+        Err(Refusal(why.join("; ")))
     }
 
     /// One step on the next B_g sequences, then the decision and, if valid, the switch.
@@ -541,7 +557,7 @@ impl<L: ParallelLm> Driver<L> {
             return Ok(out);
         }
         let mut record = DecisionRecord { step: obs.step, current: candidate, proposed, applied: false, refused: None };
-        if let Err(why) = self.check(&proposed) {
+        if let Err(Refusal(why)) = self.check(&proposed) {
             tracing::warn!("{}: refused the decision {proposed} after step {}: {why}", source.name(), obs.step);
             record.refused = Some(why);
             out.decision = Some(record);

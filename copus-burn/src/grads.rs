@@ -201,6 +201,8 @@ pub fn diff_sq_norm<M: Module>(module: &M, a: &GradientsParams, b: &GradientsPar
     v.acc
 }
 
+/// A copy of `grads` with every gradient of `module` multiplied by `factor` (the probe keeps
+/// the previous step's gradient this way, and the trainer averages accumulated sums).
 pub fn scaled<M: Module>(module: &M, grads: &GradientsParams, factor: f64) -> GradientsParams {
     struct V<'a> {
         grads: &'a GradientsParams,

@@ -53,21 +53,20 @@ pub mod state;
 pub mod trainer;
 mod wire;
 
-pub use closing::{Closed, ProbeMemory, StepCloser};
-pub use driver::{Clock, DataSource, DecisionSource, Divergence, Driver, DriverError, DriverStep, Position, Scripted};
+pub use driver::{DataSource, DecisionSource, Driver, DriverError, DriverStep};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
 pub use fused::cross_entropy_sum;
 pub use optim::OptimConfig;
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;
+pub use run_dir::RunDir;
 pub use state::TrainingState;
-pub use trainer::{
-    Accumulated, CausalLm, MicroBatch, StepMetrics, TrainError, Trainer, accumulate, accumulate_with,
-};
+pub use trainer::{CausalLm, MicroBatch, StepMetrics, TrainError, Trainer};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trainer::accumulate;
     use burn::module::Module;
     use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
     use burn::tensor::{Device, Int, Tensor};

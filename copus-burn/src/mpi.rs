@@ -72,18 +72,28 @@ fn with_mpi<R>(f: impl FnOnce(&mut Mpi) -> R) -> Option<R> {
     MPI.lock().unwrap_or_else(|e| e.into_inner()).as_mut().map(f)
 }
 
+/// Why MPI could not be set up for copus.
+#[derive(Debug, thiserror::Error)]
+pub enum MpiInitError {
+    /// Another library in the process initialised MPI first.
+    #[error("MPI was already initialised by someone else")]
+    AlreadyInitialised,
+    /// The MPI library cannot run ranks on several threads of one process.
+    #[error("the MPI library gives thread level {0}; copus needs MPI_THREAD_MULTIPLE for several processes")]
+    ThreadLevel(String),
+}
+
 /// Initialises MPI (once per process) and says this process's role. Call it first thing in
 /// `main`, and [`finish`] before returning.
-pub fn init() -> Result<Role, String> {
+pub fn init() -> Result<Role, MpiInitError> {
     let mut slot = MPI.lock().unwrap_or_else(|e| e.into_inner());
     if slot.is_none() {
-        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-            .ok_or_else(|| "MPI was already initialised by someone else".to_string())?;
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or(MpiInitError::AlreadyInitialised)?;
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         // Process 0 talks to the others on its main thread while its rank runs on another.
         if size > 1 && level != mpi::Threading::Multiple {
-            return Err(format!("the MPI library gives thread level {level:?}; copus needs MPI_THREAD_MULTIPLE for several processes"));
+            return Err(MpiInitError::ThreadLevel(format!("{level:?}")));
         }
         let control = world.duplicate();
         if size > 1 {
@@ -264,13 +274,12 @@ impl Drop for MpiComm {
 
 /// The bytes of a slice of `f32` or `f64` (plain data, no padding).
 fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
-    // SAFETY: `Element` is sealed to f32 and f64, which have no padding and any bit pattern.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    bytemuck::cast_slice(v)
 }
 
+/// The bytes of a mutable slice of `f32` or `f64`; every byte pattern is a valid value.
 fn as_bytes_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
-    // SAFETY: as in `as_bytes`; every byte pattern is a valid f32 or f64.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    bytemuck::cast_slice_mut(v)
 }
 
 /// Rows `0..n` of `all` (each `len` long) combined over `range`, adding in rank order.

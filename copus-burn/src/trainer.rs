@@ -14,9 +14,9 @@ use copus_core::gns::{GnsEstimator, StepStats};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::optim::{AdamW, OptimConfig, SettingError};
 use crate::closing::StepCloser;
 use crate::grads;
+use crate::optim::{AdamW, OptimConfig, SettingError};
 
 /// A causal language model copus can train.
 pub trait CausalLm: Module + Clone + Send + std::fmt::Debug + 'static {

@@ -13,6 +13,8 @@ use copus_core::orchestrator::{
 };
 use copus_core::policy::{Decision, StepObservation};
 
+use copus_burn::driver::SourceStateError;
+
 use crate::error::ServiceError;
 
 /// The service as the driver's decision source, backed by an embedded orchestrator that sees
@@ -108,10 +110,9 @@ impl copus_burn::DecisionSource for RemoteSource {
     fn save_state(&self) -> Option<String> {
         serde_json::to_string(&self.embedded.state()).ok()
     }
-    fn restore_state(&mut self, state: &str) -> Result<(), String> {
-        let state: OrchestratorState =
-            serde_json::from_str(state).map_err(|e| format!("the saved orchestrator state does not parse: {e}"))?;
-        self.embedded.restore(&state)?;
+    fn restore_state(&mut self, state: &str) -> Result<(), SourceStateError> {
+        let state: OrchestratorState = serde_json::from_str(state)?;
+        self.embedded.restore(&state).map_err(SourceStateError::Mismatch)?;
         // The service learns it on the next (re)connection's handover.
         self.client.hand_over(Arc::new(state));
         Ok(())
@@ -161,7 +162,8 @@ impl Endpoint {
     /// Connects and says hello; then hands over `state` if given.
     fn open(&self, state: Option<&OrchestratorState>) -> Result<TcpStream, ServiceError> {
         let addr = self.addr;
-        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|source| ServiceError::Connect { addr, source })?;
+        let mut stream =
+            TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|source| ServiceError::Connect { addr, source })?;
         stream.set_read_timeout(Some(Duration::from_secs(30)))?;
         stream.set_nodelay(true)?;
         let hello = Request::Hello {

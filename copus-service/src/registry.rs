@@ -25,7 +25,6 @@ pub enum PolicyName {
     Static,
 }
 
-
 impl PolicyName {
     /// Every policy name, in the order `--help` lists them.
     pub const ALL: [PolicyName; 4] = [PolicyName::Copus, PolicyName::DpOnly, PolicyName::Merrill, PolicyName::Static];

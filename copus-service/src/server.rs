@@ -8,7 +8,7 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use copus_core::orchestrator::{
-    MAX_FRAME, MAX_HELLO, Orchestrator, PROTOCOL_VERSION, ProtocolError, Request, Response, RunFingerprint, authenticate, check_token, decode, encode,
+    MAX_FRAME, MAX_HELLO, Orchestrator, ProtocolError, Request, Response, RunFingerprint, authenticate, check_token, decode, encode,
     frame_len_within,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

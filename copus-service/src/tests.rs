@@ -5,7 +5,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use copus_core::orchestrator::{MAX_FRAME, MAX_HELLO, Orchestrator, PROTOCOL_VERSION, OrchestratorState, Request, Response, RunFingerprint, decode, encode, frame_len_within};
+use copus_core::orchestrator::{
+    MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, decode, encode,
+    frame_len_within,
+};
 use copus_core::policy::{Decision, Scorer, StepObservation, SwitchRule};
 
 use crate::client::{BACKOFF, Client, RemoteSource, exchange};
@@ -105,7 +108,8 @@ fn the_service_decides_like_the_embedded_orchestrator() {
 /// in process. All give the same decisions at the same steps and the same losses.
 #[test]
 fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_killed_service() {
-    use copus_burn::{Clock, DataSource, Driver, Engine, EngineConfig, OptimConfig};
+    use copus_burn::driver::Clock;
+    use copus_burn::{DataSource, Driver, Engine, EngineConfig, OptimConfig};
     use copus_models::{LlamaConfig, full_params};
 
     struct Tokens(usize);
@@ -171,10 +175,7 @@ fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_kill
     let make: MakeOrchestrator = Arc::new(orchestrator.clone());
     let cfg_of = || ServiceConfig::new(TOKEN.into(), fp.clone());
     let in_process = run(&mut orchestrator(), &mut |_| {});
-    assert!(
-        in_process.iter().any(|(_, _, d)| d.as_ref().is_some_and(|d| d.applied)),
-        "the policy switched at least once: {in_process:?}"
-    );
+    assert!(in_process.iter().any(|(_, _, d)| d.as_ref().is_some_and(|d| d.applied)), "the policy switched at least once: {in_process:?}");
 
     let service = spawn("127.0.0.1:0".parse().unwrap(), cfg_of(), make.clone()).unwrap();
     let addr = service.addr;

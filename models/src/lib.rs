@@ -225,9 +225,9 @@ mod tests {
             windows.chunks(b_m).map(|w| MicroBatch::from_windows(w, &dev)).collect()
         };
         // The gradient must not depend on the split (to fp32 summation order).
-        let whole = copus_burn::accumulate(&model, &split(8)).unwrap();
+        let whole = copus_burn::trainer::accumulate(&model, &split(8)).unwrap();
         for b_m in [4, 2, 1] {
-            let part = copus_burn::accumulate(&model, &split(b_m)).unwrap();
+            let part = copus_burn::trainer::accumulate(&model, &split(b_m)).unwrap();
             let diff = copus_burn::grads::diff_sq_norm(&model, &part.grads, &whole.grads).sqrt();
             assert!(diff < 1e-5 * whole.grad_sq_norm.sqrt(), "B_m {b_m}: |g - g_whole| = {diff}");
         }

@@ -20,10 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, TensorData};
+use copus_burn::driver::Clock;
 use copus_burn::driver::{DecisionSource, Scripted};
 use copus_burn::parallel::{ShardPlan, ShardSource};
 use copus_burn::run_dir::RunDir;
-use copus_burn::{Clock, Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
+use copus_burn::{Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
 use copus_core::candidates::{Candidate, Enumeration};
 use copus_core::goodput::{Objective, PlainGoodput};
 use copus_core::layout::ParallelDims;
@@ -36,12 +37,12 @@ use copus_models::{LlamaConfig, LlamaStage, full_params};
 use serde::{Deserialize, Serialize};
 
 use crate::data::PackedDataset;
+use crate::eval::heldout_loss;
+use crate::prepare::RunOptions;
+use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
+use crate::recipe::Recipe;
 use crate::report::plot::{self, Series};
 use crate::report::progress::Progress;
-use crate::recipe::Recipe;
-use crate::eval::heldout_loss;
-use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
-use crate::prepare::RunOptions;
 use crate::summary::{Summary, summary_markdown};
 
 /// One step as the plots need it (kept in `metrics.jsonl` so a resumed run plots it all).

@@ -1,21 +1,12 @@
 //! Held-out loss: the mean next-token loss per token over the first held-out sequences, for a
 //! whole model or through any summed-loss function (the engine's ranks).
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::time::Instant;
-
-use crate::report::progress::Progress;
 use burn::module::Module;
 use burn::tensor::Device;
-use copus_burn::{MicroBatch, StepMetrics, Trainer};
-use copus_models::{Llama, LlamaConfig};
-use serde::Serialize;
+use copus_burn::MicroBatch;
+use copus_models::Llama;
 
-use crate::data::{self, PackedDataset};
-use crate::report::plot::{self, Series};
-use crate::recipe::{Recipe, TokenizerRecipe};
+use crate::data::PackedDataset;
 
 /// Mean held-out loss per token over the first `count` held-out sequences (in stream order).
 pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usize) -> f64 {
@@ -37,4 +28,3 @@ pub fn heldout_loss(heldout: &PackedDataset, count: usize, micro: usize, device:
     }
     sum / tokens.max(1) as f64
 }
-

@@ -9,16 +9,13 @@ use std::time::Instant;
 
 use crate::report::progress::Progress;
 use burn::module::Module;
-use burn::tensor::Device;
 use copus_burn::{MicroBatch, StepMetrics, Trainer};
-use copus_models::{Llama, LlamaConfig};
-use serde::Serialize;
+use copus_models::LlamaConfig;
 
-use crate::data::{self, PackedDataset};
-use crate::report::plot::{self, Series};
-use crate::recipe::{Recipe, TokenizerRecipe};
 use crate::eval::evaluate;
 use crate::prepare::{Prepared, RunError, RunOptions, io, prepare, run_folder, seeded};
+use crate::recipe::Recipe;
+use crate::report::plot::{self, Series};
 use crate::summary::{Summary, summary_markdown};
 
 /// Runs a recipe's fixed single-rank training to the end; returns the run folder and its
@@ -202,6 +199,7 @@ fn plots(folder: &Path, history: &[(f64, StepMetrics)], eval_path: &Path) -> any
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data;
 
     /// The main job in miniature on the real corpus: fetches it on first use (pip), trains a
     /// small BPE and the 1M preset for a few steps, and writes the whole run folder.

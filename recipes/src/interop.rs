@@ -12,9 +12,9 @@ use copus_models::{Llama, LlamaConfig, hf};
 use tokenizers::Tokenizer;
 
 use crate::data::{self, PackedDataset};
-use crate::report::progress::Progress;
 use crate::prepare::vocab_of;
 use crate::recipe::Recipe;
+use crate::report::progress::Progress;
 
 /// A run folder's model, ready to use.
 pub struct RunModel {

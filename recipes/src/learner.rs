@@ -18,14 +18,14 @@ use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::tensor::{Device, Int, Tensor};
 use burn::train::metric::{LearningRateMetric, LossMetric};
 use burn::train::{InferenceStep, Learner, SequenceOutput, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy};
+use copus_burn::cross_entropy_sum;
 use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
 use copus_burn::trainer::{CausalLm, MicroBatch};
-use copus_burn::cross_entropy_sum;
 use copus_models::{Llama, LlamaConfig};
 
 use crate::data::PackedDataset;
-use crate::recipe::Recipe;
 use crate::prepare::{Prepared, prepare, run_folder};
+use crate::recipe::Recipe;
 
 /// Sequences of a packed split as a Burn dataset: the training stream's order (item `i` is the
 /// stream's `i`-th sample) or stream order (held-out).

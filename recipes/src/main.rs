@@ -52,7 +52,6 @@ fn keep_freed_memory() {
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use copus_service::PolicyName;
@@ -401,7 +400,7 @@ fn serve_ranks() -> ExitCode {
     progress::init(true);
     // Ctrl-C reaches every process; process 0 decides when to stop, the others follow it.
     let _ = ctrlc::set_handler(|| {});
-    let served = copus_burn::engine::serve(|text| copus_models::LlamaConfig::load_binary(text.as_bytes()).map_err(|e| e.to_string()));
+    let served = copus_burn::engine::serve(|text| copus_models::LlamaConfig::load_binary(text.as_bytes()));
     if let Err(e) = served {
         // Process 0 would wait for this one forever: end the whole job.
         copus_burn::mpi::abort_job(&e.to_string());

@@ -2,20 +2,9 @@
 //! they fix, a fresh run folder, the training split as the driver's data source, seeded
 //! initialisation, and the error of a run that fails.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
-
-use crate::report::progress::Progress;
-use burn::module::Module;
-use burn::tensor::Device;
-use copus_burn::{MicroBatch, StepMetrics, Trainer};
-use copus_models::{Llama, LlamaConfig};
-use serde::Serialize;
 
 use crate::data::{self, PackedDataset};
-use crate::report::plot::{self, Series};
 use crate::recipe::{Recipe, TokenizerRecipe};
 
 /// A run that failed; what was written so far stays in the run folder.

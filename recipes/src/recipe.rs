@@ -240,6 +240,8 @@ impl ParallelRecipe {
     }
 }
 
+/// A recipe file: the model, the data, the training schedule and the optimizer, and, with a
+/// `parallel` section, the candidate space Copus adapts over.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Recipe {

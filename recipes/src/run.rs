@@ -1,23 +1,11 @@
 //! A recipe run from start to end: the fixed single-rank run or, when the recipe is adaptive,
 //! the run on the engine under Copus; and continuing a run from its run folder.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use crate::report::progress::Progress;
-use burn::module::Module;
-use burn::tensor::Device;
-use copus_burn::{MicroBatch, StepMetrics, Trainer};
-use copus_models::{Llama, LlamaConfig};
-use serde::Serialize;
-
-use crate::data::{self, PackedDataset};
-use crate::report::plot::{self, Series};
-use crate::recipe::{Recipe, TokenizerRecipe};
-use crate::summary::Summary;
 pub use crate::prepare::RunOptions;
+use crate::recipe::Recipe;
+use crate::summary::Summary;
 
 /// Runs a recipe to the end, under Copus when it is adaptive; returns the run folder and its
 /// summary.

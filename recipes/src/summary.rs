@@ -1,20 +1,8 @@
 //! What a run reports at the end: `summary.json` and `summary.md`.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::time::Instant;
-
-use crate::report::progress::Progress;
-use burn::module::Module;
-use burn::tensor::Device;
-use copus_burn::{MicroBatch, StepMetrics, Trainer};
-use copus_models::{Llama, LlamaConfig};
 use serde::Serialize;
 
-use crate::data::{self, PackedDataset};
-use crate::report::plot::{self, Series};
-use crate::recipe::{Recipe, TokenizerRecipe};
+use crate::recipe::Recipe;
 
 /// What a run reports at the end (summary.json).
 #[derive(Clone, Debug, Serialize)]

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use copus_burn::{Clock, DataSource, Divergence, Driver, DriverError, Engine, EngineConfig, OptimConfig, Scripted, TrainingState};
+use copus_burn::driver::{Clock, Divergence, Scripted};
+use copus_burn::{DataSource, Driver, DriverError, Engine, EngineConfig, OptimConfig, TrainingState};
 use copus_core::candidates::{CandidateSpace, Enumeration};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::schedule::ScheduleKind;

@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use copus_burn::{Clock, DataSource, Driver, Engine, EngineConfig, OptimConfig, Scripted};
+use copus_burn::driver::{Clock, Scripted};
+use copus_burn::{DataSource, Driver, Engine, EngineConfig, OptimConfig};
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::schedule::ScheduleKind;

@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use copus_burn::{Clock, DecisionSource, Driver, Engine, EngineConfig, OptimConfig, Scripted};
+use copus_burn::driver::{Clock, Scripted};
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig, OptimConfig};
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::orchestrator::Orchestrator;

@@ -41,9 +41,9 @@ use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::rank::{Groups, RankState};
-use crate::optim as adamw;
 use crate::collective::Collective;
 use crate::grads::with_values;
+use crate::optim as adamw;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
 use crate::state::{Checksum, OptimScalars, RankResume, checksum};
 

@@ -45,7 +45,6 @@ use copus_core::model::ParamSpec;
 pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
-use fault::StepFault;
 pub(crate) use live::LiveFailure;
 #[cfg(feature = "mpi")]
 pub(crate) use processes::exit_message;

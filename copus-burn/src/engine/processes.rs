@@ -211,7 +211,7 @@ type Checksums = Vec<(String, u64)>;
 ///
 /// A rank that fails (to start, or during a step) aborts the job with its message: the other
 /// ranks may be waiting for it inside a collective.
-pub fn serve<L: ParallelLm>(decode_model: impl Fn(&str) -> Result<L, String>) -> Result<(), EngineError> {
+pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) -> Result<L, E>) -> Result<(), EngineError> {
     let Role::Worker { rank, .. } = mpi::role() else {
         return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::mpi::init first)".into()));
     };

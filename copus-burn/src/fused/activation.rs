@@ -1,13 +1,12 @@
 //! SiLU and SwiGLU (`silu(gate) * up`) as custom operations.
 
+use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::glue::*;
@@ -146,7 +145,6 @@ impl Backward<Flex, 2> for SwigluBackward {
         }
     }
 }
-
 
 /// `1 / (1 + e^-x)` with [`exp`].
 #[inline(always)]

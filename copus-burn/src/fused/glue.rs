@@ -8,10 +8,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use rayon::prelude::*;
-
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 /// A float tensor's values as f32 on the host, without its autodiff graph.
 pub(super) fn host_values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
@@ -112,7 +109,6 @@ pub(super) fn ad_parts<const D: usize>(x: &Tensor<D>) -> Option<(FlexTensor, Nod
 pub(super) fn binary_parts<const D: usize, const E: usize>(a: &Tensor<D>, b: &Tensor<E>) -> Option<[(FlexTensor, NodeGuard); 2]> {
     Some([ad_parts(a)?, ad_parts(b)?])
 }
-
 
 /// Custom operations built so far (all tests of this process).
 #[cfg(test)]

@@ -1,19 +1,12 @@
 //! The summed softmax cross entropy as one custom operation, and its decomposed and
 //! `log_softmax` forms (what runs elsewhere, and the reference it is tested against).
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
-use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use rayon::prelude::*;
 
+use super::activation::CHUNK;
 use super::glue::*;
 use super::rows::*;
-use super::activation::CHUNK;
 
 /// `-sum log softmax(logits)[target]` over all positions, `[1]`, fused (see the module docs).
 /// On devices other than Flex it takes the decomposed form, which keeps the logits on the device.
@@ -50,7 +43,6 @@ pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> T
     }
 }
 
-
 /// The loss as `sum(logsumexp(logits)) - sum(logits[target])` in tensor ops, with the max used
 /// for stability detached (the shift cancels in value and gradient).
 pub(crate) fn cross_entropy_sum_decomposed(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
@@ -61,6 +53,7 @@ pub(crate) fn cross_entropy_sum_decomposed(logits_bsv: Tensor<3>, targets_bs: Te
 }
 
 /// The same loss through `log_softmax`: the reference the fused form is tested against.
+#[cfg(test)]
 pub(crate) fn cross_entropy_sum_reference(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
-    log_softmax(logits_bsv, 2).gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
+    burn::tensor::activation::log_softmax(logits_bsv, 2).gather(2, targets_bs.unsqueeze_dim::<3>(2)).sum().neg()
 }

@@ -47,8 +47,6 @@ pub use activation::{silu, swiglu};
 pub use attention::causal_attention;
 pub use linear::linear;
 pub use loss::cross_entropy_sum;
-#[cfg(test)]
-pub(crate) use loss::cross_entropy_sum_reference;
 pub use norm::rms_norm;
 pub use rope::rope;
 pub(crate) use rows::{picked, rescale_sums, row_stats, softmax_grad_in_place};

@@ -1,14 +1,13 @@
 //! RMSNorm as one custom operation, with the gradients of the input and of the weight in one
 //! backward pass.
 
+use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::glue::*;

@@ -2,16 +2,7 @@
 //! rows, and the cross entropy's per-row pieces that the vocabulary-parallel loss shares
 //! (`row_stats`, `rescale_sums`, `picked`, `softmax_grad_in_place`).
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
-use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use rayon::prelude::*;
-
 
 /// Below this many logits one thread does the work: spawning tasks costs more.
 pub(super) const PARALLEL_MIN: usize = 1 << 15;

@@ -1,14 +1,7 @@
 //! Softmax over the last dimension, and causal softmax of scaled attention scores with the
 //! scale and the mask folded in.
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
-use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::glue::*;

@@ -1,25 +1,15 @@
 //! The fused operations against Burn's own forms and against definitions, in value and gradient.
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind, unary};
-use burn::backend::flex::FlexTensor;
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use rayon::prelude::*;
-use super::glue::*;
-use super::rows::*;
 use super::activation::*;
+use super::glue::CUSTOM_OPS;
 use super::loss::*;
 use super::norm::*;
 use super::rope::*;
+use super::rows::*;
 use super::softmax::*;
-use super::glue::CUSTOM_OPS;
 use burn::tensor::Distribution;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use std::sync::atomic::Ordering;
 
 /// Flex under autodiff: as the trainer uses it (the custom operations), and with gradient
 /// checkpointing (Burn's decomposed forms).

@@ -2,19 +2,12 @@
 //! error type.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
 
 use burn::config::Config;
-use burn::data::dataloader::BatchStrategy;
-use burn::optim::LearningRate;
-use burn::optim::ModuleOptimizer;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
-use burn::tensor::Device;
-use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
-use copus_core::gns::{GnsEstimator, StepStats};
+use copus_core::accumulation::{CostTracker, Plan, StepCost};
+use copus_core::gns::GnsEstimator;
 use copus_core::goodput::{LrRule, ObjectiveKind};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -161,13 +154,7 @@ impl CopusBatchingConfig {
             lr_factor: 1.0,
             mismatched_steps: 0,
         };
-        let state = State {
-            kept,
-            history: Vec::new(),
-            snapshots: VecDeque::new(),
-            devices: 1,
-            schedule_advance: 1.0,
-        };
+        let state = State { kept, history: Vec::new(), snapshots: VecDeque::new(), devices: 1, schedule_advance: 1.0 };
         Ok(CopusBatching {
             shared: Arc::new(Shared {
                 config: self.clone(),
@@ -179,4 +166,3 @@ impl CopusBatchingConfig {
         })
     }
 }
-

@@ -1,22 +1,9 @@
 //! The loader's batch strategy that cuts batches of copus's current micro-batch.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-use burn::config::Config;
 use burn::data::dataloader::BatchStrategy;
-use burn::optim::LearningRate;
-use burn::optim::ModuleOptimizer;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
-use burn::tensor::Device;
-use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
-use copus_core::gns::{GnsEstimator, StepStats};
-use copus_core::goodput::{LrRule, ObjectiveKind};
-use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use super::state::Shared;
 
@@ -49,4 +36,3 @@ impl<I: Send + Sync + 'static> BatchStrategy<I> for AdaptiveBatchSize<I> {
         Some(self.shared.micro_batch.load(Ordering::Relaxed).max(1))
     }
 }
-

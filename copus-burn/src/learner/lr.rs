@@ -1,23 +1,12 @@
 //! The learning-rate scheduler wrapper: the inner schedule times the batch rule's factor,
 //! advanced by samples or steps, with the add-on's state inside the scheduler's record.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-use burn::config::Config;
-use burn::data::dataloader::BatchStrategy;
 use burn::optim::LearningRate;
-use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
-use burn::tensor::Device;
-use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
-use copus_core::gns::{GnsEstimator, StepStats};
-use copus_core::goodput::{LrRule, ObjectiveKind};
-use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use super::config::ScheduleClock;
 use super::state::{Saved, Shared};
@@ -103,4 +92,3 @@ impl LrScheduler for BatchScaledLr {
         self.shared.micro_batch.store(micro_batch, Ordering::Relaxed);
     }
 }
-

@@ -34,30 +34,23 @@ mod metrics;
 mod state;
 mod strategy;
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-use burn::config::Config;
-use burn::data::dataloader::BatchStrategy;
-use burn::optim::LearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::tensor::Device;
 use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
-use copus_core::gns::{GnsEstimator, StepStats};
-use copus_core::goodput::{LrRule, ObjectiveKind};
-use serde::{Deserialize, Serialize};
-use thiserror::Error;
+use copus_core::accumulation::{Plan, best_plan_on, score_on};
+use copus_core::gns::StepStats;
+use copus_core::goodput::LrRule;
 
+use config::bad;
 pub use config::{CopusBatchingConfig, CopusLearnerError, ScheduleClock};
 pub use loader::AdaptiveBatchSize;
 pub use lr::BatchScaledLr;
 pub use metrics::{BatchSizeMetric, EfficiencyMetric, NoiseScaleMetric};
 pub(crate) use state::StepMeasure;
-use config::bad;
 use state::{SNAPSHOTS_KEPT, Shared, State};
 pub use state::{Snapshot, StepRecord};
 pub use strategy::CopusStrategy;
@@ -341,7 +334,6 @@ impl<M: LearnerModel> CopusTrainingExt for SupervisedTraining<M> {
             .metric_train_numeric(copus.efficiency_metric())
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -2,22 +2,12 @@
 //! handles read and write, what a checkpoint keeps, and what the metrics show.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Mutex, MutexGuard};
 
-use burn::config::Config;
-use burn::data::dataloader::BatchStrategy;
-use burn::optim::LearningRate;
-use burn::optim::ModuleOptimizer;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
-use burn::tensor::Device;
-use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{CostTracker, Plan, StepCost, best_plan_on, score_on};
-use copus_core::gns::{GnsEstimator, StepStats};
-use copus_core::goodput::{LrRule, ObjectiveKind};
+use copus_core::accumulation::{CostTracker, Plan};
+use copus_core::gns::GnsEstimator;
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use super::config::CopusBatchingConfig;
 
@@ -64,7 +54,6 @@ pub struct StepRecord {
     /// The plan decided for the next step, when it changed.
     pub switched_to: Option<Plan>,
 }
-
 
 pub(super) struct Shared {
     pub(super) config: CopusBatchingConfig,
@@ -179,4 +168,3 @@ pub(crate) struct StepMeasure {
     pub(crate) step_seconds: f64,
     pub(crate) overhead_seconds: f64,
 }
-

@@ -27,13 +27,13 @@ use burn_pack::Scalar;
 use rayon::prelude::*;
 
 /// The record name of the first moment.
-pub const MOMENT_1: &str = "momentum.moment_1";
+pub(crate) const MOMENT_1: &str = "momentum.moment_1";
 /// The record name of the second moment.
-pub const MOMENT_2: &str = "momentum.moment_2";
+pub(crate) const MOMENT_2: &str = "momentum.moment_2";
 /// The record name of the step count.
-pub const TIME: &str = "momentum.time";
+pub(crate) const TIME: &str = "momentum.time";
 /// The record name of the parameter's number of dimensions.
-pub const RANK: &str = "__rank";
+pub(super) const RANK: &str = "__rank";
 
 /// Elements per task of the host update: elementwise, so the split changes no result.
 const PART: usize = 1 << 16;
@@ -53,7 +53,7 @@ pub struct Moments {
 
 impl Moments {
     /// Moments from host values, on `device`.
-    pub fn from_values(time: usize, shape: Vec<usize>, m1: Vec<f32>, m2: Vec<f32>, device: &Device) -> Result<Self, String> {
+    pub(crate) fn from_values(time: usize, shape: Vec<usize>, m1: Vec<f32>, m2: Vec<f32>, device: &Device) -> Result<Self, String> {
         let n: usize = shape.iter().product();
         if m1.len() != n || m2.len() != n {
             return Err(format!("moments of {} and {} values for a parameter of shape {shape:?}", m1.len(), m2.len()));

@@ -11,7 +11,6 @@ use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{LlamaConfig, full_params};
 
-use super::median;
 use crate::profile::synthetic_batch;
 
 /// Seconds per all-reduce of `elems` f32 per rank on `world` ranks (rank 0's clock, between

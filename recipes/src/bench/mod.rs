@@ -45,7 +45,7 @@ pub(crate) fn int2(v: Vec<i64>, shape: [usize; 2], device: &Device) -> Tensor<2,
     Tensor::<2, Int>::from_data(TensorData::new(v, shape), device)
 }
 
-
+/// The median (of an even count, the mean of the two middle values); NaN when empty.
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let h = v.len() / 2;

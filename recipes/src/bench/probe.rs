@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use copus_burn::{CausalLm, MicroBatch, OptimConfig, Trainer, cross_entropy_sum, grads};
+use copus_burn::{MicroBatch, OptimConfig, Trainer, grads};
 use copus_models::LlamaConfig;
 
 use super::{MICRO_BATCH, Shape, int2, median, spec, tokens};
@@ -100,8 +100,6 @@ pub fn probe_work(shape: &Shape, num_micro: usize, reps: usize) -> (f64, f64) {
     (median(on), median(off))
 }
 
-/// The median (of an even count, the mean of the two middle values); NaN when empty.
-
 /// The learner add-on's noise probe against the same step without it, on the reference shape:
 /// seconds per step (forward, backward, AdamW) and seconds of the probe's work at one
 /// micro-batch per step (the squared norm of the gradient and of its difference from the
@@ -138,10 +136,6 @@ pub fn probe_overhead(steps: usize, warmup: usize) -> (f64, f64) {
     }
     (median(step_secs), median(probe_secs))
 }
-
-/// The GEMMs timed on their own, `(m, k, n)`: the reference step's LM head, then tiny-20m's
-/// (sequence 256, 8 sequences) projections forward (q and o, k and v, gate and up, down, the LM
-/// head) and one weight gradient.
 
 /// Prints `recipes bench probe`'s table: the reference step with the probe off and the probe's
 /// own work, medians over `steps`.

@@ -2,12 +2,11 @@
 //! restart from a synced checkpoint, per model preset and layout change, with the switch, the
 //! first step after it and the steady step each timed.
 
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::Device;
-use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
-use copus_burn::{Engine, EngineConfig, MicroBatch, OptimConfig, Trainer};
+use copus_burn::{Engine, EngineConfig, OptimConfig};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{LlamaConfig, full_params};

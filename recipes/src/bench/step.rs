@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, anyhow};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::{CausalLm, MicroBatch, OptimConfig, Trainer, cross_entropy_sum, grads};
+use copus_burn::{CausalLm, OptimConfig, cross_entropy_sum, grads};
 use copus_core::model::ModelSpec;
 use copus_models::LlamaConfig;
 
@@ -41,7 +41,6 @@ impl Phases {
         self.body + self.head_loss + self.backward + self.probe + self.optimizer
     }
 }
-
 
 /// The copus step on one shape, one step per call: the model, its AdamW and the probe's last
 /// gradient.
@@ -101,6 +100,9 @@ impl CopusStep {
     }
 }
 
+/// The GEMMs timed on their own, `(m, k, n)`: the reference step's LM head, then tiny-20m's
+/// (sequence 256, 8 sequences) projections forward (q and o, k and v, gate and up, down, the LM
+/// head) and one weight gradient.
 pub const GEMMS: [(usize, usize, usize); 7] =
     [(2048, 256, 4096), (2048, 512, 512), (2048, 512, 256), (2048, 512, 1376), (2048, 1376, 512), (2048, 512, 4096), (512, 2048, 1376)];
 
@@ -329,11 +331,7 @@ pub fn op_table() {
             millis(|| forward_backward(&gate, |g| fused::swiglu(g, up.clone()))),
             millis(|| forward_backward(&gate, |g| activation::silu(g) * up.clone())),
         ),
-        (
-            "cross entropy of [8,256,4096] logits",
-            millis(|| ce(fused::cross_entropy_sum)),
-            millis(|| ce(log_softmax_loss)),
-        ),
+        ("cross entropy of [8,256,4096] logits", millis(|| ce(fused::cross_entropy_sum)), millis(|| ce(log_softmax_loss))),
     ];
     // Attention of the reference shape: 8 sequences of 256, 4 kv heads of 2 query heads, e 64.
     let [q, k, v]: [Tensor<4>; 3] = [[8, 4, 512, 64], [8, 4, 256, 64], [8, 4, 256, 64]]

@@ -13,16 +13,17 @@ use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
 use burn::tensor::Device;
-use copus_burn::{Clock, DecisionSource, Driver, Engine, EngineConfig, Scripted};
+use copus_burn::driver::{Clock, Scripted};
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
 use copus_core::candidates::Candidate;
 use copus_core::throughput::{ThroughputModel, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
 use serde::{Deserialize, Serialize};
 
+use crate::prepare::{Prepared, TrainSequences, prepare};
+use crate::recipe::Recipe;
 use crate::report::plot::{Series, line_plot};
 use crate::report::progress::Progress;
-use crate::recipe::Recipe;
-use crate::prepare::{Prepared, TrainSequences, prepare};
 
 /// The headline scenario of a comparison recipe.
 #[derive(Clone, Debug, Deserialize, Serialize)]

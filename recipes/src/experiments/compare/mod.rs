@@ -20,9 +20,9 @@ pub mod synthetic;
 
 use std::path::{Path, PathBuf};
 
-pub use schema::{CompareRecipe, Scenario};
 use real::real;
 use report::report;
+pub use schema::{CompareRecipe, Scenario};
 use synthetic::synthetic;
 
 /// What a comparison produced.
@@ -49,11 +49,10 @@ pub fn run(recipe: &CompareRecipe) -> anyhow::Result<Outcome> {
     Ok(Outcome { folder, summary })
 }
 
-
 #[cfg(test)]
 mod tests {
-    use super::*;
     use super::synthetic::{fastest_run, goodput_per_layout, synthetic_setup};
+    use super::*;
     use copus_core::goodput::ObjectiveKind;
     use copus_core::layout::ParallelDims;
     use copus_core::policy::{DpOnlyGoodput, smallest_on};

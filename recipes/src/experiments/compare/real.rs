@@ -3,7 +3,6 @@
 
 //! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -13,28 +12,19 @@ use burn::tensor::Device;
 use copus_burn::driver::Clock as RunClock;
 use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
 use copus_core::candidates::{Candidate, CandidateSpace};
-use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
-use copus_core::layout::ParallelDims;
+use copus_core::goodput::{Objective, PlainGoodput};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{
-    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
-    hindsight_oracle,
-};
-use copus_core::schedule::ScheduleKind;
-use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
-use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
+use copus_core::policy::{Scorer, SwitchCosts, Trajectory, hindsight_oracle};
+use copus_core::throughput::{ClusterModel, ThroughputModel, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
-use serde::{Deserialize, Serialize};
 
-use crate::report::plot::{Series, line_plot, region_plot};
-use crate::recipe::Recipe;
 use super::records::{Compared, PolicyRun, StepRecord, SwitchRecord, describe, secs};
 use super::schema::{Clock, CompareRecipe, Real};
 use crate::profile::measure_profile;
+use crate::recipe::Recipe;
 use copus_core::policy::{Entry, lineup};
-
 
 pub(super) fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared> {
     let train_recipe = Recipe::load(Path::new(&r.recipe))?;
@@ -235,4 +225,3 @@ fn oracle_from(points: &[(f64, f64)], end: f64, scorer: &Scorer, costs: SwitchCo
     let traj = Trajectory::new(pts, end).ok()?;
     Some(hindsight_oracle(&traj, scorer, costs, Some(start)).time)
 }
-

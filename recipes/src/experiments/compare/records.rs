@@ -3,34 +3,8 @@
 
 //! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
 
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use crate::report::progress::Progress;
-use anyhow::{Context, anyhow};
-use burn::tensor::Device;
-use copus_burn::driver::Clock as RunClock;
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
-use copus_core::candidates::{Candidate, CandidateSpace};
-use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
-use copus_core::layout::ParallelDims;
-use copus_core::memory::{GIB, MemoryModel};
-use copus_core::model::ModelSpec;
-use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{
-    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
-    hindsight_oracle,
-};
-use copus_core::schedule::ScheduleKind;
-use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
-use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
-use copus_models::{LlamaConfig, full_params};
-use serde::{Deserialize, Serialize};
-
-use crate::report::plot::{Series, line_plot, region_plot};
-use crate::recipe::Recipe;
-
+use copus_core::candidates::Candidate;
+use serde::Serialize;
 
 /// One policy's run on either clock.
 #[derive(Clone, Debug, Serialize)]
@@ -97,4 +71,3 @@ pub(crate) fn describe(c: &Candidate) -> String {
 }
 
 pub(crate) type Compared = (Vec<PolicyRun>, Option<f64>, String, String, Option<String>);
-

@@ -4,36 +4,14 @@
 //! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
-use crate::report::progress::Progress;
-use anyhow::{Context, anyhow};
-use burn::tensor::Device;
-use copus_burn::driver::Clock as RunClock;
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
-use copus_core::candidates::{Candidate, CandidateSpace};
-use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
-use copus_core::layout::ParallelDims;
-use copus_core::memory::{GIB, MemoryModel};
-use copus_core::model::ModelSpec;
-use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{
-    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
-    hindsight_oracle,
-};
-use copus_core::schedule::ScheduleKind;
-use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
-use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
-use copus_models::{LlamaConfig, full_params};
-use serde::{Deserialize, Serialize};
+use anyhow::anyhow;
 
-use crate::report::plot::{Series, line_plot, region_plot};
-use crate::recipe::Recipe;
-use super::records::{PolicyRun, secs};
 use super::records::StepRecord;
+use super::records::{PolicyRun, secs};
 use super::schema::CompareRecipe;
-
+use crate::report::plot::{Series, line_plot, region_plot};
 
 pub(super) fn report(
     recipe: &CompareRecipe,
@@ -236,4 +214,3 @@ pub(super) fn report(
     write("recipe.ron", &recipe_text)?;
     Ok(md)
 }
-

@@ -5,37 +5,23 @@
 //! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::report::progress::Progress;
-use anyhow::{Context, anyhow};
-use burn::tensor::Device;
-use copus_burn::driver::Clock as RunClock;
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
+use anyhow::anyhow;
 use copus_core::candidates::{Candidate, CandidateSpace};
-use copus_core::goodput::{Objective, ObjectiveKind, PlainGoodput};
+use copus_core::goodput::{Objective, ObjectiveKind};
 use copus_core::layout::ParallelDims;
-use copus_core::memory::{GIB, MemoryModel};
+use copus_core::memory::MemoryModel;
 use copus_core::model::ModelSpec;
-use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{
-    CbsFixedLayout, Copus, DpOnlyGoodput, MerrillWarmup, Policy, Scorer, Static, StepObservation, SwitchCosts, SwitchRule, Trajectory,
-    hindsight_oracle,
-};
+use copus_core::policy::{Copus, DpOnlyGoodput, Policy, Scorer, StepObservation, SwitchCosts, SwitchRule, Trajectory, hindsight_oracle};
 use copus_core::schedule::ScheduleKind;
-use copus_core::sim::{LossCurve, SimConfig, SimNoise, SimRun, simulate};
-use copus_core::throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};
-use copus_models::{LlamaConfig, full_params};
-use serde::{Deserialize, Serialize};
+use copus_core::sim::{SimConfig, SimRun, simulate};
+use copus_core::throughput::ClusterModel;
 
-use crate::report::plot::{Series, line_plot, region_plot};
-use crate::recipe::Recipe;
-use super::records::{Compared, PolicyRun, StepRecord, SwitchRecord, describe, secs};
-use super::schema::{CompareRecipe, Synthetic};
+use super::records::{Compared, PolicyRun, StepRecord, SwitchRecord, describe};
 use super::schema::Sweeps;
+use super::schema::{CompareRecipe, Synthetic};
 use copus_core::policy::{Entry, Named, lineup, smallest_on};
-
 
 fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> anyhow::Result<(Scorer, usize)> {
     let spec = ModelSpec::preset(&s.model)?;
@@ -243,4 +229,3 @@ impl Policy for Scaled {
         self.1.observe_throughput(c, samples_per_sec);
     }
 }
-

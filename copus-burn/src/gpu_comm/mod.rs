@@ -1,0 +1,240 @@
+//! Collectives on GPUs through NCCL's C interface: NVIDIA's NCCL (feature `nccl`, through
+//! cudarc with dynamic loading) and AMD's RCCL (feature `rccl`, which exports the same
+//! interface, loaded with libloading). Both sit behind the one [`Collective`] trait as
+//! [`GpuComm`].
+//!
+//! One process per GPU, started by `mpirun`: the group's rank 0 makes the library's unique id
+//! and MPI broadcasts it; each group made by [`Collective::split`] gets its own communicator the
+//! same way. Point-to-point messages (pipeline activations) and barriers go over MPI, whose
+//! sends never wait for the receive, as the engine's schedules require.
+//!
+//! The trait works on host slices, so each call stages its buffer to the device and back; the
+//! in-place path for Burn CUDA tensors is [`cuda_tensor`] (feature `cuda`). Sums follow the
+//! library's ring or tree order, so results match the in-process engine to rounding, not to
+//! the bit.
+//!
+//! Without the libraries (no driver, no NCCL/RCCL, no device) every constructor returns a
+//! [`CommError`] saying what is missing, on every rank alike, and never panics.
+
+#![allow(unsafe_code)]
+
+use std::any::TypeId;
+
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
+use crate::mpi::MpiComm;
+
+/// A host buffer of one of the two element types a collective moves.
+pub enum Host<'a> {
+    /// Tensors.
+    F32(&'a mut [f32]),
+    /// Statistics.
+    F64(&'a mut [f64]),
+}
+
+fn host<T: Element>(buf: &mut [T]) -> Host<'_> {
+    // `Element` is sealed to f32 and f64; the TypeId check picks the one `T` is, so the cast
+    // keeps the element size and never fails.
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        Host::F32(bytemuck::cast_slice_mut(buf))
+    } else {
+        Host::F64(bytemuck::cast_slice_mut(buf))
+    }
+}
+
+/// What one GPU collective library provides, on host buffers staged through its device.
+pub trait GpuLibrary: Sized {
+    /// The library's name, for messages.
+    const NAME: &'static str;
+    /// Checks that the driver, the library and a device are there.
+    fn check(device: usize) -> Result<(), String>;
+    /// A fresh unique id (on the group's rank 0).
+    fn unique_id() -> Result<[u8; 128], String>;
+    /// Joins the communicator of `id` as `rank` of `size` on `device` (collective).
+    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, String>;
+    /// Combines `buf` across the group; every rank gets the result.
+    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), String>;
+    /// `recv` (n x len) gets every rank's `send` (len) in rank order.
+    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), String>;
+    /// `recv` (len / n) gets this rank's chunk of the combined `send`.
+    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), String>;
+    /// Replaces `buf` with `root`'s.
+    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), String>;
+}
+
+/// A rank's communicator on a GPU collective library, with MPI beside it for ids,
+/// point-to-point messages and barriers.
+pub struct GpuComm<G: GpuLibrary> {
+    lib: G,
+    mpi: MpiComm,
+    device: usize,
+}
+
+impl<G: GpuLibrary> std::fmt::Debug for GpuComm<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuComm<{}>(rank {} of {}, device {})", G::NAME, self.mpi.rank(), self.mpi.size(), self.device)
+    }
+}
+
+/// NVIDIA's NCCL (feature `nccl`).
+#[cfg(feature = "nccl")]
+pub type NcclComm = GpuComm<nccl::Nccl>;
+/// AMD's RCCL (feature `rccl`).
+#[cfg(feature = "rccl")]
+pub type RcclComm = GpuComm<rccl::Rccl>;
+
+impl<G: GpuLibrary> GpuComm<G> {
+    /// The library's communicator over `mpi`'s group, this rank on GPU `device` (collective
+    /// over the group). When any rank lacks the driver, the library or the device, every rank
+    /// gets the error (the first failing rank's reason).
+    pub fn new(mpi: MpiComm, device: usize) -> Result<Self, CommError> {
+        let checked = G::check(device);
+        Self::agree(&mpi, checked.as_ref().err())?;
+        let mut id = vec![0f64; 16];
+        if mpi.rank() == 0 {
+            let made = G::unique_id();
+            if let Ok(bytes) = &made {
+                for (slot, chunk) in id.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *slot = f64::from_bits(u64::from_le_bytes(chunk.try_into().expect("8 bytes")));
+                }
+            }
+            Self::agree(&mpi, made.as_ref().err())?;
+        } else {
+            Self::agree(&mpi, None)?;
+        }
+        mpi.broadcast(&mut id, 0)?;
+        let mut bytes = [0u8; 128];
+        for (chunk, v) in bytes.chunks_exact_mut(8).zip(&id) {
+            chunk.copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+        let joined = G::join(bytes, mpi.rank(), mpi.size(), device);
+        Self::agree(&mpi, joined.as_ref().err())?;
+        Ok(Self { lib: joined.map_err(CommError::Invalid)?, mpi, device })
+    }
+
+    /// Every rank learns whether some rank failed, and the lowest failing rank's reason.
+    fn agree(mpi: &MpiComm, failure: Option<&String>) -> Result<(), CommError> {
+        let me = mpi.rank() as f64;
+        let mut first = vec![if failure.is_some() { -me } else { f64::NEG_INFINITY }];
+        mpi.all_reduce(&mut first, ReduceOp::Max)?;
+        if first[0] == f64::NEG_INFINITY {
+            return Ok(());
+        }
+        let rank = (-first[0]) as usize;
+        let mut text: Vec<f64> = failure.map(|m| m.bytes().map(f64::from).collect()).unwrap_or_default();
+        mpi.broadcast(&mut text, rank)?;
+        let reason = String::from_utf8_lossy(&text.iter().map(|&b| b as u8).collect::<Vec<u8>>()).into_owned();
+        Err(CommError::Invalid(format!("{} on rank {rank}: {reason}", G::NAME)))
+    }
+
+    /// Every rank passed `len` elements (the libraries would hang or overrun otherwise).
+    fn same_len(&self, op: &'static str, len: usize) -> Result<(), CommError> {
+        let all = self.mpi.all_gather(&[len as f64])?;
+        match all.iter().position(|&l| l != len as f64) {
+            None => Ok(()),
+            Some(r) => Err(CommError::Mismatch { op, detail: format!("rank {r} passed {} elements, this rank {len}", all[r]) }),
+        }
+    }
+
+    fn lib_err(e: String) -> CommError {
+        CommError::Invalid(format!("{}: {e}", G::NAME))
+    }
+}
+
+// SAFETY: the library communicator and the MPI communicator are used by the one rank that owns
+// them, from one thread at a time (MPI runs at MPI_THREAD_SERIALIZED or above).
+unsafe impl<G: GpuLibrary> Send for GpuComm<G> {}
+
+impl<G: GpuLibrary> Collective for GpuComm<G> {
+    fn rank(&self) -> usize {
+        self.mpi.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.mpi.size()
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.same_len("all_reduce", buf.len())?;
+        self.lib.all_reduce(host(buf), op).map_err(Self::lib_err)
+    }
+
+    fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        self.same_len("all_gather", buf.len())?;
+        let mut send = buf.to_vec();
+        let mut out = vec![T::default(); buf.len() * self.size()];
+        self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
+        Ok(out)
+    }
+
+    fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+        let n = self.size();
+        check_scatter(buf.len(), n)?;
+        self.same_len("reduce_scatter", buf.len())?;
+        let mut send = buf.to_vec();
+        let mut out = vec![T::default(); chunk_range(buf.len(), n, self.rank()).len()];
+        self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;
+        Ok(out)
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
+        // The length travels over MPI, the data through the library.
+        let mut len = vec![buf.len() as f64];
+        self.mpi.broadcast(&mut len, root)?;
+        buf.resize(len[0] as usize, T::default());
+        self.lib.broadcast(host(buf), root).map_err(Self::lib_err)
+    }
+
+    fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
+        self.mpi.send(to, tag, buf)
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
+        self.mpi.recv(from, tag)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.mpi.barrier()
+    }
+
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
+        Self::new(self.mpi.split(groups)?, self.device)
+    }
+
+    fn abort(&self, message: &str) {
+        self.mpi.abort(message)
+    }
+
+    fn aborter(&self) -> Aborter {
+        self.mpi.aborter()
+    }
+}
+
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+pub mod cuda_tensor;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(feature = "rccl")]
+pub mod rccl;
+
+#[cfg(test)]
+mod tests {
+    /// Without the libraries (this machine has no GPU driver), constructing a communicator
+    /// is a clear error naming what is missing, not a panic. Needs MPI (a singleton world).
+    #[test]
+    #[cfg(any(feature = "nccl", feature = "rccl"))]
+    fn missing_libraries_are_a_clear_error() {
+        crate::mpi::init().expect("MPI starts as a singleton");
+        #[cfg(feature = "nccl")]
+        {
+            let e = super::NcclComm::new(crate::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
+            assert!(e.starts_with("NCCL on rank 0: "), "{e}");
+            assert!(e.contains("libcuda.so") || e.contains("libnccl.so") || e.contains("CUDA device"), "{e}");
+        }
+        #[cfg(feature = "rccl")]
+        {
+            let e = super::RcclComm::new(crate::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
+            assert!(e.starts_with("RCCL on rank 0: "), "{e}");
+            assert!(e.contains("librccl.so") || e.contains("libamdhip64.so") || e.contains("ROCm device"), "{e}");
+        }
+    }
+}

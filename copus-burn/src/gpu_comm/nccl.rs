@@ -1,0 +1,132 @@
+//! NCCL through cudarc (dynamic loading: nothing is linked at build time).
+
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
+
+use super::{GpuLibrary, Host};
+use crate::collective::ReduceOp;
+
+/// NCCL's communicator and the CUDA stream its calls run on.
+pub struct Nccl {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+}
+
+fn op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Max => NcclOp::Max,
+    }
+}
+
+/// Stages `buf` to the device, runs `f` on the device copy and copies the result back.
+macro_rules! staged {
+    ($self:ident, $buf:expr, |$d:ident| $body:expr) => {
+        match $buf {
+            Host::F32(b) => {
+                let mut $d = $self.stream.clone_htod(&*b).map_err(|e| format!("{e:?}"))?;
+                $body.map_err(|e| format!("{e:?}"))?;
+                $self.stream.memcpy_dtoh(&$d, b).map_err(|e| format!("{e:?}"))?;
+            }
+            Host::F64(b) => {
+                let mut $d = $self.stream.clone_htod(&*b).map_err(|e| format!("{e:?}"))?;
+                $body.map_err(|e| format!("{e:?}"))?;
+                $self.stream.memcpy_dtoh(&$d, b).map_err(|e| format!("{e:?}"))?;
+            }
+        }
+    };
+}
+
+/// Runs a send/receive pair on the device: stage `send`, run `f` into a device `recv`, copy
+/// `recv` back.
+macro_rules! pair {
+    ($self:ident, $send:expr, $recv:expr, |$s:ident, $r:ident| $body:expr) => {
+        match ($send, $recv) {
+            (Host::F32(sb), Host::F32(rb)) => {
+                let $s = $self.stream.clone_htod(&*sb).map_err(|e| format!("{e:?}"))?;
+                let mut $r = $self.stream.alloc_zeros::<f32>(rb.len()).map_err(|e| format!("{e:?}"))?;
+                $body.map_err(|e| format!("{e:?}"))?;
+                $self.stream.memcpy_dtoh(&$r, rb).map_err(|e| format!("{e:?}"))?;
+            }
+            (Host::F64(sb), Host::F64(rb)) => {
+                let $s = $self.stream.clone_htod(&*sb).map_err(|e| format!("{e:?}"))?;
+                let mut $r = $self.stream.alloc_zeros::<f64>(rb.len()).map_err(|e| format!("{e:?}"))?;
+                $body.map_err(|e| format!("{e:?}"))?;
+                $self.stream.memcpy_dtoh(&$r, rb).map_err(|e| format!("{e:?}"))?;
+            }
+            _ => return Err("send and receive buffers of different element types".into()),
+        }
+    };
+}
+
+impl GpuLibrary for Nccl {
+    const NAME: &'static str = "NCCL";
+
+    fn check(device: usize) -> Result<(), String> {
+        // SAFETY: these only try to open the shared libraries.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver".into());
+        }
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err("libnccl.so was not found: install NCCL (Debian/Ubuntu: libnccl2) or add its folder to LD_LIBRARY_PATH".into());
+        }
+        let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver did not start: {e:?}"))?;
+        if device >= count.max(0) as usize {
+            return Err(format!("CUDA device {device} does not exist ({count} visible)"));
+        }
+        Ok(())
+    }
+
+    fn unique_id() -> Result<[u8; 128], String> {
+        let id = Id::new().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+        Ok(id.internal().map(|c| c as u8))
+    }
+
+    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, String> {
+        let ctx = CudaContext::new(device).map_err(|e| format!("CUDA device {device}: {e:?}"))?;
+        let stream = ctx.default_stream();
+        let comm =
+            Comm::from_rank(stream.clone(), rank, size, Id::uninit(id.map(|b| b as _))).map_err(|e| format!("ncclCommInitRank: {e:?}"))?;
+        Ok(Self { comm, stream })
+    }
+
+    fn all_reduce(&self, buf: Host<'_>, o: ReduceOp) -> Result<(), String> {
+        staged!(self, buf, |d| self.comm.all_reduce_in_place(&mut d, &op(o)));
+        Ok(())
+    }
+
+    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), String> {
+        pair!(self, send, recv, |s, r| self.comm.all_gather(&s, &mut r));
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, o: ReduceOp) -> Result<(), String> {
+        pair!(self, send, recv, |s, r| self.comm.reduce_scatter(&s, &mut r, &op(o)));
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), String> {
+        staged!(self, buf, |d| self.comm.broadcast_in_place(&mut d, root as i32));
+        Ok(())
+    }
+}
+
+impl Nccl {
+    /// All-reduces `len` f32 at device address `ptr` in place, on this communicator's
+    /// stream, and waits for it. The memory must stay allocated and untouched by other
+    /// streams until this returns.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn all_reduce_device(&self, ptr: u64, len: usize, o: ReduceOp) -> Result<(), String> {
+        // SAFETY: the caller keeps `len` f32 at `ptr` alive and idle; the slice is leaked
+        // back (not freed) once the stream is done with it.
+        let mut slice = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
+        let done = self.comm.all_reduce_in_place(&mut slice, &op(o)).map(drop).map_err(|e| format!("{e:?}"));
+        let synced = self.stream.synchronize().map_err(|e| format!("{e:?}"));
+        slice.leak();
+        done.and(synced)
+    }
+}
