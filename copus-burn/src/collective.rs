@@ -7,8 +7,9 @@
 //! (or a receive) of the same world then returns [`CommError::Aborted`] naming that rank and its
 //! message, so nothing hangs.
 //!
-//! The one `unsafe` block of the crate is here: the in-place all-reduce, where ranks read and
-//! write each other's buffers. It is sound from the safe API: [`Element`] is sealed (only `f32`
+//! This module's `unsafe` code is the in-place all-reduce, where ranks read and write each
+//! other's buffers (the crate's other unsafe modules are listed in its root doc). It is sound
+//! from the safe API: [`Element`] is sealed (only `f32`
 //! and `f64`), each deposit is typed by its element (ranks passing different types get
 //! [`CommError::Mismatch`] before any buffer is touched), and a guard keeps every rank in the
 //! window until all have finished, also while one unwinds from a panic.

@@ -28,7 +28,7 @@ pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
 
 /// Sum of squares of a tensor's values, accumulated in f64 on the host: the noise-scale
 /// estimate subtracts two nearly equal norms, so f32 accumulation error would be amplified.
-/// A tensor in host memory is read in place, in the order it is stored (see [`stored`]).
+/// A tensor in host memory is read in place, in the order it is stored (see `stored`).
 pub fn host_sq<const D: usize>(t: Tensor<D>) -> f64 {
     let t = t.inner();
     if let Ok(p) = t.clone().try_into_primitive::<Flex>()

@@ -23,12 +23,29 @@
 //! - [`checkpoint`]: checkpoints of the training state, loadable into any layout;
 //! - [`run_dir`]: a run folder's checkpoints (rotation, resume from the newest that loads) and
 //!   logs cut back to a checkpoint;
-//! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`.
+//! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`;
+//! - `mpi` (feature `mpi`): ranks as MPI processes; `gpu_comm` (features `nccl`, `rccl`): GPU
+//!   collectives behind the same trait.
+//!
+//! The root re-exports what a user starts from: the engine and its configuration, the driver
+//! with its data and decision sources, the run folder, the single-rank trainer, the optimizer
+//! settings, and the traits a model implements. Loop internals (`closing`, `trainer::accumulate`,
+//! the driver's clock and scripted source) stay one module down.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
-//! [`ParallelLm`] for the engine. `unsafe` code is allowed only in [`collective`] (the in-place
-//! all-reduce), `mpi` and `gpu_comm` (library bindings), and the fused operations' GEMM calls
-//! (`fused::gemm`, behind bounds checks) and the fused attention's shared output.
+//! [`ParallelLm`] for the engine.
+//!
+//! `unsafe` code is denied here except in these modules, each of whose blocks carries its
+//! `SAFETY` comment (clippy's `undocumented_unsafe_blocks` checks it):
+//! - [`collective`]: the in-process in-place all-reduce, where rank threads read and write each
+//!   other's buffers;
+//! - `mpi`: the MPI bindings (`Send` for communicator handles, request tests and waits,
+//!   non-blocking sends whose buffers live until they complete);
+//! - `gpu_comm` (`mod`, `nccl`, `rccl`): `Send` for a GPU communicator, cudarc's device pointers,
+//!   and RCCL and HIP called through libloading;
+//! - `fused::gemm`: the `gemm` crate's raw-pointer products, behind bounds checks of every
+//!   operand;
+//! - `fused::attention`: its output buffer, which its tasks write at disjoint places.
 
 #![deny(unsafe_code)]
 

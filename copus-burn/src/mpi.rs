@@ -3,9 +3,11 @@
 //!
 //! Process 0 drives: it runs the training loop, the policy and the reports, and its engine
 //! places rank 0 on itself and ranks 1..N on the other processes. Those serve: they wait for
-//! the engine's commands (start a layout, step, export, stop) on a control communicator and
-//! run their rank (`engine::serve`). A layout change is a stop and a start on the same
-//! processes: communicators are rebuilt by split, nobody restarts.
+//! the engine's commands (start a layout, step, export, a live layout change, stop) on a
+//! control communicator and run their rank (`engine::serve`, in `engine/processes.rs`). A
+//! layout change keeps every process running: process 0 sends the reshard plan, the processes
+//! exchange the plan's slices among themselves (`engine/live.rs`) and rebuild their
+//! communicators by split; nobody restarts.
 //!
 //! Reductions gather every rank's buffer and add the ranks in order 0, 1, ..., n-1, as the
 //! in-process [`ThreadComm`](crate::collective::ThreadComm) does, so a layout trains to the same
@@ -13,11 +15,12 @@
 //! all-reduce; it is the reference path, chosen for exact parity (see the README's scale-out
 //! notes).
 //!
-//! A rank that fails (while starting a layout or during a step), a broken control message, and
+//! A rank that fails while starting a layout or during a step, a broken control message, and
 //! any panic abort the whole job (`MPI_Abort`) after printing the message: the other processes
-//! may be inside a collective with the failing one and cannot be released otherwise. So under
-//! MPI a layout change whose stage cannot be built ends the run, where threads roll back; the
-//! newest checkpoint stays usable with `--resume`.
+//! may be inside a collective with the failing one and cannot be released otherwise; the newest
+//! checkpoint stays usable with `--resume`. A live layout change that fails in its send or build
+//! step is an answer, not a failure: every process drops what it built and keeps training in the
+//! old layout, as threads do.
 
 #![allow(unsafe_code)]
 

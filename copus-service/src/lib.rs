@@ -25,6 +25,8 @@
 //! Files: `server` (listener and sessions), `client` (`Client`, `RemoteSource`), `registry`
 //! (`PolicyName`), `error` (`ServiceError`).
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod error;
 mod registry;

@@ -18,6 +18,7 @@ use burn::tensor::{Device, TensorData};
 use copus_burn::ParallelLm;
 use copus_burn::parallel::{ShardError, ShardPlan, ShardSource};
 use copus_core::layout::ParallelDims;
+use copus_core::model::ModelSpec;
 use thiserror::Error;
 
 use crate::llama::{Llama, LlamaConfig};
@@ -93,7 +94,7 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// The `config.json` of a model of `cfg` (`eos`: the end-of-text token id, when the tokenizer
 /// has one; it also serves as bos).
 pub fn hf_config(cfg: &LlamaConfig, eos: Option<u32>) -> Result<serde_json::Value, HfError> {
-    if cfg.qkv_bias {
+    if cfg.shape.qkv_bias {
         return Err(HfError::Unsupported(
             "a model with q/k/v biases (`qkv_bias`) is Qwen2-style; HF Llama's `attention_bias` would also add one to o_proj".into(),
         ));
@@ -101,17 +102,17 @@ pub fn hf_config(cfg: &LlamaConfig, eos: Option<u32>) -> Result<serde_json::Valu
     let mut c = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.hidden / cfg.num_heads,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_size": cfg.shape.hidden,
+        "intermediate_size": cfg.shape.ffn_hidden,
+        "num_hidden_layers": cfg.shape.num_layers,
+        "num_attention_heads": cfg.shape.num_heads,
+        "num_key_value_heads": cfg.shape.num_kv_heads,
+        "head_dim": cfg.shape.hidden / cfg.shape.num_heads,
+        "vocab_size": cfg.shape.vocab_size,
+        "max_position_embeddings": cfg.shape.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tied_embeddings,
+        "tie_word_embeddings": cfg.shape.tied_embeddings,
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
@@ -164,18 +165,20 @@ pub fn config_from_hf(c: &serde_json::Value) -> Result<LlamaConfig, HfError> {
     }
     let rope_theta = rope.and_then(|r| r.get("rope_theta")).or_else(|| c.get("rope_theta")).and_then(|v| v.as_f64()).unwrap_or(10000.0);
     let kv = c.get("num_key_value_heads").and_then(|v| v.as_u64()).map_or(heads, |v| v as usize);
-    let cfg = LlamaConfig::new(
-        uint("num_hidden_layers")?,
+    let shape = ModelSpec {
+        name: "llama".into(),
+        num_layers: uint("num_hidden_layers")?,
         hidden,
-        heads,
-        kv,
-        uint("intermediate_size")?,
-        uint("vocab_size")?,
-        uint("max_position_embeddings")?,
-    )
-    .with_tied_embeddings(c.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false))
-    .with_rope_theta(rope_theta)
-    .with_norm_eps(c.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6));
+        num_heads: heads,
+        num_kv_heads: kv,
+        ffn_hidden: uint("intermediate_size")?,
+        vocab_size: uint("vocab_size")?,
+        seq_len: uint("max_position_embeddings")?,
+        tied_embeddings: c.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        qkv_bias: false,
+    };
+    let cfg =
+        LlamaConfig::new(shape).with_rope_theta(rope_theta).with_norm_eps(c.get("rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-6));
     cfg.spec("llama").validate().map_err(|e| bad("(shape)", e.to_string()))?;
     Ok(cfg)
 }
@@ -246,7 +249,7 @@ pub fn import(dir: &Path, device: &Device) -> Result<(LlamaConfig, Llama), HfErr
     let mut shards = HashMap::new();
     for (name, view) in st.tensors() {
         // RoPE buffers some exports carry, and a tied head written out anyway.
-        if name.ends_with("rotary_emb.inv_freq") || (cfg.tied_embeddings && name == "lm_head.weight") {
+        if name.ends_with("rotary_emb.inv_freq") || (cfg.shape.tied_embeddings && name == "lm_head.weight") {
             continue;
         }
         let Some((copus, t, shape)) = by_hf.remove(&name) else {
@@ -271,7 +274,7 @@ pub fn import(dir: &Path, device: &Device) -> Result<(LlamaConfig, Llama), HfErr
 /// (the engine's own builder) as a whole model.
 pub fn from_params(cfg: &LlamaConfig, params: HashMap<String, TensorData>, device: &Device) -> Result<Llama, ShardError> {
     let mut src = ShardSource::new(params);
-    let plan = ShardPlan::new(ParallelDims::serial(), 0, 0, cfg.num_layers);
+    let plan = ShardPlan::new(ParallelDims::serial(), 0, 0, cfg.shape.num_layers);
     let stage = cfg.build_stage(&plan, &mut src, device)?;
     if let Some(extra) = src.remaining().first() {
         return Err(ShardError::Layout(format!("parameter `{extra}` is not part of the model")));
@@ -401,7 +404,7 @@ mod tests {
         std::fs::write(&cpath, c.to_string()).unwrap();
         assert!(import(dir.path(), &Device::flex()).err().unwrap().to_string().contains("`vocab_size`"));
         // A Qwen2-style model (q/k/v biases) is not exported as Llama.
-        let qwen = LlamaConfig { qkv_bias: true, ..cfg };
+        let qwen = LlamaConfig { shape: ModelSpec { qkv_bias: true, ..cfg.shape.clone() }, ..cfg };
         assert!(matches!(hf_config(&qwen, None), Err(HfError::Unsupported(_))));
     }
 

@@ -13,29 +13,13 @@ use copus_burn::fused::{causal_attention, linear, rms_norm, rope, swiglu};
 use copus_burn::{CausalLm, cross_entropy_sum};
 use copus_core::model::{ModelSpec, ParamSpec};
 
-/// Configuration of a [`Llama`] model; build one from a copus-core [`ModelSpec`].
+/// Configuration of a [`Llama`] model: a copus-core [`ModelSpec`] (every shape field, defined
+/// once there) and what only the Burn model needs (RoPE base, norm epsilon, initialisation).
 #[derive(Config, Debug)]
 pub struct LlamaConfig {
-    /// Decoder layers.
-    pub num_layers: usize,
-    /// Model width d.
-    pub hidden: usize,
-    /// Query heads h.
-    pub num_heads: usize,
-    /// Key/value heads k (divides h).
-    pub num_kv_heads: usize,
-    /// SwiGLU inner width f.
-    pub ffn_hidden: usize,
-    /// Vocabulary size v.
-    pub vocab_size: usize,
-    /// Longest sequence the model will see.
-    pub max_seq_len: usize,
-    /// LM head shares the embedding matrix.
-    #[config(default = false)]
-    pub tied_embeddings: bool,
-    /// q/k/v projections carry biases.
-    #[config(default = false)]
-    pub qkv_bias: bool,
+    /// The shape: layers, width, heads, kv heads, SwiGLU width, vocabulary, the longest
+    /// sequence (`seq_len`), a tied head and q/k/v biases.
+    pub shape: ModelSpec,
     /// RoPE base.
     #[config(default = 10000.0)]
     pub rope_theta: f64,
@@ -50,25 +34,18 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// The configuration of a copus-core shape.
     pub fn from_spec(spec: &ModelSpec) -> Self {
-        Self::new(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.ffn_hidden, spec.vocab_size, spec.seq_len)
-            .with_tied_embeddings(spec.tied_embeddings)
-            .with_qkv_bias(spec.qkv_bias)
+        Self::new(spec.clone())
     }
 
-    /// The copus-core shape of this configuration.
+    /// The same shape with a tied (or untied) LM head.
+    pub fn with_tied_embeddings(mut self, tied: bool) -> Self {
+        self.shape.tied_embeddings = tied;
+        self
+    }
+
+    /// The copus-core shape of this configuration, under `name`.
     pub fn spec(&self, name: &str) -> ModelSpec {
-        ModelSpec {
-            name: name.into(),
-            num_layers: self.num_layers,
-            hidden: self.hidden,
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            ffn_hidden: self.ffn_hidden,
-            vocab_size: self.vocab_size,
-            seq_len: self.max_seq_len,
-            tied_embeddings: self.tied_embeddings,
-            qkv_bias: self.qkv_bias,
-        }
+        ModelSpec { name: name.into(), ..self.shape.clone() }
     }
 
     /// Every parameter's name and shape, without allocating anything (the same list the built
@@ -89,36 +66,36 @@ impl LlamaConfig {
     /// Builds the model on `device` (use `device.autodiff()` to train it).
     pub fn init(&self, device: &Device) -> Llama {
         self.spec("llama").validate().unwrap_or_else(|e| panic!("invalid Llama configuration: {e}"));
-        let d = self.hidden;
-        let e = d / self.num_heads;
-        let kv = self.num_kv_heads * e;
-        let layers = (0..self.num_layers)
+        let d = self.shape.hidden;
+        let e = d / self.shape.num_heads;
+        let kv = self.shape.num_kv_heads * e;
+        let layers = (0..self.shape.num_layers)
             .map(|_| DecoderLayer {
                 attn_norm: RmsNorm::new(d, self.norm_eps, device),
                 attn: Attention {
-                    q_proj: self.linear(d, d, self.qkv_bias, device),
-                    k_proj: self.linear(d, kv, self.qkv_bias, device),
-                    v_proj: self.linear(d, kv, self.qkv_bias, device),
+                    q_proj: self.linear(d, d, self.shape.qkv_bias, device),
+                    k_proj: self.linear(d, kv, self.shape.qkv_bias, device),
+                    v_proj: self.linear(d, kv, self.shape.qkv_bias, device),
                     o_proj: self.linear(d, d, false, device),
-                    num_heads: self.num_heads,
-                    num_kv_heads: self.num_kv_heads,
+                    num_heads: self.shape.num_heads,
+                    num_kv_heads: self.shape.num_kv_heads,
                     head_dim: e,
                 },
                 mlp_norm: RmsNorm::new(d, self.norm_eps, device),
                 mlp: Mlp {
-                    gate_proj: self.linear(d, self.ffn_hidden, false, device),
-                    up_proj: self.linear(d, self.ffn_hidden, false, device),
-                    down_proj: self.linear(self.ffn_hidden, d, false, device),
+                    gate_proj: self.linear(d, self.shape.ffn_hidden, false, device),
+                    up_proj: self.linear(d, self.shape.ffn_hidden, false, device),
+                    down_proj: self.linear(self.shape.ffn_hidden, d, false, device),
                 },
             })
             .collect();
         Llama {
-            embed_tokens: EmbeddingConfig::new(self.vocab_size, d)
+            embed_tokens: EmbeddingConfig::new(self.shape.vocab_size, d)
                 .with_initializer(Initializer::Normal { mean: 0.0, std: self.init_std })
                 .init(device),
             layers,
             norm: RmsNorm::new(d, self.norm_eps, device),
-            lm_head: (!self.tied_embeddings).then(|| self.linear(d, self.vocab_size, false, device)),
+            lm_head: (!self.shape.tied_embeddings).then(|| self.linear(d, self.shape.vocab_size, false, device)),
             rope_theta: self.rope_theta,
         }
     }

@@ -92,19 +92,20 @@ impl ParallelLm for LlamaConfig {
     }
 
     fn parallel_plan(&self) -> ParallelPlan {
-        let mut tp_replicated: Vec<String> =
-            (0..self.num_layers).flat_map(|i| [format!("layers.{i}.attn_norm.weight"), format!("layers.{i}.mlp_norm.weight")]).collect();
+        let mut tp_replicated: Vec<String> = (0..self.shape.num_layers)
+            .flat_map(|i| [format!("layers.{i}.attn_norm.weight"), format!("layers.{i}.mlp_norm.weight")])
+            .collect();
         tp_replicated.push("norm.weight".into());
         ParallelPlan {
             embedding: "embed_tokens.weight".into(),
-            head: (!self.tied_embeddings).then(|| "lm_head.weight".into()),
+            head: (!self.shape.tied_embeddings).then(|| "lm_head.weight".into()),
             tp_replicated,
         }
     }
 
     fn build_stage(&self, plan: &ShardPlan, src: &mut ShardSource, device: &Device) -> Result<LlamaStage, ShardError> {
         let tp = plan.dims.tp;
-        let e = self.hidden / self.num_heads;
+        let e = self.shape.hidden / self.shape.num_heads;
         let linear = |src: &mut ShardSource, name: &str, bias: bool| -> Result<Linear, ShardError> {
             Ok(Linear {
                 weight: src.param::<2>(&format!("{name}.weight"), device)?,
@@ -120,12 +121,12 @@ impl ParallelLm for LlamaConfig {
             layers.push(DecoderLayer {
                 attn_norm: norm(src, &n("attn_norm.weight"))?,
                 attn: Attention {
-                    q_proj: linear(src, &n("attn.q_proj"), self.qkv_bias)?,
-                    k_proj: linear(src, &n("attn.k_proj"), self.qkv_bias)?,
-                    v_proj: linear(src, &n("attn.v_proj"), self.qkv_bias)?,
+                    q_proj: linear(src, &n("attn.q_proj"), self.shape.qkv_bias)?,
+                    k_proj: linear(src, &n("attn.k_proj"), self.shape.qkv_bias)?,
+                    v_proj: linear(src, &n("attn.v_proj"), self.shape.qkv_bias)?,
                     o_proj: linear(src, &n("attn.o_proj"), false)?,
-                    num_heads: self.num_heads / tp,
-                    num_kv_heads: self.num_kv_heads / tp,
+                    num_heads: self.shape.num_heads / tp,
+                    num_kv_heads: self.shape.num_kv_heads / tp,
                     head_dim: e,
                 },
                 mlp_norm: norm(src, &n("mlp_norm.weight"))?,
@@ -136,10 +137,10 @@ impl ParallelLm for LlamaConfig {
                 },
             });
         }
-        let wants_embedding = plan.is_first() || (plan.is_last() && self.tied_embeddings);
+        let wants_embedding = plan.is_first() || (plan.is_last() && self.shape.tied_embeddings);
         let embed_tokens = if wants_embedding { Some(Embedding { weight: src.param::<2>("embed_tokens.weight", device)? }) } else { None };
         let (norm_w, lm_head) = if plan.is_last() {
-            let head = if self.tied_embeddings { None } else { Some(linear(src, "lm_head", false)?) };
+            let head = if self.shape.tied_embeddings { None } else { Some(linear(src, "lm_head", false)?) };
             (Some(norm(src, "norm.weight")?), head)
         } else {
             (None, None)
@@ -150,7 +151,7 @@ impl ParallelLm for LlamaConfig {
             norm: norm_w,
             lm_head,
             first_layer: plan.layers.start,
-            vocab_start: plan.tp_rank * (self.vocab_size / tp),
+            vocab_start: plan.tp_rank * (self.shape.vocab_size / tp),
             head_dim: e,
             rope_theta: self.rope_theta,
         })

@@ -70,7 +70,7 @@ pub fn export(run_dir: &Path, to: &Path) -> anyhow::Result<()> {
         "eos_token": eot,
         "add_bos_token": false,
         "add_eos_token": false,
-        "model_max_length": m.cfg.max_seq_len,
+        "model_max_length": m.cfg.shape.seq_len,
     });
     let tc = to.join("tokenizer_config.json");
     std::fs::write(&tc, serde_json::to_string_pretty(&config)? + "\n").with_context(|| format!("writing {}", tc.display()))?;
@@ -166,9 +166,9 @@ pub fn eval_text(
 pub fn eval_command(run_dir: &Path, text: &Path, seq: Option<usize>, max_windows: Option<usize>) -> anyhow::Result<TextLoss> {
     let m = load_run(run_dir)?;
     let text = std::fs::read_to_string(text).with_context(|| format!("reading {} (UTF-8 text)", text.display()))?;
-    let seq = seq.unwrap_or(m.cfg.max_seq_len);
-    if seq == 0 || seq > m.cfg.max_seq_len {
-        return Err(anyhow!("--seq {seq}: 1..={} (the run's sequence length)", m.cfg.max_seq_len));
+    let seq = seq.unwrap_or(m.cfg.shape.seq_len);
+    if seq == 0 || seq > m.cfg.shape.seq_len {
+        return Err(anyhow!("--seq {seq}: 1..={} (the run's sequence length)", m.cfg.shape.seq_len));
     }
     eval_text(&m.model, &m.tokenizer, &text, seq, max_windows, m.recipe.train.micro_batch)
 }
@@ -181,12 +181,12 @@ pub fn generate_command(run_dir: &Path, prompt: &str, max_tokens: usize, samplin
     if ids.is_empty() {
         return Err(anyhow!("the prompt is empty"));
     }
-    if ids.len() >= m.cfg.max_seq_len {
-        return Err(anyhow!("the prompt has {} tokens; the model reads at most {}", ids.len(), m.cfg.max_seq_len));
+    if ids.len() >= m.cfg.shape.seq_len {
+        return Err(anyhow!("the prompt has {} tokens; the model reads at most {}", ids.len(), m.cfg.shape.seq_len));
     }
     // Only ids the tokenizer has (the embedding is padded to a multiple of 64).
     let allowed = m.tokenizer.get_vocab_size(true);
-    let out = copus_models::generate::generate(&m.model, &ids, max_tokens, m.cfg.max_seq_len, allowed, &sampling, m.eot(), true);
+    let out = copus_models::generate::generate(&m.model, &ids, max_tokens, m.cfg.shape.seq_len, allowed, &sampling, m.eot(), true);
     m.tokenizer.decode(&out, true).map_err(|e| anyhow!("decoding: {e}"))
 }
 

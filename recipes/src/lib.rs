@@ -14,7 +14,7 @@
 //! - [`profile`]: measured throughput of a recipe's candidates;
 //! - [`orchestrator`]: a recipe's candidate space served to training runs over TCP;
 //! - [`experiments`]: comparisons of policies, suites of scenarios and the headline measurement;
-//! - [`bench`]: the benchmarks, each printing a table;
+//! - [`bench`](mod@bench): the benchmarks, each printing a table;
 //! - [`report`]: plots and progress.
 
 #![deny(unsafe_code)]

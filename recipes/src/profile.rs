@@ -42,7 +42,7 @@ pub fn time_candidate(
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
     let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim).with_devices(devices.to_vec());
     let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
-    let vocab = cfg.vocab_size;
+    let vocab = cfg.shape.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
     let t = Instant::now();
     for i in 0..steps {

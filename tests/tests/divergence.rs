@@ -47,7 +47,7 @@ fn assert_same(a: &TrainingState, b: &TrainingState, what: &str) {
 
 #[test]
 fn a_non_finite_gradient_skips_the_update_and_changes_nothing() {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     let mut e = engine();
     for s in 0..2u64 {
         assert!(!e.step(data.sequences(s * B_G as u64, B_G)).unwrap().skipped);
@@ -66,7 +66,7 @@ fn a_non_finite_gradient_skips_the_update_and_changes_nothing() {
 
 #[test]
 fn after_too_many_bad_steps_the_driver_goes_back_to_its_snapshot_at_half_the_learning_rate() {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     let divergence = Divergence { max_bad_steps: 2, snapshot_every: 2, max_restores: 2 };
     let mut driver = Driver::new(engine(), space(), Clock::Wall).unwrap().with_divergence(divergence);
     let mut keep = Scripted::new([]);
@@ -92,7 +92,7 @@ fn after_too_many_bad_steps_the_driver_goes_back_to_its_snapshot_at_half_the_lea
 
 #[test]
 fn training_that_keeps_diverging_stops_with_a_clear_error() {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     let divergence = Divergence { max_bad_steps: 2, snapshot_every: 2, max_restores: 2 };
     let mut driver = Driver::new(engine(), space(), Clock::Wall).unwrap().with_divergence(divergence);
     driver.engine_mut().inject_nan_gradients(1, 1000);

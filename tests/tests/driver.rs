@@ -33,7 +33,7 @@ fn cand(dp: usize, tp: usize, pp: usize, b_g: usize, b_m: usize) -> Candidate {
 
 #[test]
 fn a_scripted_run_equals_the_engine_driven_by_hand() {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     let start = cand(2, 2, 1, 8, 2);
     // dp2,tp2 B_g 8 -> (batch) B_g 16 B_m 4 -> (layout) dp1,tp2,pp2 B_g 16 B_m 2.
     let batch_change = cand(2, 2, 1, 16, 4);
@@ -78,7 +78,7 @@ fn a_scripted_run_equals_the_engine_driven_by_hand() {
 
 #[test]
 fn decisions_outside_the_candidate_space_are_refused_and_training_goes_on() {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     let start = cand(4, 1, 1, 8, 2);
     let huge = Candidate { global_batch: 1 << 40, num_micro: (1 << 40) / 8, ..start };
     let off_list = cand(2, 2, 1, 16, 8);

@@ -65,7 +65,7 @@ struct Serial {
 
 fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
     let device = Device::flex().autodiff();
-    let vocab = setup.config.vocab_size;
+    let vocab = setup.config.shape.vocab_size;
     let mut trainer = Trainer::new(initial.clone(), optim_at(setup.lr)).unwrap();
     let (mut losses, mut grad_sq, mut trace, mut stats) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..setup.steps {
@@ -124,7 +124,7 @@ fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
             ec.schedule = schedule;
             let mut engine = Engine::new(Arc::new(setup.config.clone()), &full, ec).unwrap();
             for step in 0..setup.steps {
-                let out = engine.step(batch_of(step, setup.config.vocab_size, setup.global_batch)).unwrap();
+                let out = engine.step(batch_of(step, setup.config.shape.vocab_size, setup.global_batch)).unwrap();
                 let m = &out.metrics;
                 assert!(
                     rel(m.loss, reference.losses[step]) < 1e-5,

@@ -19,7 +19,7 @@ fn optim() -> OptimConfig {
 
 /// Step `step`'s batch of `b` sequences (a pure function of both).
 fn batch(step: usize, b: usize) -> Vec<i64> {
-    let vocab = config().vocab_size;
+    let vocab = config().shape.vocab_size;
     let mut x = 0x51_7cc1_b727_220a_u64 ^ (step as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (0..b * (SEQ + 1))
         .map(|_| {
@@ -149,7 +149,7 @@ fn a_live_switch_moves_every_piece_of_the_plan_exactly_once() {
         assert_eq!(r.bytes, bytes_held(&specs, b, kinds), "{a} -> {b}: bytes moved");
         // What crosses between ranks is what the new rank did not hold at the same place before.
         let plan =
-            copus_core::reshard::ReshardPlan::new(&specs, copus_core::reshard::Placer { num_layers: spec.num_layers }, a, b).unwrap();
+            copus_core::reshard::ReshardPlan::new(&specs, copus_core::reshard::Placer { num_layers: spec.shape.num_layers }, a, b).unwrap();
         assert_eq!(r.remote_bytes, 4 * kinds * plan.remote_elements(&specs), "{a} -> {b}");
         assert!(r.remote_bytes < r.bytes, "{a} -> {b}: some pieces stay on their rank");
         assert_same_state(&before, &e.stage_state().unwrap(), &format!("{a} -> {b}"));

@@ -32,7 +32,7 @@ fn engine(d: ParallelDims) -> Engine<LlamaConfig> {
 }
 
 fn batch(step: usize) -> Vec<i64> {
-    structured_batch(step, config().vocab_size, 4)
+    structured_batch(step, config().shape.vocab_size, 4)
 }
 
 /// Trains steps `from..to`; returns the losses.

@@ -40,7 +40,7 @@ fn driver_at(c: Candidate, clock: Clock) -> Driver<LlamaConfig> {
 type Trace = Vec<(f64, Candidate, bool)>;
 
 fn steps(driver: &mut Driver<LlamaConfig>, source: &mut dyn DecisionSource, n: usize) -> Trace {
-    let data = IndexedSequences { vocab: config().vocab_size };
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
     (0..n)
         .map(|_| {
             let s = driver.step(&data, source).unwrap();

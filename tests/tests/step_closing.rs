@@ -22,7 +22,7 @@ fn optim() -> OptimConfig {
 #[test]
 fn one_then_several_then_one_micro_batch_matches_serial_training() {
     let cfg = config();
-    let vocab = cfg.vocab_size;
+    let vocab = cfg.shape.vocab_size;
     let initial = initial_of(&cfg);
     let device = Device::flex().autodiff();
     let mut serial = Trainer::new(initial.clone(), optim()).unwrap();

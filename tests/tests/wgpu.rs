@@ -27,7 +27,7 @@ fn run(devices: Vec<RankDevice>, dp: usize, tp: usize) -> Vec<(f64, f64, f64)> {
     let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
     (0..STEPS)
         .map(|s| {
-            let out = engine.step(structured_batch(s, config().vocab_size, 4)).unwrap();
+            let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
             assert!(!out.skipped);
             (out.metrics.loss, out.metrics.grad_norm, out.stats.mean_micro_sq_norm)
         })

@@ -72,7 +72,7 @@ pub struct EngineConfig {
     pub devices: Vec<RankDevice>,
     /// The longest any wait may last, seconds: a collective or receive waiting for another rank,
     /// and the engine waiting for a rank's reply. A rank that hangs then fails the step with
-    /// [`crate::CommError::Timeout`] naming the ranks that did not arrive, instead of freezing
+    /// [`CommError::Timeout`](crate::collective::CommError::Timeout) naming the ranks that did not arrive, instead of freezing
     /// training. It bounds one step's slowest rank, so the default is generous.
     #[config(default = 1800.0)]
     pub timeout_secs: f64,

@@ -1,7 +1,8 @@
-//! Live layout changes between in-process ranks: the rank threads stay up and exchange exactly
-//! the slices copus-core's [`ReshardPlan`] names, of the weights, both AdamW moments and the
-//! probe's previous gradient, point to point through the world communicator. Nothing is gathered
-//! on the host.
+//! Live layout changes between running ranks, threads of this process and MPI processes
+//! alike (`processes.rs` carries the three commands to other processes): the ranks stay up and
+//! exchange exactly the slices copus-core's [`ReshardPlan`] names, of the weights, both AdamW
+//! moments and the probe's previous gradient, point to point through the world communicator.
+//! Nothing is gathered in one place.
 //!
 //! Three commands, each run by every rank in parallel:
 //! 1. *send*: each rank offers the plan's moves whose source it is. Between threads of this

@@ -22,7 +22,10 @@
 //! verification); `rank` (one rank's state: build, resume, export); `regions` (the
 //! tensor-parallel regions and the vocabulary-parallel loss); `executor` (one step: the
 //! pipeline schedule, dp reduction, the probe, the update); `grad_index` (gradients by
-//! parameter selection); `fault` (rollback-test faults, feature `fault-injection`).
+//! parameter selection); `live` (live layout changes: the three commands and their checks);
+//! `processes` (feature `mpi`: ranks on other processes, and what a serving process runs);
+//! `fault` (faults planted by the rollback, divergence and timeout tests, feature
+//! `fault-injection`).
 
 mod cluster;
 pub mod config;
@@ -226,7 +229,7 @@ impl<L: ParallelLm> Engine<L> {
         #[cfg(feature = "fault-injection")]
         let fault = self.planted.next(self.steps_done);
         #[cfg(not(feature = "fault-injection"))]
-        let fault = StepFault;
+        let fault = fault::StepFault;
         let replies = self.broadcast(|| Command::Step(batch.clone(), fault))?;
         let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
         if step.skipped {

@@ -26,9 +26,9 @@
 //! alone.
 //!
 //! The engine's vocabulary-parallel loss runs the same row kernels around its all-reduces: each
-//! rank computes `(max, sum of exp)` of its vocabulary slice in one pass ([`row_stats`]), the
-//! ranks agree on the global max and rescale their sums ([`rescale_sums`]), and each rank
-//! writes its slice's gradient in a second pass ([`softmax_grad_in_place`]).
+//! rank computes `(max, sum of exp)` of its vocabulary slice in one pass (`row_stats`), the
+//! ranks agree on the global max and rescale their sums (`rescale_sums`), and each rank
+//! writes its slice's gradient in a second pass (`softmax_grad_in_place`).
 
 mod activation;
 mod attention;

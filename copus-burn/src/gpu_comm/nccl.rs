@@ -71,6 +71,7 @@ impl GpuLibrary for Nccl {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err("the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver".into());
         }
+        // SAFETY: as above: it only tries to open libnccl.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err("libnccl.so was not found: install NCCL (Debian/Ubuntu: libnccl2) or add its folder to LD_LIBRARY_PATH".into());
         }

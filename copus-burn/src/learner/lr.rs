@@ -9,7 +9,7 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 
 use super::config::ScheduleClock;
-use super::state::{Saved, Shared};
+use super::state::{Shared, from_saved_json, saved_json};
 
 /// A scheduler whose rate is the inner scheduler's times the batch rule's factor.
 #[derive(Clone)]
@@ -50,8 +50,7 @@ impl LrScheduler for BatchScaledLr {
 
     fn to_record(&self) -> LrSchedulerRecord {
         let s = self.shared.lock();
-        let saved = Saved { kept: s.kept.clone(), debt: self.debt };
-        let json = serde_json::to_vec(&saved).expect("the state serialises");
+        let json = saved_json(&s.kept, self.debt);
         // Records hold numbers only: the state's JSON as little-endian u64 words.
         let mut copus = LrSchedulerRecord::new().with_scalar("len", json.len() as u64);
         for (i, chunk) in json.chunks(8).enumerate() {
@@ -82,13 +81,13 @@ impl LrScheduler for BatchScaledLr {
             json.extend_from_slice(&word.to_le_bytes());
         }
         json.truncate(len as usize);
-        let Ok(saved) = serde_json::from_slice::<Saved>(&json) else {
+        let Some((kept, debt)) = from_saved_json(&json) else {
             tracing::warn!("copus: the checkpoint's batching state does not parse; continuing from the current state");
             return;
         };
-        self.debt = saved.debt;
-        let micro_batch = saved.kept.plan.micro_batch;
-        self.shared.lock().kept = saved.kept;
+        self.debt = debt;
+        let micro_batch = kept.plan.micro_batch;
+        self.shared.lock().kept = kept;
         self.shared.micro_batch.store(micro_batch, Ordering::Relaxed);
     }
 }

@@ -106,13 +106,19 @@ pub(super) struct Persisted {
     pub(super) mismatched_steps: u32,
 }
 
-/// The scheduler record's payload: the kept state and the scheduler's unspent advance, in
-/// schedule steps (the JSON keys of both, flat).
-#[derive(Serialize, Deserialize)]
-pub(super) struct Saved {
-    #[serde(flatten)]
-    pub(super) kept: Persisted,
-    pub(super) debt: f64,
+/// The scheduler record's payload: the kept state's JSON object with the scheduler's unspent
+/// advance (`debt`, in schedule steps) beside its fields, one flat object.
+pub(super) fn saved_json(kept: &Persisted, debt: f64) -> Vec<u8> {
+    let mut v = serde_json::to_value(kept).expect("the state serialises");
+    v.as_object_mut().expect("a struct serialises to an object").insert("debt".into(), debt.into());
+    serde_json::to_vec(&v).expect("a JSON value serialises")
+}
+
+/// The kept state and the scheduler's advance from [`saved_json`]'s bytes.
+pub(super) fn from_saved_json(bytes: &[u8]) -> Option<(Persisted, f64)> {
+    let mut v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    let debt = v.as_object_mut()?.remove("debt")?.as_f64()?;
+    Some((serde_json::from_value(v).ok()?, debt))
 }
 
 impl std::ops::Deref for State {
