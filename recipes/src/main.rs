@@ -52,6 +52,7 @@ fn keep_freed_memory() {
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
 
 use copus_service::PolicyName;
@@ -129,7 +130,7 @@ enum Cmd {
         #[arg(long)]
         profile: PathBuf,
         /// The decision policy.
-        #[arg(long, default_value_t = PolicyName::Copus)]
+        #[arg(long, default_value_t = PolicyName::Copus, value_parser = policy_name())]
         policy: PolicyName,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:7450")]
@@ -249,6 +250,12 @@ enum BenchMode {
         #[arg(long, default_value_t = 10)]
         steps: usize,
     },
+}
+
+/// `--policy`: one of the service's policy names, listed in `--help` and in the error.
+fn policy_name() -> impl clap::builder::TypedValueParser<Value = PolicyName> {
+    clap::builder::PossibleValuesParser::new(PolicyName::ALL.map(PolicyName::as_str))
+        .map(|s| s.parse::<PolicyName>().expect("one of the listed names"))
 }
 
 fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
