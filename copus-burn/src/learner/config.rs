@@ -1,19 +1,11 @@
 //! The add-on's settings (`CopusBatchingConfig`), checked when the handle is built, and its
 //! error type.
 
-use std::collections::VecDeque;
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
-
 use burn::config::Config;
-use copus_core::accumulation::{CostTracker, Plan, StepCost};
-use copus_core::gns::GnsEstimator;
+use copus_core::accumulation::StepCost;
 use copus_core::goodput::{LrRule, ObjectiveKind};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-
-use super::CopusBatching;
-use super::state::{Persisted, Shared, State};
 
 /// Settings of the add-on. `micro_batch` is the batch size the training loader produces.
 #[derive(Config, Debug)]
@@ -99,8 +91,8 @@ pub(super) fn bad(field: &'static str, allowed: impl Into<String>, value: impl s
 }
 
 impl CopusBatchingConfig {
-    /// Checks the settings and builds the shared handle.
-    pub fn init(&self) -> Result<CopusBatching, CopusLearnerError> {
+    /// Checks every setting; an error names the field, the value and what is allowed.
+    pub fn validate(&self) -> Result<(), CopusLearnerError> {
         if self.micro_batch == 0 {
             return Err(bad("micro_batch", "1 or more", self.micro_batch));
         }
@@ -137,32 +129,6 @@ impl CopusBatchingConfig {
         if let Some(cost) = &self.cost {
             cost.validate().map_err(|e| bad("cost", e.to_string(), cost))?;
         }
-        let mut options = if self.micro_batch_options.is_empty() { vec![self.micro_batch] } else { self.micro_batch_options.clone() };
-        options.sort_unstable();
-        options.dedup();
-        let plan = Plan { micro_batch: self.micro_batch, accumulation: self.initial_accumulation };
-        let estimator = GnsEstimator::new(self.smoothing).map_err(|e| bad("smoothing", e.to_string(), self.smoothing))?;
-        let kept = Persisted {
-            b0: plan.batch(),
-            plan,
-            options,
-            estimator,
-            costs: CostTracker::new(self.smoothing),
-            steps: 0,
-            samples: 0,
-            micro_batches: 0,
-            lr_factor: 1.0,
-            mismatched_steps: 0,
-        };
-        let state = State { kept, history: Vec::new(), snapshots: VecDeque::new(), devices: 1, schedule_advance: 1.0 };
-        Ok(CopusBatching {
-            shared: Arc::new(Shared {
-                config: self.clone(),
-                scheduler_steps: std::sync::atomic::AtomicU64::new(0),
-                follows: std::sync::atomic::AtomicBool::new(false),
-                micro_batch: AtomicUsize::new(self.micro_batch),
-                state: Mutex::new(state),
-            }),
-        })
+        Ok(())
     }
 }

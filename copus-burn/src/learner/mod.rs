@@ -34,14 +34,16 @@ mod metrics;
 mod state;
 mod strategy;
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn::optim::ModuleOptimizer;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::tensor::Device;
 use burn::train::{Learner, LearnerModel, SupervisedTraining, TrainingStrategy};
-use copus_core::accumulation::{Plan, best_plan_on, score_on};
+use copus_core::accumulation::{CostTracker, Plan, best_plan_on, score_on};
+use copus_core::gns::GnsEstimator;
 use copus_core::gns::StepStats;
 use copus_core::goodput::LrRule;
 
@@ -51,9 +53,43 @@ pub use loader::AdaptiveBatchSize;
 pub use lr::BatchScaledLr;
 pub use metrics::{BatchSizeMetric, EfficiencyMetric, NoiseScaleMetric};
 pub(crate) use state::StepMeasure;
-use state::{SNAPSHOTS_KEPT, Shared, State};
+use state::{Persisted, SNAPSHOTS_KEPT, Shared, State};
 pub use state::{Snapshot, StepRecord};
 pub use strategy::CopusStrategy;
+
+impl CopusBatchingConfig {
+    /// Checks the settings and builds the shared handle.
+    pub fn init(&self) -> Result<CopusBatching, CopusLearnerError> {
+        self.validate()?;
+        let mut options = if self.micro_batch_options.is_empty() { vec![self.micro_batch] } else { self.micro_batch_options.clone() };
+        options.sort_unstable();
+        options.dedup();
+        let plan = Plan { micro_batch: self.micro_batch, accumulation: self.initial_accumulation };
+        let estimator = GnsEstimator::new(self.smoothing).map_err(|e| bad("smoothing", e.to_string(), self.smoothing))?;
+        let kept = Persisted {
+            b0: plan.batch(),
+            plan,
+            options,
+            estimator,
+            costs: CostTracker::new(self.smoothing),
+            steps: 0,
+            samples: 0,
+            micro_batches: 0,
+            lr_factor: 1.0,
+            mismatched_steps: 0,
+        };
+        let state = State { kept, history: Vec::new(), snapshots: VecDeque::new(), devices: 1, schedule_advance: 1.0 };
+        Ok(CopusBatching {
+            shared: Arc::new(Shared {
+                config: self.clone(),
+                scheduler_steps: std::sync::atomic::AtomicU64::new(0),
+                follows: std::sync::atomic::AtomicBool::new(false),
+                micro_batch: AtomicUsize::new(self.micro_batch),
+                state: Mutex::new(state),
+            }),
+        })
+    }
+}
 
 /// The shared handle: hands out the strategy, scheduler wrapper, batch strategy and metrics, all
 /// reading and writing one state. Cheap to clone.

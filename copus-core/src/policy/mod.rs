@@ -22,6 +22,7 @@
 
 mod baselines;
 mod copus;
+mod error;
 mod lineup;
 mod oracle;
 mod scorer;
@@ -29,7 +30,6 @@ mod scorer;
 mod test_util;
 
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use crate::candidates::Candidate;
 use crate::gns::NoiseEstimate;
@@ -37,6 +37,8 @@ use crate::layout::ParallelDims;
 
 pub use baselines::{CbsFixedLayout, DpOnlyGoodput, MerrillWarmup, Static};
 pub use copus::{Copus, SwitchRule};
+pub use error::PolicyError;
+use error::check;
 pub use lineup::{Entry, Lineup, Named, lineup, smallest_on};
 pub use oracle::{Schedule, SwitchCosts, Trajectory, hindsight_oracle, schedule_time};
 pub use scorer::{Score, Scorer};
@@ -171,32 +173,6 @@ pub struct PolicyState {
     /// and that step.
     #[serde(default)]
     pub winning: Option<(ParallelDims, i8, u64)>,
-}
-
-/// Bad policy settings.
-#[derive(Clone, Debug, PartialEq, Error)]
-pub enum PolicyError {
-    /// No candidate has a throughput.
-    #[error("no feasible candidate has a throughput; check the world size, batch lists and memory")]
-    NoCandidates,
-    /// A number out of range.
-    #[error("`{field}` must be {allowed}, got {value}")]
-    Bad {
-        /// The setting's name as a rule or recipe spells it (`horizon`, `c`, `trajectory end`).
-        field: &'static str,
-        /// What the setting accepts, in words (`> 0 seconds`, `in [0, 1]`).
-        allowed: &'static str,
-        /// The value given (NaN where there was none, as for an empty trajectory).
-        value: f64,
-    },
-    /// The fixed layout has no candidate.
-    #[error("layout {0} has no feasible candidate")]
-    NoLayout(ParallelDims),
-}
-
-/// `Ok` when `ok` holds and `value` is finite, else [`PolicyError::Bad`] naming `field`.
-fn check(field: &'static str, value: f64, ok: bool, allowed: &'static str) -> Result<(), PolicyError> {
-    if ok && value.is_finite() { Ok(()) } else { Err(PolicyError::Bad { field, allowed, value }) }
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{PolicyError, Scorer, check};
+use super::Scorer;
+use super::error::{PolicyError, check};
 use crate::candidates::Candidate;
 use crate::layout::ParallelDims;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{PolicyError, check};
+use super::error::{PolicyError, check};
 use crate::candidates::Candidate;
 use crate::goodput::{Objective, PlainGoodput};
 use crate::layout::ParallelDims;
