@@ -29,9 +29,16 @@ impl<'a> Mat<'a> {
         Self { data: self.data, rs: self.cs, cs: self.rs }
     }
 
-    /// Panics unless an `m x n` matrix fits.
+    /// Panics unless an `m x n` matrix fits; the offset of its last element is computed with
+    /// checked arithmetic (a stride so large the offset overflows does not fit), and strides must
+    /// fit gemm's `isize`.
     pub(super) fn check(&self, m: usize, n: usize) {
-        assert!(m == 0 || n == 0 || (m - 1) * self.rs + (n - 1) * self.cs < self.data.len(), "operand out of bounds");
+        assert!(isize::try_from(self.rs).is_ok() && isize::try_from(self.cs).is_ok(), "operand stride overflows isize");
+        if m == 0 || n == 0 {
+            return;
+        }
+        let last = (m - 1).checked_mul(self.rs).and_then(|r| (n - 1).checked_mul(self.cs).and_then(|c| r.checked_add(c)));
+        assert!(last.is_some_and(|l| l < self.data.len()), "operand out of bounds");
     }
 }
 
@@ -56,13 +63,23 @@ pub(super) fn product_new(lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize) -> V
     lhs.check(m, k);
     rhs.check(k, n);
     let len = m.checked_mul(n).expect("product size overflows");
+    assert!(isize::try_from(n).is_ok() && len.checked_mul(k).is_some(), "product size overflows");
+    // Apple's AMX kernels (`gemm`'s `experimental-apple-amx`, which `burn/apple-amx` turns on)
+    // may read the destination even when told not to accumulate: where they can be compiled in,
+    // the buffer starts zeroed, so it is never read uninitialised.
+    if AMX_POSSIBLE {
+        let mut out = vec![0.0f32; len];
+        if len > 0 {
+            let parallelism = parallelism_for(len, k);
+            // SAFETY: `out` holds the `m x n` matrix at row stride `n`, initialised, and nothing
+            // else holds it; the operands were checked.
+            unsafe { gemm_raw(out.as_mut_ptr(), n, false, lhs, rhs, [m, n, k], 1.0, parallelism) };
+        }
+        return out;
+    }
     let mut out = Vec::with_capacity(len);
     if len > 0 {
-        let parallelism = if len.saturating_mul(k) >= PARALLEL_MIN {
-            ::gemm::Parallelism::Rayon(rayon::current_num_threads())
-        } else {
-            ::gemm::Parallelism::None
-        };
+        let parallelism = parallelism_for(len, k);
         // SAFETY: `out` has room for the `m x n` matrix at row stride `n` and nothing else holds
         // it; the operands were checked. With `accumulate` false, gemm writes every element of
         // the destination without reading it (zeros when `k` is 0), so all `len` are initialised.
@@ -72,6 +89,14 @@ pub(super) fn product_new(lhs: Mat, rhs: Mat, m: usize, n: usize, k: usize) -> V
         }
     }
     out
+}
+
+/// Whether `gemm`'s Apple AMX kernels can be in this build: they exist only for aarch64 macOS.
+const AMX_POSSIBLE: bool = cfg!(all(target_os = "macos", target_arch = "aarch64"));
+
+/// The pool for a product of `len` outputs over an inner size `k`: rayon's when it is large.
+fn parallelism_for(len: usize, k: usize) -> ::gemm::Parallelism {
+    if len.saturating_mul(k) >= PARALLEL_MIN { ::gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { ::gemm::Parallelism::None }
 }
 
 /// `dst = (accumulate ? dst : 0) + beta * lhs * rhs` on a destination given by pointer, `mnk` the
@@ -116,5 +141,39 @@ pub(super) unsafe fn gemm_raw(
             false,
             parallelism,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        (0..m * n).map(|e| (0..k).map(|j| a[(e / n) * k + j] * b[j * n + e % n]).sum()).collect()
+    }
+
+    #[test]
+    fn a_fresh_product_equals_the_definition_also_with_no_inner_dimension() {
+        for (m, n, k) in [(3, 5, 7), (1, 1, 1), (17, 9, 33), (4, 6, 0)] {
+            let a: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 13) as f32 - 6.0).collect();
+            let got = product_new(Mat::of(&a, k.max(1), 1), Mat::of(&b, n, 1), m, n, k);
+            assert_eq!(got, naive(&a, &b, m, n, k), "{m}x{n}x{k}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn a_stride_whose_offset_overflows_is_refused_not_wrapped() {
+        let data = [0.0f32; 4];
+        // (m - 1) * rs = 5 * (2^62 - 1) overflows usize; unchecked it would wrap to a small offset.
+        Mat::of(&data, usize::MAX / 4, 1).check(6, 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "overflows isize")]
+    fn a_stride_beyond_isize_is_refused() {
+        let data = [0.0f32; 4];
+        Mat::of(&data, usize::MAX, 1).check(1, 1);
     }
 }
