@@ -29,8 +29,11 @@ impl TrainingState {
     /// Reads a file written by [`TrainingState::save`].
     pub fn load(path: &Path) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: path.display().to_string(), message: m };
-        let bytes = std::fs::read(path).map_err(|e| err(format!("not a readable checkpoint: {e}")))?;
-        Self::from_bytes(bytes).map_err(|e| err(checkpoint_message(e)))
+        let bytes = std::fs::read(path).map_err(|e| err(format!("cannot be read: {e}")))?;
+        Self::from_bytes(bytes).map_err(|e| match e {
+            EngineError::Damaged { message, .. } => EngineError::Damaged { path: path.display().to_string(), message },
+            other => err(checkpoint_message(other)),
+        })
     }
 
     /// The checkpoint file's bytes, in memory (what a multi-process run sends its processes).
@@ -74,21 +77,22 @@ impl TrainingState {
     /// Reads what [`TrainingState::to_bytes`] wrote.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<(Self, EngineConfig, BTreeMap<String, String>), EngineError> {
         let err = |m: String| EngineError::Checkpoint { path: "(in memory)".into(), message: m };
+        let damaged = |m: String| EngineError::Damaged { path: "(in memory)".into(), message: m };
         let (meta, tensors, has_header_hash) = wire::unpack_hashed(META_KEY, bytes).map_err(|e| {
             if e.starts_with("no `") {
                 err("no copus metadata (not a copus checkpoint)".into())
             } else {
-                err(format!("not a readable checkpoint: {e}"))
+                damaged(format!("not a readable checkpoint: {e}"))
             }
         })?;
         // Checkpoints written before rank devices existed have no `devices` (Flex everywhere),
         // before wait timeouts none (the default), before content hashes no manifest.
-        let mut meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| err(format!("metadata: {e}")))?;
+        let mut meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| damaged(format!("metadata: {e}")))?;
         if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
             config.entry("devices").or_insert_with(|| serde_json::json!([]));
             config.entry("timeout_secs").or_insert_with(|| serde_json::json!(1800.0));
         }
-        let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| err(format!("metadata: {e}")))?;
+        let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| damaged(format!("metadata: {e}")))?;
         match meta.format {
             FORMAT => {}
             1 => tracing::warn!("a format-1 checkpoint has no content hashes; its tensors are loaded unverified"),
@@ -97,9 +101,9 @@ impl TrainingState {
         }
         if meta.format == FORMAT {
             if !has_header_hash {
-                return Err(err("the header's hash is missing (a damaged file)".into()));
+                return Err(damaged("the header's hash is missing (a damaged file)".into()));
             }
-            verify_manifest(&meta.manifest, &tensors).map_err(err)?;
+            verify_manifest(&meta.manifest, &tensors).map_err(damaged)?;
         }
         let mut state = Self {
             params: BTreeMap::new(),
@@ -132,7 +136,7 @@ impl TrainingState {
 /// The message of an in-memory error, for a file's error.
 fn checkpoint_message(e: EngineError) -> String {
     match e {
-        EngineError::Checkpoint { message, .. } => message,
+        EngineError::Checkpoint { message, .. } | EngineError::Damaged { message, .. } => message,
         other => other.to_string(),
     }
 }

@@ -337,11 +337,7 @@ impl<L: ParallelLm> Driver<L> {
             self.clock_secs += started.elapsed().as_secs_f64();
         }
         let writing = Instant::now();
-        let mut extra = extra.clone();
-        extra.insert(POSITION_KEY.into(), serde_json::to_string(&self.position()).expect("a position serialises"));
-        if let Some(s) = source.save_state() {
-            extra.insert(SOURCE_KEY.into(), s);
-        }
+        let extra = self.whole_run_extra(source, extra);
         state.save(path, self.engine.specs(), self.engine.config(), &extra)?;
         let bytes = state.bytes();
         self.snapshot = Some(Snapshot { state, candidate: self.current, next_sample: self.next_sample });
@@ -385,7 +381,18 @@ impl<L: ParallelLm> Driver<L> {
         Ok((driver, extra))
     }
 
-    /// Where the run stands.
+    /// The caller's `extra` entries with the run's position and what `source` learned: what a
+    /// whole-run checkpoint holds beside the training state.
+    fn whole_run_extra(&self, source: &dyn DecisionSource, extra: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+        let mut extra = extra.clone();
+        extra.insert(POSITION_KEY.into(), serde_json::to_string(&self.position()).expect("a position serialises"));
+        if let Some(s) = source.save_state() {
+            extra.insert(SOURCE_KEY.into(), s);
+        }
+        extra
+    }
+
+    /// Where the run stands: the next sample, the clock and the divergence counters.
     pub fn position(&self) -> Position {
         Position { next_sample: self.next_sample, clock_secs: self.clock_secs, restores: self.restores, bad_in_row: self.bad_in_row }
     }
@@ -564,6 +571,9 @@ impl<L: ParallelLm> Driver<L> {
             return Ok(out);
         }
         let started = Instant::now();
+        // Should the change fail and its rollback fail too, the emergency checkpoint continues
+        // the run with `Driver::resume` from here, as a whole-run checkpoint would.
+        self.engine.set_emergency_extra(self.whole_run_extra(source, &BTreeMap::new()));
         match self.engine.reconfigure(proposed.dims, proposed.global_batch, proposed.micro_batch) {
             Ok(report) => {
                 let measured_secs = started.elapsed().as_secs_f64();

@@ -181,7 +181,7 @@ impl<L: ParallelLm> Engine<L> {
     /// it could not.
     fn save_emergency(&self, state: &TrainingState, cfg: &EngineConfig) -> String {
         let path = self.emergency_path(state.step);
-        match state.save(&path, self.specs(), cfg, &Default::default()) {
+        match state.save(&path, self.specs(), cfg, self.emergency_extra()) {
             Ok(()) => format!("the state is saved to the emergency checkpoint {}", path.display()),
             Err(w) => format!("the emergency checkpoint could not be written either ({w})"),
         }

@@ -14,6 +14,7 @@ use copus_core::candidates::Enumeration;
 
 use crate::checkpoint::write_atomically;
 use crate::driver::{Clock, DecisionSource, Driver, DriverError};
+use crate::engine::EngineError;
 use crate::parallel::ParallelLm;
 
 /// Checkpoints kept by default: the newest and the one before, so a save cut short or a damaged
@@ -35,14 +36,34 @@ pub enum RunDirError {
     /// The run folder has no checkpoint to resume from.
     #[error("{0} has no checkpoints to resume from")]
     NoCheckpoints(PathBuf),
-    /// Every checkpoint failed to load; the newest one's error is kept.
-    #[error("no checkpoint in {dir} could be loaded (newest: {source})")]
+    /// Every checkpoint was damaged (each is renamed aside to `*.bad`); the newest one's
+    /// error is kept.
+    #[error("no checkpoint in {dir} could be loaded: all are damaged (newest: {source})")]
     NoneLoadable {
         /// The checkpoints folder.
         dir: PathBuf,
         /// Why the newest checkpoint did not load.
         #[source]
         source: DriverError,
+    },
+    /// A checkpoint that is not damaged but cannot continue this run (another model, a newer
+    /// format, no driver position, unreadable): the resume stops here rather than go back to an
+    /// older one.
+    #[error("cannot resume from {path}: {source}")]
+    Unusable {
+        /// The checkpoint.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: DriverError,
+    },
+    /// Another process holds the run folder.
+    #[error("run folder {path} is in use by another process{holder}; wait for it to end or use another folder")]
+    Busy {
+        /// The run folder.
+        path: PathBuf,
+        /// ` (pid N)` when the holder wrote its process id.
+        holder: String,
     },
     /// Saving the checkpoint failed.
     #[error(transparent)]
@@ -100,6 +121,43 @@ impl RunDir {
         out
     }
 
+    /// Emergency checkpoints (`copus-emergency-step-N-PID.bpk`, written when a failed layout
+    /// change could not roll back) in the folder itself, with their steps.
+    pub fn emergency_checkpoints(&self) -> Vec<(u64, PathBuf)> {
+        std::fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let rest = name.strip_prefix("copus-emergency-step-")?.strip_suffix(".bpk")?;
+                Some((rest.split('-').next()?.parse().ok()?, e.path()))
+            })
+            .collect()
+    }
+
+    /// Takes the run folder for this process until the returned lock is dropped; a second
+    /// process gets [`RunDirError::Busy`]. The lock is the operating system's, on `run.lock`, so
+    /// it goes with the process however it ends.
+    pub fn lock(&self) -> Result<RunLock, RunDirError> {
+        use std::io::{Read, Seek, Write};
+        let path = self.root.join("run.lock");
+        let io = |source| RunDirError::Io { path: path.clone(), source };
+        let mut file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = file.read_to_string(&mut pid);
+                let holder = pid.trim().parse::<u32>().map_or(String::new(), |p| format!(" (pid {p})"));
+                return Err(RunDirError::Busy { path: self.root.clone(), holder });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        }
+        file.set_len(0).and_then(|()| file.rewind()).and_then(|()| write!(file, "{}", std::process::id())).map_err(io)?;
+        Ok(RunLock { _file: file })
+    }
+
     /// Writes a whole-run checkpoint of `driver` at its current step (atomically) and removes
     /// all but the newest `keep`; returns the file written.
     pub fn save<L: ParallelLm>(
@@ -122,8 +180,12 @@ impl RunDir {
         Ok(path)
     }
 
-    /// Continues the run from its newest checkpoint that loads (a damaged newest one falls back
-    /// to the one before, with a warning); `clock` makes the run's clock for each attempt.
+    /// Continues the run from its newest checkpoint that loads, among `checkpoints/` and the
+    /// emergency checkpoints in the folder. Only damage (a truncated file, a hash or the
+    /// manifest not matching) falls back to the one before: the damaged file is renamed aside
+    /// (`*.bad`) so that it never counts again and no later resume can continue the abandoned
+    /// branch. Any other error stops the resume with its cause. An emergency checkpoint that is
+    /// resumed from moves into `checkpoints/`. `clock` makes the run's clock for each attempt.
     /// Returns the driver and the checkpoint it came from.
     pub fn resume<L: ParallelLm>(
         &self,
@@ -132,18 +194,38 @@ impl RunDir {
         mut clock: impl FnMut() -> Clock,
         source: &mut dyn DecisionSource,
     ) -> Result<(Driver<L>, PathBuf), RunDirError> {
-        let checkpoints = self.checkpoints();
-        if checkpoints.is_empty() {
+        let mut checkpoints = self.checkpoints();
+        let regular = checkpoints.len();
+        checkpoints.extend(self.emergency_checkpoints());
+        // Newest first; at equal steps a regular checkpoint before an emergency one.
+        let mut order: Vec<usize> = (0..checkpoints.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(checkpoints[i].0), i >= regular));
+        if order.is_empty() {
             return Err(RunDirError::NoCheckpoints(self.checkpoints_dir()));
         }
         let mut newest_error = None;
-        for (_, path) in checkpoints.iter().rev() {
+        for i in order {
+            let (step, path) = &checkpoints[i];
             match Driver::resume(model.clone(), path, space.clone(), clock(), source) {
+                Ok((driver, _)) if i >= regular => {
+                    // The emergency state becomes the run's newest checkpoint.
+                    let dir = self.checkpoints_dir();
+                    std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
+                    let to = self.checkpoint_path(*step);
+                    std::fs::rename(path, &to).map_err(|source| RunDirError::Io { path: path.clone(), source })?;
+                    tracing::info!("the emergency checkpoint {} is now {}", path.display(), to.display());
+                    return Ok((driver, to));
+                }
                 Ok((driver, _)) => return Ok((driver, path.clone())),
-                Err(e) => {
-                    tracing::warn!("checkpoint {} not usable: {e}", path.display());
+                Err(e @ DriverError::Engine(EngineError::Damaged { .. })) => {
+                    let aside = path.with_extension("bpk.bad");
+                    match std::fs::rename(path, &aside) {
+                        Ok(()) => tracing::warn!("checkpoint {} is damaged ({e}); renamed to {}", path.display(), aside.display()),
+                        Err(r) => return Err(RunDirError::Io { path: path.clone(), source: r }),
+                    }
                     newest_error.get_or_insert(e);
                 }
+                Err(e) => return Err(RunDirError::Unusable { path: path.clone(), source: e }),
             }
         }
         Err(RunDirError::NoneLoadable { dir: self.checkpoints_dir(), source: newest_error.expect("one checkpoint at least") })
@@ -165,6 +247,12 @@ impl RunDir {
             .collect();
         write_atomically(&path, kept.as_bytes()).map_err(|source| RunDirError::Io { path, source })
     }
+}
+
+/// A run folder taken by this process ([`RunDir::lock`]); dropping it lets the folder go.
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
 }
 
 /// The step a log line belongs to: a JSON line's `step` (or its `metrics.step` / `record.step`),

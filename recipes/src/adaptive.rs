@@ -145,6 +145,15 @@ impl Logs {
         }
         Ok(())
     }
+
+    /// Flushes every log and syncs it to the disk.
+    fn sync(&mut self) -> std::io::Result<()> {
+        self.flush()?;
+        for w in [&mut self.metrics, &mut self.evals, &mut self.decisions, &mut self.switches] {
+            w.get_ref().sync_data()?;
+        }
+        Ok(())
+    }
 }
 
 /// What the loop carries from a fresh start or a resume: the plotted points and the evaluations.
@@ -154,27 +163,58 @@ struct History {
     last_eval: (u64, f64),
 }
 
-/// Set by Ctrl-C: finish the step, save a checkpoint, stop.
+/// Set by the first SIGINT (Ctrl-C), SIGTERM or SIGHUP: finish the step, save a checkpoint,
+/// stop.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-/// Set once the training loop is over: Ctrl-C then quits at once.
+/// Set once the training loop is over and its last checkpoint is written: a signal then quits
+/// at once.
 static LOOP_DONE: AtomicBool = AtomicBool::new(false);
+/// Set while a checkpoint is being written: a signal then lets it finish.
+static SAVING: AtomicBool = AtomicBool::new(false);
+/// Set by a second signal during a save: quit (exit code 130) once the checkpoint is written.
+static QUIT_AFTER_SAVE: AtomicBool = AtomicBool::new(false);
 
-/// The first Ctrl-C asks the run to stop after its step with a checkpoint; a second one, or
-/// one after the loop, quits at once.
+/// Ends the process at once (exit code 130), and under mpirun the serving processes with it.
+fn quit_now() -> ! {
+    #[cfg(feature = "mpi")]
+    if copus_burn::mpi::role() != copus_burn::mpi::Role::Single {
+        copus_burn::mpi::abort_job("interrupted");
+    }
+    std::process::exit(130);
+}
+
+/// SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and `docker stop` send) and SIGHUP all act
+/// alike. The first asks the run to stop after its step with a checkpoint (exit code 0, with the
+/// resume command); a second one, or one after the loop, quits at once, except while a
+/// checkpoint is being written: then the checkpoint is finished first.
 fn catch_interrupt() {
     let installed = ctrlc::set_handler(|| {
-        if INTERRUPTED.swap(true, Ordering::SeqCst) || LOOP_DONE.load(Ordering::SeqCst) {
-            // Under mpirun the serving processes must go too.
-            #[cfg(feature = "mpi")]
-            if copus_burn::mpi::role() != copus_burn::mpi::Role::Single {
-                copus_burn::mpi::abort_job("interrupted");
+        let again = INTERRUPTED.swap(true, Ordering::SeqCst);
+        if SAVING.load(Ordering::SeqCst) {
+            if again {
+                QUIT_AFTER_SAVE.store(true, Ordering::SeqCst);
+                eprintln!(
+                    "
+interrupted again: quitting as soon as the checkpoint being written is saved"
+                );
+            } else {
+                eprintln!(
+                    "
+interrupted: finishing the checkpoint being written, then stopping"
+                );
             }
-            std::process::exit(130);
+            return;
         }
-        eprintln!("\ninterrupted: finishing the step and saving a checkpoint (Ctrl-C again quits at once)");
+        if again || LOOP_DONE.load(Ordering::SeqCst) {
+            quit_now();
+        }
+        eprintln!(
+            "
+interrupted: finishing the step and saving a checkpoint (a second signal quits at once)"
+        );
     });
     if let Err(e) = installed {
-        tracing::debug!("Ctrl-C handler not installed: {e}");
+        tracing::debug!("signal handler not installed: {e}");
     }
 }
 
@@ -201,6 +241,8 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     tracing::info!("starting at {start}");
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
+    // The run folder is this process's until the run ends.
+    let _lock = RunDir::new(&folder).lock()?;
     // Should a layout change fail and its rollback fail too, the state goes here.
     driver.engine_mut().set_emergency_dir(&folder);
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
@@ -230,6 +272,8 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
     let dir = RunDir::new(run_dir);
+    // No second process may resume (or write) the same folder meanwhile.
+    let _lock = dir.lock()?;
     let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
     let (mut driver, path) = dir.resume(model, &space, || Clock::Wall, s.source())?;
     driver.engine_mut().set_emergency_dir(run_dir);
@@ -268,11 +312,21 @@ fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     out
 }
 
-/// Writes a checkpoint of the run at its current step (the logs flushed first) and keeps the
-/// newest two.
+/// Writes a checkpoint of the run at its current step (the logs flushed and synced first, so a
+/// power loss cannot leave them behind the checkpoint) and keeps the newest two. A signal that
+/// arrives meanwhile waits for it; a second one quits once it is written.
 fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
-    logs.flush()?;
-    Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?)
+    SAVING.store(true, Ordering::SeqCst);
+    let saved = logs.sync().map_err(anyhow::Error::from).and_then(|()| Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?));
+    SAVING.store(false, Ordering::SeqCst);
+    if QUIT_AFTER_SAVE.load(Ordering::SeqCst) {
+        match &saved {
+            Ok(path) => eprintln!("checkpoint {} written; quitting", path.display()),
+            Err(e) => eprintln!("the checkpoint failed ({e:#}); quitting"),
+        }
+        quit_now();
+    }
+    saved
 }
 
 /// The plotted points and evaluations of a run folder up to `step`.
@@ -323,6 +377,7 @@ fn train(
         evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
     };
     LOOP_DONE.store(false, Ordering::SeqCst);
+    QUIT_AFTER_SAVE.store(false, Ordering::SeqCst);
     catch_interrupt();
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);
@@ -397,7 +452,7 @@ fn train(
             last_eval = (step, l);
         }
         if stop.swap(false, Ordering::SeqCst) {
-            stopped = format!("interrupted (Ctrl-C) after {step} steps");
+            stopped = format!("interrupted (a signal: Ctrl-C, SIGTERM or SIGHUP) after {step} steps");
             interrupted = true;
             break;
         }
@@ -416,9 +471,9 @@ fn train(
         }
     }
     bar.finish();
-    LOOP_DONE.store(true, Ordering::SeqCst);
     // The run's last state, whatever stopped it: `--resume` continues from here.
     let saved = checkpoint(&mut driver, s.source(), &folder, &mut logs)?;
+    LOOP_DONE.store(true, Ordering::SeqCst);
     tracing::info!("checkpoint {}", saved.display());
     let steps = driver.engine().steps_done();
     let train_secs = driver.clock_secs();

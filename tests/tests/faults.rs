@@ -329,3 +329,45 @@ fn killed_during_a_reconfiguration_the_last_checkpoint_resumes() {
     let got = train(&mut e, step, step + 1)[0];
     assert!((got - want).abs() <= 1e-5 * want.abs(), "step {step}: {got} vs {want}");
 }
+
+/// The emergency checkpoint of a driven run carries the driver's position, so `RunDir::resume`
+/// (what `recipes run --resume` uses) continues from it: it becomes the run's newest checkpoint
+/// and the run goes on exactly as one whose layout change was never asked for.
+#[test]
+fn a_driven_runs_emergency_checkpoint_resumes_through_the_run_folder() {
+    use copus_burn::driver::{Clock, Scripted};
+    use copus_burn::{Driver, RunDir};
+    use copus_core::candidates::{Candidate, CandidateSpace};
+    use copus_core::memory::{GIB, MemoryModel};
+    use copus_core::schedule::ScheduleKind;
+
+    let space = CandidateSpace::new(2, vec![4, 8], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB)
+        .unwrap()
+        .enumerate(&copus_burn::ParallelLm::spec(&config()));
+    let start = Candidate::new(dims(2, 1, 1), 4, 2).unwrap();
+    let data = copus_tests::IndexedSequences { vocab: config().shape.vocab_size };
+    let driver = || {
+        let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, SEQ, optim());
+        Driver::new(Engine::new(Arc::new(config()), initial_full(), ec).unwrap(), space.clone(), Clock::Wall).unwrap()
+    };
+    let mut reference = driver();
+    let want: Vec<f64> = (0..4).map(|_| reference.step(&data, &mut Scripted::default()).unwrap().step.metrics.loss).collect();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = driver();
+    d.engine_mut().set_emergency_dir(dir.path());
+    let mut source = Scripted::new([(2, Candidate::new(dims(1, 2, 1), 4, 2).unwrap())]);
+    d.step(&data, &mut source).unwrap();
+    d.engine_mut().inject_fault_with_failed_rollback(ReconfigPhase::Load);
+    assert!(d.step(&data, &mut source).is_err(), "the change and its rollback failed");
+    drop(d);
+
+    let run = RunDir::new(dir.path());
+    assert_eq!(run.emergency_checkpoints().len(), 1);
+    let (mut back, from) = run.resume(Arc::new(config()), &space, || Clock::Wall, &mut Scripted::default()).unwrap();
+    assert_eq!(from, run.checkpoint_path(2));
+    assert!(run.emergency_checkpoints().is_empty(), "moved into checkpoints/");
+    assert_eq!((back.engine().steps_done(), back.position().next_sample), (2, 8));
+    let rest: Vec<f64> = (0..2).map(|_| back.step(&data, &mut Scripted::default()).unwrap().step.metrics.loss).collect();
+    assert_eq!(rest.iter().map(|l| l.to_bits()).collect::<Vec<_>>(), want[2..].iter().map(|l| l.to_bits()).collect::<Vec<_>>());
+}

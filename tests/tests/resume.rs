@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use copus_burn::driver::{Clock, Scripted};
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig, OptimConfig};
+use copus_burn::run_dir::RunDirError;
+use copus_burn::{DecisionSource, Driver, Engine, EngineConfig, OptimConfig, RunDir};
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::orchestrator::Orchestrator;
@@ -164,4 +165,80 @@ fn a_checkpoint_that_cannot_continue_the_run_is_refused() {
     d.engine_mut().save_checkpoint(&engine_only, &BTreeMap::new()).unwrap();
     let err = Driver::resume(Arc::new(config()), &engine_only, space(), Clock::Wall, &mut Scripted::new([])).err().unwrap().to_string();
     assert!(err.contains("not a whole-run checkpoint"), "{err}");
+}
+
+// ---- The run folder ---------------------------------------------------------------------------
+
+/// A truncated newest checkpoint: the resume falls back to the one before and renames the
+/// damaged file aside, so it never counts again. The resumed run continues as the uninterrupted
+/// one from there, and its next save starts the new branch; the damaged file, even made readable
+/// again, is not resumed from.
+#[test]
+fn a_damaged_newest_checkpoint_is_set_aside_and_never_resumed() {
+    let start = cand(2, 2, 1, 8, 2);
+    let mut whole = driver_at(start, Clock::Wall);
+    let whole_trace = steps(&mut whole, &mut Scripted::default(), 6);
+
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunDir::new(dir.path());
+    let mut first = driver_at(start, Clock::Wall);
+    let mut source = Scripted::default();
+    steps(&mut first, &mut source, 3);
+    run.save(&mut first, &source, &BTreeMap::new()).unwrap();
+    steps(&mut first, &mut source, 1);
+    let newest = run.save(&mut first, &source, &BTreeMap::new()).unwrap();
+    drop(first);
+    let good = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &good[..good.len() / 2]).unwrap();
+
+    let (mut resumed, from) = run.resume(Arc::new(config()), &space(), || Clock::Wall, &mut source).unwrap();
+    assert_eq!(from, run.checkpoint_path(3));
+    assert_eq!(resumed.engine().steps_done(), 3);
+    let aside = newest.with_extension("bpk.bad");
+    assert!(aside.exists() && !newest.exists(), "the damaged file is renamed aside");
+    assert_eq!(run.checkpoints().iter().map(|c| c.0).collect::<Vec<_>>(), vec![3]);
+    let rest = steps(&mut resumed, &mut source, 3);
+    assert_same(&rest, &whole_trace[3..].to_vec(), (&mut resumed, &mut whole));
+
+    // The set-aside file made whole again still does not count.
+    std::fs::write(&aside, &good).unwrap();
+    run.save(&mut resumed, &source, &BTreeMap::new()).unwrap();
+    assert_eq!(run.checkpoints().iter().map(|c| c.0).collect::<Vec<_>>(), vec![3, 6]);
+    let (again, from) = run.resume(Arc::new(config()), &space(), || Clock::Wall, &mut source).unwrap();
+    assert_eq!((from, again.engine().steps_done()), (run.checkpoint_path(6), 6));
+}
+
+/// A checkpoint that is whole but cannot continue this run (another model) stops the resume
+/// with its cause; it neither falls back to an older checkpoint nor is renamed.
+#[test]
+fn an_unusable_checkpoint_stops_the_resume_with_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunDir::new(dir.path());
+    let mut source = Scripted::default();
+    let mut first = driver_at(cand(2, 2, 1, 8, 2), Clock::Wall);
+    steps(&mut first, &mut source, 1);
+    run.save(&mut first, &source, &BTreeMap::new()).unwrap();
+    steps(&mut first, &mut source, 1);
+    let newest = run.save(&mut first, &source, &BTreeMap::new()).unwrap();
+    drop(first);
+    let other = config().with_tied_embeddings(!config().shape.tied_embeddings);
+    let space = CandidateSpace::new(4, vec![8, 16], vec![1, 2, 4], ScheduleKind::OneFOneB, MemoryModel::fp32(), 64.0 * GIB)
+        .unwrap()
+        .enumerate(&copus_burn::ParallelLm::spec(&other));
+    let err = run.resume(Arc::new(other), &space, || Clock::Wall, &mut source).err().expect("another model cannot resume");
+    assert!(matches!(err, RunDirError::Unusable { ref path, .. } if *path == newest), "{err}");
+    assert!(newest.exists(), "not renamed: it is not damaged");
+}
+
+/// A second process (here a second handle) cannot take a run folder while the first holds it;
+/// once the first lets go, it can.
+#[test]
+fn a_run_folder_is_held_by_one_process_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunDir::new(dir.path());
+    let held = run.lock().unwrap();
+    let err = run.lock().unwrap_err().to_string();
+    assert!(err.contains("in use by another process") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+    drop(held);
+    run.lock().unwrap();
 }

@@ -59,6 +59,15 @@ pub enum EngineError {
         /// What went wrong.
         message: String,
     },
+    /// A checkpoint whose bytes are damaged: truncated, a hash or the manifest not matching,
+    /// unreadable metadata. A resume falls back past such a file; any other error stops it.
+    #[error("checkpoint {path}: {message}")]
+    Damaged {
+        /// File.
+        path: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The engine failed earlier and must be rebuilt.
     #[error("the engine stopped after an earlier failure: {0}")]
     Dead(String),

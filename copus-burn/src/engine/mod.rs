@@ -90,6 +90,9 @@ pub struct Engine<L: ParallelLm> {
     planted: fault::PlantedSteps,
     /// Where an emergency checkpoint goes when a failed reconfiguration cannot roll back.
     emergency_dir: Option<std::path::PathBuf>,
+    /// The caller's entries an emergency checkpoint carries (the driver's position), so it can be
+    /// resumed like a whole-run checkpoint.
+    emergency_extra: std::collections::BTreeMap<String, String>,
 }
 
 impl EngineConfig {
@@ -123,6 +126,7 @@ impl<L: ParallelLm> Engine<L> {
             #[cfg(feature = "fault-injection")]
             planted: fault::PlantedSteps::default(),
             emergency_dir: None,
+            emergency_extra: Default::default(),
         };
         engine.check_target(&cfg)?;
         engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::default())?);
@@ -178,6 +182,16 @@ impl<L: ParallelLm> Engine<L> {
     /// roll back, as the one intact copy of the state (default: the system's temporary folder).
     pub fn set_emergency_dir(&mut self, dir: impl Into<std::path::PathBuf>) {
         self.emergency_dir = Some(dir.into());
+    }
+
+    /// The caller's entries the next emergency checkpoint carries beside the training state.
+    pub fn set_emergency_extra(&mut self, extra: std::collections::BTreeMap<String, String>) {
+        self.emergency_extra = extra;
+    }
+
+    /// The entries set by [`Engine::set_emergency_extra`].
+    pub(crate) fn emergency_extra(&self) -> &std::collections::BTreeMap<String, String> {
+        &self.emergency_extra
     }
 
     /// Where the emergency checkpoint of step `step` goes.
