@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
@@ -171,6 +171,8 @@ static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 static LOOP_DONE: AtomicBool = AtomicBool::new(false);
 /// Set while a checkpoint is being written: a signal then lets it finish.
 static SAVING: AtomicBool = AtomicBool::new(false);
+/// Signals received since the run started (the loop takes `INTERRUPTED` back when it acts on it).
+static SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Set by a second signal during a save: quit (exit code 130) once the checkpoint is written.
 static QUIT_AFTER_SAVE: AtomicBool = AtomicBool::new(false);
 
@@ -189,7 +191,8 @@ fn quit_now() -> ! {
 /// checkpoint is being written: then the checkpoint is finished first.
 fn catch_interrupt() {
     let installed = ctrlc::set_handler(|| {
-        let again = INTERRUPTED.swap(true, Ordering::SeqCst);
+        INTERRUPTED.store(true, Ordering::SeqCst);
+        let again = SIGNALS.fetch_add(1, Ordering::SeqCst) > 0;
         if SAVING.load(Ordering::SeqCst) {
             if again {
                 QUIT_AFTER_SAVE.store(true, Ordering::SeqCst);
@@ -317,6 +320,11 @@ fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
 /// arrives meanwhile waits for it; a second one quits once it is written.
 fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
     SAVING.store(true, Ordering::SeqCst);
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("COPUS_TEST_SAVE_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok()) {
+        eprintln!("copus-test: writing a checkpoint");
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
     let saved = logs.sync().map_err(anyhow::Error::from).and_then(|()| Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?));
     SAVING.store(false, Ordering::SeqCst);
     if QUIT_AFTER_SAVE.load(Ordering::SeqCst) {
@@ -378,6 +386,7 @@ fn train(
     };
     LOOP_DONE.store(false, Ordering::SeqCst);
     QUIT_AFTER_SAVE.store(false, Ordering::SeqCst);
+    SIGNALS.store(0, Ordering::SeqCst);
     catch_interrupt();
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);

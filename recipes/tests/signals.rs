@@ -1,0 +1,61 @@
+//! A scheduler's stop: SIGTERM (Slurm, Kubernetes, `docker stop`) and SIGHUP end an adaptive run
+//! like the first Ctrl-C: the step finishes, a checkpoint is written, the process exits 0 and
+//! prints the resume command, and `--resume` continues the run to its end.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Run, recipe, wait_for_steps};
+
+fn stops_with_a_checkpoint_on(signal: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, folder) = recipe(dir.path(), 100_000);
+    let p = path.to_str().unwrap();
+    let run = Run::start(&["run", p], &[]);
+    wait_for_steps(&folder, 2, Duration::from_secs(600));
+    run.signal(signal);
+    let (code, out) = run.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "exit code after SIG{signal}; stdout:\n{out}");
+    assert!(out.contains("resume with:") && out.contains("--resume"), "{out}");
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["interrupted"], true);
+    let steps = summary["steps"].as_u64().unwrap();
+    let checkpoint = folder.join("checkpoints").join(format!("step-{steps:08}.bpk"));
+    assert!(checkpoint.exists(), "{} is missing", checkpoint.display());
+
+    // The resumed run continues from that step to a new end.
+    let end = (steps + 2).to_string();
+    let resumed = Run::start(&["run", p, "--resume", folder.to_str().unwrap(), "--max-steps", &end], &[]);
+    let (code, out) = resumed.finish(Duration::from_secs(600));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains(&format!("{end} steps")), "{out}");
+}
+
+#[test]
+fn sigterm_finishes_the_step_checkpoints_and_exits_zero() {
+    stops_with_a_checkpoint_on("TERM");
+}
+
+#[test]
+fn sighup_acts_like_sigterm() {
+    stops_with_a_checkpoint_on("HUP");
+}
+
+/// Two processes on one run folder: the second `--resume` is refused while the first runs.
+#[test]
+fn a_second_resume_of_a_running_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, folder) = recipe(dir.path(), 100_000);
+    let p = path.to_str().unwrap();
+    let first = Run::start(&["run", p], &[]);
+    wait_for_steps(&folder, 1, Duration::from_secs(600));
+    let second = Run::start(&["run", p, "--resume", folder.to_str().unwrap()], &[]);
+    let (code, _) = second.finish(Duration::from_secs(120));
+    assert_ne!(code, Some(0));
+    first.signal("TERM");
+    let (code, _) = first.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0));
+}
