@@ -14,17 +14,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
-use burn::module::Module;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Device;
+use burn::train::SupervisedTraining;
 use burn::train::metric::{LearningRateMetric, LossMetric};
-use burn::train::{InferenceStep, SequenceOutput, SupervisedTraining, TrainOutput, TrainStep};
 use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
-use copus_burn::{CausalLm, MicroBatch, OptimConfig, cross_entropy_sum};
+use copus_burn::{CausalLm, OptimConfig};
 use copus_core::model::ModelSpec;
-use copus_models::{Llama, LlamaConfig};
+use copus_models::LlamaConfig;
+use copus_models::learner::{LanguageModel, TokenBatcher};
 
 /// Tokens per training window (the model reads `SEQ`, predicts the next byte at each place).
 const SEQ: usize = 64;
@@ -48,55 +47,6 @@ impl Dataset<Vec<u32>> for Windows {
 
     fn len(&self) -> usize {
         self.count
-    }
-}
-
-#[derive(Clone, Debug)]
-struct TokenBatch {
-    inputs: Tensor<2, Int>,
-    targets: Tensor<2, Int>,
-}
-
-#[derive(Clone)]
-struct TokenBatcher;
-
-impl Batcher<Vec<u32>, TokenBatch> for TokenBatcher {
-    fn batch(&self, items: Vec<Vec<u32>>, device: &Device) -> TokenBatch {
-        let windows: Vec<&[u32]> = items.iter().map(Vec::as_slice).collect();
-        let b = MicroBatch::from_windows(&windows, device);
-        TokenBatch { inputs: b.inputs, targets: b.targets }
-    }
-}
-
-/// The Llama as a Learner model: next-byte loss averaged over tokens.
-#[derive(Module, Debug)]
-struct LanguageModel {
-    llama: Llama,
-}
-
-impl LanguageModel {
-    fn forward(&self, b: TokenBatch) -> SequenceOutput {
-        let logits = self.llama.forward(b.inputs);
-        let tokens = b.targets.dims().iter().product::<usize>() as f64;
-        let loss = cross_entropy_sum(logits.clone(), b.targets.clone()).div_scalar(tokens);
-        SequenceOutput::new(loss, logits, None, b.targets)
-    }
-}
-
-impl TrainStep for LanguageModel {
-    type Input = TokenBatch;
-    type Output = SequenceOutput;
-    fn step(&self, b: TokenBatch) -> TrainOutput<SequenceOutput> {
-        let out = self.forward(b);
-        TrainOutput::new(self, out.loss.backward(), out)
-    }
-}
-
-impl InferenceStep for LanguageModel {
-    type Input = TokenBatch;
-    type Output = SequenceOutput;
-    fn step(&self, b: TokenBatch) -> SequenceOutput {
-        self.forward(b)
     }
 }
 

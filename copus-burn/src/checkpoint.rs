@@ -172,14 +172,26 @@ fn verify_manifest(manifest: &BTreeMap<String, (usize, u64)>, tensors: &[crate::
 /// mid-write). Only where running processes can be listed (`/proc`).
 fn remove_stale_temporaries(path: &Path, name: &str) {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    remove_dead_temporaries(dir, Some(name));
+}
+
+/// Removes the temporary files `.{NAME}.{PID}.{K}.tmp` in `dir` (of one name, or of any) whose
+/// writing process no longer runs: the one rule for left-over temporaries. A live process's
+/// save in progress is never touched. Only where running processes can be listed (`/proc`).
+pub(crate) fn remove_dead_temporaries(dir: &Path, name: Option<&str>) {
     if !Path::new("/proc/self").exists() {
         return;
     }
-    let prefix = format!(".{name}.");
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let file = entry.file_name().to_string_lossy().into_owned();
-        let Some(rest) = file.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tmp")) else { continue };
-        let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = file.strip_prefix('.').and_then(|r| r.strip_suffix(".tmp")) else { continue };
+        // NAME.PID.K, where NAME may hold dots itself.
+        let mut parts = rest.rsplitn(3, '.');
+        let (Some(_k), Some(pid), Some(of)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        if name.is_some_and(|n| n != of) {
+            continue;
+        }
+        let Ok(pid) = pid.parse::<u32>() else { continue };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_file(entry.path());
         }

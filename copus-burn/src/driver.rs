@@ -90,7 +90,7 @@ impl DecisionSource for Orchestrator {
     }
     fn restore_state(&mut self, state: &str) -> Result<(), SourceStateError> {
         let state = serde_json::from_str(state)?;
-        self.restore(&state).map_err(SourceStateError::Mismatch)
+        self.restore(&state).map_err(|e| SourceStateError::Mismatch(e.to_string()))
     }
 }
 
@@ -426,7 +426,7 @@ impl<L: ParallelLm> Driver<L> {
         (cfg.dims, cfg.global_batch, cfg.micro_batch) = (c.dims, c.global_batch, c.micro_batch);
         cfg.optim.lr = lr / 2.0;
         let started = Instant::now();
-        self.engine.relaunch(&snap.state, &cfg, Fault::default())?;
+        self.engine.relaunch(&snap.state, &cfg, Fault::none())?;
         self.clock_secs += match &self.clock {
             Clock::Wall => started.elapsed().as_secs_f64(),
             Clock::Modelled { layout_switch_secs, .. } => *layout_switch_secs,

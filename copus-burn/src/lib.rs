@@ -73,6 +73,8 @@ mod wire;
 pub use driver::{DataSource, DecisionSource, Driver, DriverError, DriverStep};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
 pub use fused::cross_entropy_sum;
+#[cfg(feature = "learner")]
+pub use learner::{CopusBatching, CopusBatchingConfig, CopusTrainingExt};
 pub use optim::OptimConfig;
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;

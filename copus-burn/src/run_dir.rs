@@ -3,8 +3,9 @@
 //!
 //! One rule for left-over temporary files holds everywhere: a save writes a uniquely named
 //! temporary file and renames it (`checkpoint::write_atomically`), and only the temporaries of
-//! processes that no longer run are removed, so two processes never delete each other's work in
-//! progress.
+//! processes that no longer run are removed (by the save of the same file, and by every
+//! checkpoint save for the whole checkpoints folder), so two processes never delete each other's
+//! work in progress.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use std::sync::Arc;
 
 use copus_core::candidates::Enumeration;
 
-use crate::checkpoint::write_atomically;
+use crate::checkpoint::{remove_dead_temporaries, write_atomically};
 use crate::driver::{Clock, DecisionSource, Driver, DriverError};
 use crate::engine::EngineError;
 use crate::parallel::ParallelLm;
@@ -170,6 +171,8 @@ impl RunDir {
         std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
         let path = self.checkpoint_path(driver.engine().steps_done());
         driver.save_checkpoint(&path, source, extra)?;
+        // Temporaries of any checkpoint's save cut short by a killed process.
+        remove_dead_temporaries(&dir, None);
         let all = self.checkpoints();
         for (_, old) in &all[..all.len().saturating_sub(self.keep)] {
             if let Err(e) = std::fs::remove_file(old) {
@@ -289,6 +292,28 @@ mod tests {
         // No temporary file is left behind.
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
         assert_eq!(left.len(), 2, "{left:?}");
+    }
+
+    /// Temporaries of a dead process are removed, of any checkpoint's name; a live process's
+    /// (this one's) are kept.
+    #[test]
+    fn only_dead_processes_temporaries_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        // PID 0 is never a process that wrote a file; this process is alive.
+        let dead = [".step-00000004.bpk.0.0.tmp", ".step-00000007.bpk.0.3.tmp"];
+        let alive = format!(".step-00000005.bpk.{}.0.tmp", std::process::id());
+        for name in dead.iter().copied().chain([alive.as_str(), "step-00000004.bpk", "notes.tmp"]) {
+            std::fs::write(dir.path().join(name), b"x").unwrap();
+        }
+        remove_dead_temporaries(dir.path(), None);
+        let mut left: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name().into_string().unwrap()).collect();
+        left.sort();
+        let mut want = vec![alive, "notes.tmp".to_string(), "step-00000004.bpk".to_string()];
+        want.sort();
+        if Path::new("/proc/self").exists() {
+            assert_eq!(left, want);
+        }
     }
 
     #[test]

@@ -313,9 +313,9 @@ impl Orchestrator {
     }
 
     /// Continues from [`Self::state`] of an orchestrator with the same policy and candidates.
-    pub fn restore(&mut self, state: &OrchestratorState) -> Result<(), String> {
+    pub fn restore(&mut self, state: &OrchestratorState) -> Result<(), RestoreError> {
         if state.policy != self.policy_name() {
-            return Err(format!("the saved state is of policy `{}`, this run's is `{}`", state.policy, self.policy_name()));
+            return Err(RestoreError { saved: state.policy.clone(), running: self.policy_name() });
         }
         self.policy.restore_learned(&state.learned);
         self.scorer.set_measured(&state.measured);
@@ -329,7 +329,7 @@ impl Orchestrator {
             Request::Hello { .. } => Response::Welcome { policy: self.policy_name() },
             Request::Resume(state) => match self.restore(&state) {
                 Ok(()) => Response::Ack,
-                Err(e) => Response::Error(e),
+                Err(e) => Response::Error(e.to_string()),
             },
             Request::Step { observation, samples_per_sec } => {
                 Response::Decision { step: observation.step, decision: self.on_step_measured(&observation, samples_per_sec) }
@@ -372,10 +372,29 @@ pub fn authenticate(req: &Request, token: &str, fingerprint: &RunFingerprint) ->
     }
 }
 
+/// A saved orchestrator state of another policy than the one running.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("the saved state is of policy `{saved}`, this run's is `{running}`")]
+pub struct RestoreError {
+    /// The policy the state was saved by.
+    pub saved: String,
+    /// The policy of the orchestrator asked to restore it.
+    pub running: String,
+}
+
+/// A shared token too short to resist guessing.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("the token has {chars} characters; use at least {MIN_TOKEN_LEN}")]
+pub struct WeakToken {
+    /// Its length in characters.
+    pub chars: usize,
+}
+
 /// Checks a service's shared token is long enough to resist guessing.
-pub fn check_token(token: &str) -> Result<(), String> {
-    if token.chars().count() < MIN_TOKEN_LEN {
-        return Err(format!("the token has {} characters; use at least {MIN_TOKEN_LEN}", token.chars().count()));
+pub fn check_token(token: &str) -> Result<(), WeakToken> {
+    let chars = token.chars().count();
+    if chars < MIN_TOKEN_LEN {
+        return Err(WeakToken { chars });
     }
     Ok(())
 }
@@ -463,7 +482,7 @@ mod tests {
             assert_eq!(a.on_step_measured(&obs, 4.5), b.on_step_measured(&obs, 4.5));
         }
         let mut other = Orchestrator::new(Box::new(Static), scorer());
-        assert!(other.restore(&saved).unwrap_err().contains("copus"));
+        assert!(other.restore(&saved).unwrap_err().to_string().contains("copus"));
     }
 
     fn fp() -> RunFingerprint {
@@ -491,7 +510,7 @@ mod tests {
         let other = RunFingerprint { world_size: 4, ..fp() };
         let e = authenticate(&hello("secret"), "secret", &other).unwrap_err().to_string();
         assert!(e.contains("4 ranks") && e.contains("2 ranks") && e.contains("B_g [2, 4]"), "{e}");
-        assert!(check_token("short").unwrap_err().contains("at least 16"));
+        assert!(check_token("short").unwrap_err().to_string().contains("at least 16"));
         assert!(check_token("0123456789abcdef").is_ok());
         assert_eq!(frame_len((MAX_FRAME as u32 + 1).to_be_bytes()), Err(ProtocolError::TooLarge(MAX_FRAME + 1)));
         assert!(matches!(decode::<Request>(b"{\"Step\": 5}"), Err(ProtocolError::Malformed(_))));

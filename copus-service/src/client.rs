@@ -112,7 +112,7 @@ impl copus_burn::DecisionSource for RemoteSource {
     }
     fn restore_state(&mut self, state: &str) -> Result<(), SourceStateError> {
         let state: OrchestratorState = serde_json::from_str(state)?;
-        self.embedded.restore(&state).map_err(SourceStateError::Mismatch)?;
+        self.embedded.restore(&state).map_err(|e| SourceStateError::Mismatch(e.to_string()))?;
         // The service learns it on the next (re)connection's handover.
         self.client.hand_over(Arc::new(state));
         Ok(())

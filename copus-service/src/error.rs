@@ -9,7 +9,7 @@ use copus_core::orchestrator::ProtocolError;
 pub enum ServiceError {
     /// The shared token is unusable (too short).
     #[error("COPUS_ORCHESTRATOR_TOKEN: {0}")]
-    Token(String),
+    Token(#[from] copus_core::orchestrator::WeakToken),
     /// The service could not listen or its runtime could not start.
     #[error("{0}")]
     Start(String),

@@ -21,15 +21,26 @@ impl Sampling {
     pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_p: 1.0, seed: 0 };
 
     /// Checks the settings; the error names the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature {} must be a number >= 0", self.temperature));
+            return Err(SamplingError::Temperature(self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top-p {} must be in (0, 1]", self.top_p));
+            return Err(SamplingError::TopP(self.top_p));
         }
         Ok(())
     }
+}
+
+/// A sampling setting out of range.
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// The temperature is negative or not a number.
+    #[error("temperature {0} must be a number >= 0")]
+    Temperature(f64),
+    /// Top-p is outside (0, 1].
+    #[error("top-p {0} must be in (0, 1]")]
+    TopP(f64),
 }
 
 /// A small seeded generator (splitmix64): uniform numbers in [0, 1).
@@ -179,8 +190,8 @@ mod tests {
         assert_eq!(generate(&m, &[1, 2, 3], 100, 10, usize::MAX, &Sampling::GREEDY, None, true).len(), 7);
         let first = generate(&m, &[1, 2, 3], 1, 64, usize::MAX, &Sampling::GREEDY, None, true)[0];
         assert_eq!(generate(&m, &[1, 2, 3], 10, 64, usize::MAX, &Sampling::GREEDY, Some(first), true), vec![first]);
-        assert!(Sampling { temperature: -1.0, ..s }.validate().unwrap_err().contains("temperature"));
-        assert!(Sampling { top_p: 0.0, ..s }.validate().unwrap_err().contains("top-p"));
+        assert!(Sampling { temperature: -1.0, ..s }.validate().unwrap_err().to_string().contains("temperature"));
+        assert!(Sampling { top_p: 0.0, ..s }.validate().unwrap_err().to_string().contains("top-p"));
         // Only allowed ids are chosen; NaN or all -inf logits do not break the choice.
         assert!(generate(&m, &[1, 2, 3], 8, 64, 5, &s, None, true).iter().all(|&t| t < 5));
         let mut rng = Rng(1);

@@ -8,6 +8,8 @@
 
 pub mod generate;
 pub mod hf;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod llama;
 pub mod stage;
 

@@ -11,17 +11,15 @@ use std::time::Instant;
 
 use anyhow::anyhow;
 use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
-use burn::module::Module;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Device;
 use burn::train::metric::{LearningRateMetric, LossMetric};
-use burn::train::{InferenceStep, Learner, SequenceOutput, SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy};
-use copus_burn::cross_entropy_sum;
+use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
-use copus_burn::trainer::{CausalLm, MicroBatch};
-use copus_models::{Llama, LlamaConfig};
+use copus_burn::trainer::CausalLm;
+use copus_models::LlamaConfig;
+use copus_models::learner::{LanguageModel, TokenBatcher};
 
 use crate::data::PackedDataset;
 use crate::prepare::{Prepared, prepare, run_folder};
@@ -44,55 +42,6 @@ impl Dataset<Vec<u32>> for Sequences {
     }
     fn len(&self) -> usize {
         self.len
-    }
-}
-
-#[derive(Clone, Debug)]
-struct TokenBatch {
-    inputs: Tensor<2, Int>,
-    targets: Tensor<2, Int>,
-}
-
-#[derive(Clone)]
-struct TokenBatcher;
-
-impl Batcher<Vec<u32>, TokenBatch> for TokenBatcher {
-    fn batch(&self, items: Vec<Vec<u32>>, device: &Device) -> TokenBatch {
-        let windows: Vec<&[u32]> = items.iter().map(Vec::as_slice).collect();
-        let b = MicroBatch::from_windows(&windows, device);
-        TokenBatch { inputs: b.inputs, targets: b.targets }
-    }
-}
-
-/// The recipe's Llama as a Burn Learner model: next-token loss averaged over tokens.
-#[derive(Module, Debug)]
-struct LanguageModel {
-    llama: Llama,
-}
-
-impl LanguageModel {
-    fn forward(&self, b: TokenBatch) -> SequenceOutput {
-        let logits = self.llama.forward(b.inputs);
-        let tokens = b.targets.dims().iter().product::<usize>() as f64;
-        let loss = cross_entropy_sum(logits.clone(), b.targets.clone()).div_scalar(tokens);
-        SequenceOutput::new(loss, logits, None, b.targets)
-    }
-}
-
-impl TrainStep for LanguageModel {
-    type Input = TokenBatch;
-    type Output = SequenceOutput;
-    fn step(&self, b: TokenBatch) -> TrainOutput<SequenceOutput> {
-        let out = self.forward(b);
-        TrainOutput::new(self, out.loss.backward(), out)
-    }
-}
-
-impl InferenceStep for LanguageModel {
-    type Input = TokenBatch;
-    type Output = SequenceOutput;
-    fn step(&self, b: TokenBatch) -> SequenceOutput {
-        self.forward(b)
     }
 }
 

@@ -114,7 +114,7 @@ impl Cluster {
         let mut expected = Vec::with_capacity(world);
         for r in 0..world {
             // Plant a fault on the last rank only: the others must be released, not hang.
-            let fault = if r + 1 == world { fault } else { Fault::default() };
+            let fault = if r + 1 == world { fault } else { Fault::none() };
             let (init, hashes) = rank_init(&**model, specs, state, cfg, &parallel, r, fault)?;
             expected.push(hashes);
             if r < local_ranks {
@@ -484,9 +484,7 @@ fn worker_loop<L: ParallelLm, C: Collective>(
                 // A hung rank: it never replies and never returns.
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
-            Command::Step(batch, fault) => {
-                catch_unwind(AssertUnwindSafe(|| state.step(&batch, fault.poison()).map(|s| Reply::Step(Box::new(s)))))
-            }
+            Command::Step(batch, fault) => catch_unwind(AssertUnwindSafe(|| state.step(&batch, fault).map(|s| Reply::Step(Box::new(s))))),
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
             Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
             Command::SetBatch { global_batch, micro_batch } => {

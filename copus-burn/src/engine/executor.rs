@@ -10,6 +10,7 @@ use copus_core::gns::{NoiseEstimate, StepStats};
 use copus_core::schedule::{Action, build as build_schedule};
 
 use super::EngineStep;
+use super::fault::StepFault;
 use super::grad_index::Role;
 use super::rank::{RankError, RankState};
 use super::regions::InFlight;
@@ -25,8 +26,9 @@ const TAG_TIED_SUM: u32 = 4;
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// One optimizer step on `batch` (the whole step's sequences; this rank takes its share).
-    /// `poison`: world rank 0 writes a NaN into its gradient (fault injection).
-    pub(super) fn step(&mut self, batch: &[i64], poison: bool) -> Result<EngineStep, RankError> {
+    /// `fault`: what the tests planted (world rank 0 writing a NaN into its gradient); nothing
+    /// without `fault-injection`.
+    pub(super) fn step(&mut self, batch: &[i64], fault: StepFault) -> Result<EngineStep, RankError> {
         let start = Instant::now();
         let dims = self.cfg.dims;
         let a = self.cfg.num_micro_per_replica();
@@ -105,7 +107,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
         let loss = micro_sq[n_total];
         let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
-        if poison
+        #[cfg(not(feature = "fault-injection"))]
+        let _ = fault;
+        #[cfg(feature = "fault-injection")]
+        if fault.poison()
             && self.rank == 0
             && let Some(first) = self.index.params.first().map(|p| p.id)
         {

@@ -1,22 +1,33 @@
-//! Fault injection for the rollback tests: a failure planted at one phase of the next layout
-//! change. It can be planted only with the off-by-default feature `fault-injection`; without it
-//! every check is false and compiles away.
+//! Fault injection for the rollback, divergence and timeout tests: a failure planted at one
+//! phase of the next layout change, a NaN gradient, a hung rank. They can be planted only with
+//! the off-by-default feature `fault-injection`; without it the types hold nothing, every check
+//! is a constant `false`, and the hooks compile away.
 
 use super::error::ReconfigPhase;
 
-/// A planted failure, or none.
+/// A planted failure, or none: the phase, and whether the rollback fails too.
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Fault(Option<ReconfigPhase>, bool);
 
+/// No failure can be planted without `fault-injection`: the value holds nothing.
+#[cfg(not(feature = "fault-injection"))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Fault;
+
+#[cfg(feature = "fault-injection")]
 impl Fault {
+    /// No failure.
+    pub(crate) fn none() -> Self {
+        Self(None, false)
+    }
+
     /// A failure at `phase` (none for `None`).
-    #[cfg(feature = "fault-injection")]
     pub(crate) fn at_phase(phase: Option<ReconfigPhase>) -> Self {
         Self(phase, false)
     }
 
     /// A failure at `phase` that strikes the rollback too.
-    #[cfg(feature = "fault-injection")]
     pub(crate) fn with_failed_rollback(phase: ReconfigPhase) -> Self {
         Self(Some(phase), true)
     }
@@ -24,17 +35,40 @@ impl Fault {
     /// What the rollback after this fault meets: the same fault when it strikes the rollback
     /// too, else none.
     pub(crate) fn for_rollback(self) -> Self {
-        if cfg!(feature = "fault-injection") && self.1 { self } else { Self::default() }
+        if self.1 { self } else { Self::none() }
     }
 
     /// Whether the failure is planted at `phase`.
     pub(crate) fn hits(self, phase: ReconfigPhase) -> bool {
-        cfg!(feature = "fault-injection") && self.0 == Some(phase)
+        self.0 == Some(phase)
     }
 
     /// The phase it is planted at.
     pub(crate) fn phase(self) -> Option<ReconfigPhase> {
-        self.0.filter(|_| cfg!(feature = "fault-injection"))
+        self.0
+    }
+}
+
+#[cfg(not(feature = "fault-injection"))]
+impl Fault {
+    /// No failure: the only value.
+    pub(crate) fn none() -> Self {
+        Self
+    }
+
+    /// None.
+    pub(crate) fn for_rollback(self) -> Self {
+        self
+    }
+
+    /// Never.
+    pub(crate) fn hits(self, _phase: ReconfigPhase) -> bool {
+        false
+    }
+
+    /// None.
+    pub(crate) fn phase(self) -> Option<ReconfigPhase> {
+        None
     }
 }
 
@@ -55,11 +89,9 @@ pub(crate) struct StepFault;
 
 impl StepFault {
     /// Whether the step's gradient gets a NaN.
+    #[cfg(feature = "fault-injection")]
     pub(crate) fn poison(self) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.poison;
-        #[cfg(not(feature = "fault-injection"))]
-        false
+        self.poison
     }
 
     /// Whether world rank `rank` hangs instead of stepping.

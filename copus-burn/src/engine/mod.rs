@@ -122,14 +122,14 @@ impl<L: ParallelLm> Engine<L> {
             gns: state.gns.clone(),
             steps_done: state.step,
             tokens_seen: state.tokens_seen,
-            fault: Fault::default(),
+            fault: Fault::none(),
             #[cfg(feature = "fault-injection")]
             planted: fault::PlantedSteps::default(),
             emergency_dir: None,
             emergency_extra: Default::default(),
         };
         engine.check_target(&cfg)?;
-        engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::default())?);
+        engine.cluster = Some(Cluster::launch(&engine.model, &engine.specs, state, &cfg, Fault::none())?);
         Ok(engine)
     }
 

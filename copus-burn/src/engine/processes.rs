@@ -249,7 +249,7 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
             Header::Step { fault } => {
                 let s = running.as_mut().ok_or_else(|| comm_err("a step before any layout started".into()))?;
                 let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-                let step: Result<EngineStep, _> = s.step(&batch, fault.poison());
+                let step: Result<EngineStep, _> = s.step(&batch, fault);
                 if let Err(e) = step {
                     mpi::abort_job(&format!("rank {rank}: {e}"));
                 }
@@ -282,7 +282,7 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
                     cfg: order.cfg,
                     specs: Arc::new(l.spec().param_specs()),
                     num_layers: order.num_layers,
-                    fault: Fault::default(),
+                    fault: Fault::none(),
                     fault_rank: usize::MAX,
                     handoff: None,
                 });
@@ -331,7 +331,7 @@ fn start<L: ParallelLm>(model: &Arc<L>, rank: usize, state: Vec<u8>) -> Result<(
         let specs = model.spec().param_specs();
         let parallel = model.parallel_plan();
         parallel.check(&specs)?;
-        let (init, _) = rank_init(&**model, &specs, &state, &cfg, &Arc::new(parallel), rank, Fault::default())?;
+        let (init, _) = rank_init(&**model, &specs, &state, &cfg, &Arc::new(parallel), rank, Fault::none())?;
         RankState::start(rank, comm, init, &**model, specs, cfg)
     }));
     match built {

@@ -41,24 +41,41 @@ fn host<T: Element>(buf: &mut [T]) -> Host<'_> {
     }
 }
 
+/// What a GPU collective library reported, in its words (a missing library, a failed call).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LibraryError(pub String);
+
+impl From<String> for LibraryError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
+impl From<&str> for LibraryError {
+    fn from(message: &str) -> Self {
+        Self(message.to_string())
+    }
+}
+
 /// What one GPU collective library provides, on host buffers staged through its device.
 pub trait GpuLibrary: Sized {
     /// The library's name, for messages.
     const NAME: &'static str;
     /// Checks that the driver, the library and a device are there.
-    fn check(device: usize) -> Result<(), String>;
+    fn check(device: usize) -> Result<(), LibraryError>;
     /// A fresh unique id (on the group's rank 0).
-    fn unique_id() -> Result<[u8; 128], String>;
+    fn unique_id() -> Result<[u8; 128], LibraryError>;
     /// Joins the communicator of `id` as `rank` of `size` on `device` (collective).
-    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, String>;
+    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, LibraryError>;
     /// Combines `buf` across the group; every rank gets the result.
-    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), String>;
+    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), LibraryError>;
     /// `recv` (n x len) gets every rank's `send` (len) in rank order.
-    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), String>;
+    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), LibraryError>;
     /// `recv` (len / n) gets this rank's chunk of the combined `send`.
-    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), String>;
+    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), LibraryError>;
     /// Replaces `buf` with `root`'s.
-    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), String>;
+    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), LibraryError>;
 }
 
 /// A rank's communicator on a GPU collective library, with MPI beside it for ids,
@@ -108,11 +125,11 @@ impl<G: GpuLibrary> GpuComm<G> {
         }
         let joined = G::join(bytes, mpi.rank(), mpi.size(), device);
         Self::agree(&mpi, joined.as_ref().err())?;
-        Ok(Self { lib: joined.map_err(CommError::Invalid)?, mpi, device })
+        Ok(Self { lib: joined.map_err(|e| CommError::Invalid(e.0))?, mpi, device })
     }
 
     /// Every rank learns whether some rank failed, and the lowest failing rank's reason.
-    fn agree(mpi: &MpiComm, failure: Option<&String>) -> Result<(), CommError> {
+    fn agree(mpi: &MpiComm, failure: Option<&LibraryError>) -> Result<(), CommError> {
         let me = mpi.rank() as f64;
         let mut first = vec![if failure.is_some() { -me } else { f64::NEG_INFINITY }];
         mpi.all_reduce(&mut first, ReduceOp::Max)?;
@@ -120,7 +137,7 @@ impl<G: GpuLibrary> GpuComm<G> {
             return Ok(());
         }
         let rank = (-first[0]) as usize;
-        let mut text: Vec<f64> = failure.map(|m| m.bytes().map(f64::from).collect()).unwrap_or_default();
+        let mut text: Vec<f64> = failure.map(|m| m.0.bytes().map(f64::from).collect()).unwrap_or_default();
         mpi.broadcast(&mut text, rank)?;
         let reason = String::from_utf8_lossy(&text.iter().map(|&b| b as u8).collect::<Vec<u8>>()).into_owned();
         Err(CommError::Invalid(format!("{} on rank {rank}: {reason}", G::NAME)))
@@ -135,7 +152,7 @@ impl<G: GpuLibrary> GpuComm<G> {
         }
     }
 
-    fn lib_err(e: String) -> CommError {
+    fn lib_err(e: LibraryError) -> CommError {
         CommError::Invalid(format!("{}: {e}", G::NAME))
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
 
-use super::{GpuLibrary, Host};
+use super::{GpuLibrary, Host, LibraryError};
 use crate::collective::ReduceOp;
 
 /// NCCL's communicator and the CUDA stream its calls run on.
@@ -66,7 +66,7 @@ macro_rules! pair {
 impl GpuLibrary for Nccl {
     const NAME: &'static str = "NCCL";
 
-    fn check(device: usize) -> Result<(), String> {
+    fn check(device: usize) -> Result<(), LibraryError> {
         // SAFETY: these only try to open the shared libraries.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err("the CUDA driver library (libcuda.so) was not found: this machine has no NVIDIA driver".into());
@@ -77,17 +77,17 @@ impl GpuLibrary for Nccl {
         }
         let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver did not start: {e:?}"))?;
         if device >= count.max(0) as usize {
-            return Err(format!("CUDA device {device} does not exist ({count} visible)"));
+            return Err(format!("CUDA device {device} does not exist ({count} visible)").into());
         }
         Ok(())
     }
 
-    fn unique_id() -> Result<[u8; 128], String> {
+    fn unique_id() -> Result<[u8; 128], LibraryError> {
         let id = Id::new().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
         Ok(id.internal().map(|c| c as u8))
     }
 
-    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, String> {
+    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, LibraryError> {
         let ctx = CudaContext::new(device).map_err(|e| format!("CUDA device {device}: {e:?}"))?;
         let stream = ctx.default_stream();
         let comm =
@@ -95,22 +95,22 @@ impl GpuLibrary for Nccl {
         Ok(Self { comm, stream })
     }
 
-    fn all_reduce(&self, buf: Host<'_>, o: ReduceOp) -> Result<(), String> {
+    fn all_reduce(&self, buf: Host<'_>, o: ReduceOp) -> Result<(), LibraryError> {
         staged!(self, buf, |d| self.comm.all_reduce_in_place(&mut d, &op(o)));
         Ok(())
     }
 
-    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), String> {
+    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), LibraryError> {
         pair!(self, send, recv, |s, r| self.comm.all_gather(&s, &mut r));
         Ok(())
     }
 
-    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, o: ReduceOp) -> Result<(), String> {
+    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, o: ReduceOp) -> Result<(), LibraryError> {
         pair!(self, send, recv, |s, r| self.comm.reduce_scatter(&s, &mut r, &op(o)));
         Ok(())
     }
 
-    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), String> {
+    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), LibraryError> {
         staged!(self, buf, |d| self.comm.broadcast_in_place(&mut d, root as i32));
         Ok(())
     }

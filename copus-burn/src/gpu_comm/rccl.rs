@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
-use super::{GpuLibrary, Host};
+use super::{GpuLibrary, Host, LibraryError};
 use crate::collective::ReduceOp;
 
 /// NCCL's reduction operator codes (`ncclRedOp_t`), which RCCL shares.
@@ -183,18 +183,18 @@ impl Drop for Rccl {
 impl GpuLibrary for Rccl {
     const NAME: &'static str = "RCCL";
 
-    fn check(device: usize) -> Result<(), String> {
+    fn check(device: usize) -> Result<(), LibraryError> {
         let api = api()?;
         let mut count = 0;
         // SAFETY: writes the device count.
         hip_check("hipGetDeviceCount (no AMD GPU driver?)", unsafe { (api.hip_get_device_count)(&mut count) })?;
         if device >= count.max(0) as usize {
-            return Err(format!("ROCm device {device} does not exist ({count} visible)"));
+            return Err(format!("ROCm device {device} does not exist ({count} visible)").into());
         }
         Ok(())
     }
 
-    fn unique_id() -> Result<[u8; 128], String> {
+    fn unique_id() -> Result<[u8; 128], LibraryError> {
         let api = api()?;
         let mut id = UniqueId { internal: [0; 128] };
         // SAFETY: writes a unique id.
@@ -202,7 +202,7 @@ impl GpuLibrary for Rccl {
         Ok(id.internal.map(|c| c as u8))
     }
 
-    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, String> {
+    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, LibraryError> {
         let api = api()?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: selects the device, then joins the communicator of `id`.
@@ -214,17 +214,17 @@ impl GpuLibrary for Rccl {
         Ok(Self { api, comm })
     }
 
-    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), String> {
+    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), LibraryError> {
         let (bytes, count, dtype) = parts(buf);
         let d = DeviceBuf::upload(self.api, bytes)?;
         // SAFETY: in place on a device buffer of `count` elements of `dtype`.
         nccl_check(self.api, "ncclAllReduce", unsafe {
             (self.api.all_reduce)(d.ptr, d.ptr, count, dtype, op_code(op), self.comm, std::ptr::null_mut())
         })?;
-        d.download(bytes)
+        Ok(d.download(bytes)?)
     }
 
-    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), String> {
+    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), LibraryError> {
         let ((sb, count, dtype), (rb, _, _)) = (parts(send), parts(recv));
         let s = DeviceBuf::upload(self.api, sb)?;
         let r = DeviceBuf::new(self.api, rb.len())?;
@@ -232,10 +232,10 @@ impl GpuLibrary for Rccl {
         nccl_check(self.api, "ncclAllGather", unsafe {
             (self.api.all_gather)(s.ptr, r.ptr, count, dtype, self.comm, std::ptr::null_mut())
         })?;
-        r.download(rb)
+        Ok(r.download(rb)?)
     }
 
-    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), String> {
+    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), LibraryError> {
         let ((sb, _, dtype), (rb, count, _)) = (parts(send), parts(recv));
         let s = DeviceBuf::upload(self.api, sb)?;
         let r = DeviceBuf::new(self.api, rb.len())?;
@@ -243,16 +243,16 @@ impl GpuLibrary for Rccl {
         nccl_check(self.api, "ncclReduceScatter", unsafe {
             (self.api.reduce_scatter)(s.ptr, r.ptr, count, dtype, op_code(op), self.comm, std::ptr::null_mut())
         })?;
-        r.download(rb)
+        Ok(r.download(rb)?)
     }
 
-    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), String> {
+    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), LibraryError> {
         let (bytes, count, dtype) = parts(buf);
         let d = DeviceBuf::upload(self.api, bytes)?;
         // SAFETY: in place on a device buffer of `count` elements.
         nccl_check(self.api, "ncclBroadcast", unsafe {
             (self.api.broadcast)(d.ptr, d.ptr, count, dtype, root as c_int, self.comm, std::ptr::null_mut())
         })?;
-        d.download(bytes)
+        Ok(d.download(bytes)?)
     }
 }

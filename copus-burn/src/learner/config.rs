@@ -22,7 +22,7 @@ pub struct CopusBatchingConfig {
     #[config(default = 64)]
     pub max_accumulation: usize,
     /// Micro-batch sizes the loader may switch between (needs a loader built with
-    /// [`CopusBatching::batch_strategy`]); empty keeps `micro_batch`.
+    /// `CopusBatching::batch_strategy`); empty keeps `micro_batch`.
     #[config(default = "Vec::new()")]
     pub micro_batch_options: Vec<usize>,
     /// How the learning rate follows the batch: `Sqrt` (Adam), `Linear` (SGD), `AdaScale`, `Constant`.

@@ -109,9 +109,14 @@ pub(super) struct Persisted {
 /// The scheduler record's payload: the kept state's JSON object with the scheduler's unspent
 /// advance (`debt`, in schedule steps) beside its fields, one flat object.
 pub(super) fn saved_json(kept: &Persisted, debt: f64) -> Vec<u8> {
-    let mut v = serde_json::to_value(kept).expect("the state serialises");
-    v.as_object_mut().expect("a struct serialises to an object").insert("debt".into(), debt.into());
-    serde_json::to_vec(&v).expect("a JSON value serialises")
+    /// The fields in the order of earlier versions: the kept state's, then `debt`.
+    #[derive(Serialize)]
+    struct Saved<'a> {
+        #[serde(flatten)]
+        kept: &'a Persisted,
+        debt: f64,
+    }
+    serde_json::to_vec(&Saved { kept, debt }).expect("the state serialises")
 }
 
 /// The kept state and the scheduler's advance from [`saved_json`]'s bytes.

@@ -99,7 +99,7 @@ struct Coeffs {
 impl AdamW {
     /// AdamW with Burn's arguments: betas, epsilon and weight decay as f32, as Burn's config
     /// holds them.
-    pub fn new(beta_1: f32, beta_2: f32, eps: f32, weight_decay: f32, no_decay: &[String]) -> Self {
+    pub(crate) fn new(beta_1: f32, beta_2: f32, eps: f32, weight_decay: f32, no_decay: &[String]) -> Self {
         let no_decay =
             if weight_decay > 0.0 { no_decay.iter().map(|p| ParamGroup::from_predicate(p.clone())).collect() } else { Vec::new() };
         Self { beta_1, beta_2, eps, weight_decay, no_decay, moments: HashMap::new() }

@@ -3,9 +3,10 @@
 //! something copus-core accepted.
 //!
 //! The module itself holds what every policy shares: the [`Policy`] trait, what it sees
-//! ([`StepObservation`]) and answers ([`Decision`]), what it learns ([`PolicyState`]) and its
-//! errors ([`PolicyError`]). The rest, one job per file, is re-exported here:
+//! ([`StepObservation`]) and answers ([`Decision`]) and what it learns ([`PolicyState`]). The
+//! rest, one job per file, is re-exported here:
 //!
+//! - `error.rs`: [`PolicyError`], what a policy refuses.
 //! - `scorer.rs`: [`Scorer`] and [`Score`], candidates with predicted (then measured) throughput,
 //!   scored by Goodput.
 //! - `baselines.rs`: the policies copus is compared with:

@@ -111,7 +111,16 @@ pub type Change = ((usize, usize, usize), (usize, usize, usize));
 const CHANGES: [Change; 4] = [((2, 2, 2), (1, 4, 2)), ((1, 2, 4), (2, 4, 1)), ((2, 4, 1), (2, 1, 4)), ((2, 4, 1), (1, 2, 2))];
 
 /// Parses `dp2,tp2,pp2->dp1,tp4,pp2` (the layouts as the table prints them).
-pub fn parse_change(text: &str) -> Result<Change, String> {
+pub fn parse_change(text: &str) -> Result<Change, ChangeError> {
+    parse(text).map_err(ChangeError)
+}
+
+/// A `--change` that is not `FROM->TO` of two layouts, with what is wrong in it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ChangeError(pub String);
+
+fn parse(text: &str) -> Result<Change, String> {
     let layout = |part: &str| -> Result<(usize, usize, usize), String> {
         let axes: Vec<&str> = part.trim().split(',').map(str::trim).collect();
         let value = |axis: &str, field: &str| -> Result<usize, String> {
@@ -264,9 +273,9 @@ mod tests {
         let b = ParallelDims::new(1, 4, 2, 8).unwrap();
         assert_eq!(parse_change(&format!("{a}->{b}")), Ok(((2, 2, 2), (1, 4, 2))));
         assert_eq!(parse_change(" dp2, tp4, pp1 -> dp1,tp2,pp2 "), Ok(((2, 4, 1), (1, 2, 2))));
-        assert!(parse_change("dp2,tp2,pp2").unwrap_err().contains("FROM->TO"));
-        assert!(parse_change("dp2,tp2->dp1,tp4,pp2").unwrap_err().contains("`dp2,tp2` is not a layout"));
-        assert!(parse_change("dp2,tp0,pp2->dp1,tp4,pp2").unwrap_err().contains("`tp0`"));
-        assert!(parse_change("dp2,pp2,tp2->dp1,tp4,pp2").unwrap_err().contains("`pp2` is not tpN"));
+        assert!(parse_change("dp2,tp2,pp2").unwrap_err().0.contains("FROM->TO"));
+        assert!(parse_change("dp2,tp2->dp1,tp4,pp2").unwrap_err().0.contains("`dp2,tp2` is not a layout"));
+        assert!(parse_change("dp2,tp0,pp2->dp1,tp4,pp2").unwrap_err().0.contains("`tp0`"));
+        assert!(parse_change("dp2,pp2,tp2->dp1,tp4,pp2").unwrap_err().0.contains("`pp2` is not tpN"));
     }
 }

@@ -11,6 +11,7 @@
 //! Output: a time-to-target table with each policy's speedup over the fastest baseline and its
 //! regret against the hindsight oracle, loss against time with Copus's layout regions shaded,
 //! the B_g schedules, Copus's Goodput split into throughput and efficiency, and the list of
+//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
 
 pub mod real;
 pub mod records;

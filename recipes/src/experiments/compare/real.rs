@@ -1,8 +1,6 @@
 //! The real comparison: a tiny model trained for real on the Shakespeare text on in-process
 //! ranks, every policy on the same data, seed and model, on the wall clock or a modelled one.
 
-//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -1,8 +1,6 @@
 //! What a comparison records of each policy's run, on either clock: its steps, its switches
 //! and its time to target; and how the report writes times and configurations.
 
-//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
-
 use copus_core::candidates::Candidate;
 use serde::Serialize;
 

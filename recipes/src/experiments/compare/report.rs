@@ -1,8 +1,6 @@
 //! The comparison's report: the time-to-target table with speedups and regret, loss against
 //! time with Copus's layout regions, and the switch records (PNG, CSV, JSONL, Markdown).
 
-//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
-
 use std::fmt::Write as _;
 use std::path::Path;
 

@@ -1,8 +1,6 @@
 //! The comparison recipe (`recipes/compare-NAME.ron`): its RON schema, defaults and checks;
 //! every error names the field, the value and what is allowed.
 
-//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
-
 use std::path::Path;
 use std::sync::Arc;
 

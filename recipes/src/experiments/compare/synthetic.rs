@@ -2,8 +2,6 @@
 //! on the simulated clock of an analytic cluster model, with the sweeps of the switch
 //! threshold, the CBS constant and the objective; and one seed of a suite scenario.
 
-//! reconfigurations with their costs (PNG, CSV, JSONL, Markdown).
-
 use std::fmt::Write as _;
 use std::sync::Arc;
 
