@@ -95,8 +95,14 @@ impl TrainingState {
         let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| damaged(format!("metadata: {e}")))?;
         match meta.format {
             FORMAT => {}
-            1 => tracing::warn!("a format-1 checkpoint has no content hashes; its tensors are loaded unverified"),
-            2 => tracing::warn!("a format-2 checkpoint's content hashes are of an older kind; its tensors are loaded unverified"),
+            f @ (1 | 2) if ALLOW_UNVERIFIED.load(std::sync::atomic::Ordering::Relaxed) => {
+                tracing::warn!("a format-{f} checkpoint has no content hashes of the current kind; its tensors are loaded unverified")
+            }
+            f @ (1 | 2) => {
+                return Err(err(format!(
+                    "a format-{f} checkpoint cannot be verified (no content hashes of the current kind); it is loaded only when asked for explicitly (`recipes run --resume DIR --allow-unverified`, or `copus_burn::checkpoint::allow_unverified(true)`)"
+                )));
+            }
             f => return Err(err(format!("format {f} is not supported (this build reads formats 1 to {FORMAT})"))),
         }
         if meta.format == FORMAT {
@@ -139,6 +145,17 @@ fn checkpoint_message(e: EngineError) -> String {
         EngineError::Checkpoint { message, .. } | EngineError::Damaged { message, .. } => message,
         other => other.to_string(),
     }
+}
+
+/// Whether checkpoints of formats 1 and 2, which hold no content hashes of the current kind, load
+/// (unverified). Off unless the user asks.
+static ALLOW_UNVERIFIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets checkpoints of formats 1 and 2 load without verification from now on in this process
+/// (`true`), or refuses them again (`false`, the default). Their tensors cannot be checked
+/// against content hashes, so damage in them goes unnoticed.
+pub fn allow_unverified(allow: bool) {
+    ALLOW_UNVERIFIED.store(allow, std::sync::atomic::Ordering::Relaxed);
 }
 
 const META_KEY: &str = "copus.checkpoint";

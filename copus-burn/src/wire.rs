@@ -51,9 +51,19 @@ pub(crate) fn unpack_hashed(key: &str, bytes: Vec<u8>) -> Result<(String, Vec<Na
     let mut out = Vec::new();
     for t in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
         let (name, dtype, shape, _, bytes) = t.into_parts().map_err(|e| format!("{e:?}"))?;
-        let data = TensorData::from_bytes(bytes, shape, dtype);
-        let shape = data.shape().to_vec();
-        out.push((name, shape, data.iter::<f32>().collect()));
+        // The element type and the byte length are checked against the shape before anything is
+        // decoded, so a crafted tensor is an error here, not a panic in decoding.
+        if dtype != burn::tensor::DType::F32 {
+            return Err(format!("tensor `{name}` is {dtype:?}; copus stores f32"));
+        }
+        let shape: Vec<usize> = shape.iter().copied().collect();
+        let bytes: &[u8] = &bytes;
+        let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if elements.and_then(|n| n.checked_mul(4)) != Some(bytes.len()) {
+            return Err(format!("tensor `{name}` of shape {shape:?} holds {} bytes, not 4 per element", bytes.len()));
+        }
+        let values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        out.push((name, shape, values));
     }
     Ok((meta, out, stored_hash.is_some()))
 }
@@ -82,5 +92,24 @@ mod tests {
         }
         assert!(unpack("other", bytes).unwrap_err().contains("no `other` header"));
         assert!(unpack("k", vec![1, 2, 3]).is_err());
+    }
+
+    /// A file whose header hash is right but whose tensor is not f32 is an error naming the
+    /// tensor (a byte length that does not match the shape is refused too; burnpack's own
+    /// writer cannot produce one to test it with).
+    #[test]
+    fn a_crafted_tensor_is_an_error_before_it_is_decoded() {
+        let craft = |dtype: burn::tensor::DType, shape: Vec<usize>, bytes: Vec<u8>| {
+            let t = burn_pack::Tensor::new("w".into(), dtype, shape, None, burn::tensor::Bytes::from_bytes_vec(bytes));
+            let meta = "{}";
+            burn_pack::Writer::new(vec![t])
+                .with_metadata("k", meta)
+                .with_metadata("k.hash", &format!("{:016x}", byte_hash(meta.as_bytes())))
+                .into_bytes()
+                .unwrap()
+                .to_vec()
+        };
+        let e = unpack("k", craft(burn::tensor::DType::F64, vec![2], vec![0; 16])).unwrap_err();
+        assert!(e.contains("`w`") && e.contains("F64"), "{e}");
     }
 }

@@ -59,6 +59,38 @@ pub fn export(run_dir: &Path, to: &Path) -> anyhow::Result<()> {
     {
         return Err(anyhow!("--to {} is the run folder itself; export to another directory", to.display()));
     }
+    // Everything is written into a fresh folder beside `to` and moved into place at the end, so
+    // a failure (or a kill) never leaves a half-written export where a whole one was.
+    let name = to.file_name().ok_or_else(|| anyhow!("--to {}: not a directory name", to.display()))?.to_string_lossy().into_owned();
+    let parent = to.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let staging = parent.join(format!(".{name}.export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let written = write_export(&m, &staging);
+    let placed = written.and_then(|()| replace_dir(&staging, to));
+    if placed.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    placed
+}
+
+/// Moves the folder `from` to `to`, replacing what is there; the old `to` is removed only once
+/// the new one is in place, and put back if the move fails.
+fn replace_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    if !to.exists() {
+        return std::fs::rename(from, to).with_context(|| format!("moving the export into {}", to.display()));
+    }
+    let old = to.with_file_name(format!(".{}.old-{}", to.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
+    std::fs::rename(to, &old).with_context(|| format!("moving the old {} aside", to.display()))?;
+    if let Err(e) = std::fs::rename(from, to) {
+        let _ = std::fs::rename(&old, to);
+        return Err(anyhow!("moving the export into {}: {e}", to.display()));
+    }
+    std::fs::remove_dir_all(&old).with_context(|| format!("removing the old export {}", old.display()))
+}
+
+/// Writes the HF directory of `m` (config, weights, tokenizer and its config) into `to`.
+fn write_export(m: &RunModel, to: &Path) -> anyhow::Result<()> {
     hf::export(&m.model, &m.cfg, to, m.eot())?;
     m.tokenizer.save(to.join("tokenizer.json"), true).map_err(|e| anyhow!("{}: {e}", to.join("tokenizer.json").display()))?;
     // Without this, transformers' AutoTokenizer would take the Llama tokenizer class and its
@@ -234,6 +266,26 @@ mod tests {
 
     /// Export then `init_from` gives the run's model back, bit for bit; a shape that differs is
     /// refused naming the field.
+    /// An export over an existing folder replaces it whole (nothing of the old one stays) and
+    /// leaves no staging folder behind.
+    #[test]
+    fn an_export_replaces_the_old_one_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        fake_run(dir.path());
+        let out = dir.path().join("hf");
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("stale.txt"), "old").unwrap();
+        export(dir.path(), &out).unwrap();
+        assert!(!out.join("stale.txt").exists() && out.join("model.safetensors").exists());
+        let hidden: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".hf."))
+            .collect();
+        assert!(hidden.is_empty(), "{hidden:?}");
+    }
+
     #[test]
     fn export_and_init_from_round_trip() {
         let dir = tempfile::tempdir().unwrap();

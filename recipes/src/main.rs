@@ -91,6 +91,10 @@ enum Cmd {
         /// `train.checkpoint_every` steps, at the end and on Ctrl-C).
         #[arg(long, value_name = "RUN_DIR")]
         resume: Option<PathBuf>,
+        /// Resume also from checkpoints of formats 1 and 2, which cannot be verified (no content
+        /// hashes of the current kind): damage in them goes unnoticed.
+        #[arg(long, requires = "resume")]
+        allow_unverified: bool,
     },
     /// Benchmarks, each printing a table (`step` when none is named).
     Bench {
@@ -312,7 +316,10 @@ fn run_suite(path: &Path) -> anyhow::Result<()> {
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match (cli.command, cli.recipe) {
-        (Some(Cmd::Run { recipe, max_steps, resume }), _) => run_recipe(&recipe, max_steps, resume.as_deref()),
+        (Some(Cmd::Run { recipe, max_steps, resume, allow_unverified }), _) => {
+            copus_burn::checkpoint::allow_unverified(allow_unverified);
+            run_recipe(&recipe, max_steps, resume.as_deref())
+        }
         (Some(Cmd::Bench { mode }), _) => {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
                 BenchMode::Step { steps, warmup, no_torch, threads } => bench::step::run(steps.max(1), warmup, !no_torch, threads.max(1)),

@@ -103,7 +103,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
         }
     };
     // The embedding covers the tokenizer, rounded up to a multiple of 64 for sharding.
-    spec.vocab_size = vocab_of(&tokenizer);
+    spec.vocab_size = checked_vocab(&tokenizer, "`data.tokenizer`")?;
     let t = &recipe.train;
     let train = PackedDataset::new(data::encode(&tokenizer, &train_texts)?, spec.seq_len, t.seed, "training")?;
     let heldout = PackedDataset::new(data::encode(&tokenizer, &heldout_texts)?, spec.seq_len, t.seed, "held-out")?;
@@ -127,10 +127,35 @@ pub fn seeded<T>(device: &burn::tensor::Device, seed: u64, f: impl FnOnce() -> T
     f()
 }
 
-/// The model's vocabulary for a tokenizer: its size rounded up to a multiple of 64 (so tensor
-/// parallelism can split it), as every run builds it.
+/// The largest vocabulary a model may have: 2^20 ids.
+pub const MAX_VOCAB: usize = 1 << 20;
+
+/// The model's vocabulary for a tokenizer: one past its largest id (which is its size when its
+/// ids are dense), rounded up to a multiple of 64 (so tensor parallelism can split it), as
+/// every run builds it. Every id the tokenizer can produce is then inside the vocabulary.
 pub fn vocab_of(tokenizer: &tokenizers::Tokenizer) -> usize {
-    tokenizer.get_vocab_size(true).div_ceil(64) * 64
+    let largest = tokenizer.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
+    largest.max(tokenizer.get_vocab_size(true)).div_ceil(64) * 64
+}
+
+/// [`vocab_of`] for a tokenizer a user supplied, checked: at least one id, at most
+/// [`MAX_VOCAB`]; sparse ids are allowed (the vocabulary covers the largest) with a warning.
+pub fn checked_vocab(tokenizer: &tokenizers::Tokenizer, what: &str) -> Result<usize, data::DataError> {
+    let entries = tokenizer.get_vocab_size(true);
+    let vocab = vocab_of(tokenizer);
+    if entries == 0 {
+        return Err(data::DataError::Tokenizer(format!("{what}: the tokenizer has no tokens")));
+    }
+    if vocab > MAX_VOCAB {
+        return Err(data::DataError::Tokenizer(format!(
+            "{what}: ids up to {} (a vocabulary of {vocab}); at most {MAX_VOCAB} are allowed",
+            vocab_of(tokenizer).saturating_sub(1)
+        )));
+    }
+    if vocab > entries.div_ceil(64) * 64 {
+        tracing::warn!("{what}: {entries} tokens with ids up to {}: the model's vocabulary covers the largest id ({vocab})", vocab - 1);
+    }
+    Ok(vocab)
 }
 
 /// Options from the command line.
@@ -138,4 +163,39 @@ pub fn vocab_of(tokenizer: &tokenizers::Tokenizer) -> usize {
 pub struct RunOptions {
     /// Override of the recipe's step count (smoke tests).
     pub max_steps: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A word-level tokenizer of the given `(token, id)` entries.
+    fn tokenizer(entries: &[(&str, u32)]) -> tokenizers::Tokenizer {
+        let vocab: serde_json::Map<String, serde_json::Value> = entries.iter().map(|(t, id)| (t.to_string(), (*id).into())).collect();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": entries[0].0},
+            "pre_tokenizer": {"type": "Whitespace"},
+        });
+        tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap()
+    }
+
+    #[test]
+    fn sparse_ids_get_a_vocabulary_that_covers_the_largest() {
+        let t = tokenizer(&[("<unk>", 0), ("a", 1), ("b", 700)]);
+        assert_eq!(t.get_vocab_size(true), 3);
+        assert_eq!(checked_vocab(&t, "x").unwrap(), 704);
+        // Every id an encoding gives is inside it.
+        let ids = t.encode("a b c", false).unwrap().get_ids().to_vec();
+        assert!(ids.iter().all(|&i| (i as usize) < 704), "{ids:?}");
+        let dense = tokenizer(&[("<unk>", 0), ("a", 1), ("b", 2)]);
+        assert_eq!(checked_vocab(&dense, "x").unwrap(), 64);
+    }
+
+    #[test]
+    fn a_vocabulary_beyond_the_bound_is_a_named_error() {
+        let t = tokenizer(&[("<unk>", 0), ("far", MAX_VOCAB as u32)]);
+        let e = checked_vocab(&t, "`data.tokenizer` file t.json").unwrap_err().to_string();
+        assert!(e.contains("`data.tokenizer` file t.json") && e.contains(&MAX_VOCAB.to_string()), "{e}");
+    }
 }
