@@ -17,8 +17,10 @@ pub const MAX_FRAME: usize = 64 * 1024;
 /// service hold no more than this per connection.
 pub const MAX_HELLO: usize = 4 * 1024;
 
-/// The protocol version this build speaks; a `Hello` of another is refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// The protocol version this build speaks; a `Hello` of another is refused. Version 3: the
+/// shared token never crosses the wire; each side proves it knows it (HMAC-SHA256 over both
+/// sides' nonces and the run's fingerprint).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The shortest shared token the service accepts.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -68,17 +70,23 @@ impl std::fmt::Display for RunFingerprint {
 /// What the training side sends.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    /// First message: the protocol version, the shared token, a run name and the run's
-    /// fingerprint.
+    /// First message: the protocol version, a run name, the run's fingerprint and the
+    /// client's nonce. The service answers with a [`Response::Challenge`].
     Hello {
         /// Must equal [`PROTOCOL_VERSION`].
         version: u32,
-        /// Must equal the service's token.
-        token: String,
         /// The run's name; only for the service's logs, not checked.
         run: String,
         /// Must equal the service's fingerprint: the run and the service search the same space.
         fingerprint: RunFingerprint,
+        /// A fresh random nonce of the client ([`nonce`]), which the service's proof covers.
+        nonce: String,
+    },
+    /// Second message: the client's proof that it knows the token ([`client_proof`]), sent only
+    /// after the service proved it knows the token too.
+    Prove {
+        /// Hex HMAC-SHA256.
+        proof: String,
     },
     /// Continue from what an orchestrator learned so far (a client that decided on its own
     /// while the service was away hands its state over on reconnecting).
@@ -104,7 +112,15 @@ pub enum Request {
 /// What the orchestrator answers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Response {
-    /// Accepted the token.
+    /// The answer to a `Hello`: the service's nonce and its proof that it knows the token
+    /// ([`service_proof`]).
+    Challenge {
+        /// A fresh random nonce of the service.
+        nonce: String,
+        /// Hex HMAC-SHA256.
+        proof: String,
+    },
+    /// Accepted the client's proof.
     Welcome {
         /// The name of the policy that will decide, for the client's logs.
         policy: String,
@@ -131,8 +147,9 @@ pub enum ProtocolError {
     /// Not a valid message: the decoder's reason.
     #[error("malformed message: {0}")]
     Malformed(String),
-    /// The token did not match.
-    #[error("wrong token")]
+    /// The peer's proof did not match the token (a wrong token on one side), or a request came
+    /// before the session was authenticated.
+    #[error("wrong token (the proof of knowing it did not match)")]
     Unauthorized,
     /// The peer speaks another protocol version.
     #[error("protocol version {got} is not supported (this side speaks version {PROTOCOL_VERSION})")]
@@ -185,7 +202,7 @@ impl Message for Request {
             }
             Request::Reconfigured { seconds, .. } => first_bad([("Reconfigured.seconds".to_string(), *seconds)]),
             Request::Resume(state) => first_bad(state_fields("Resume", state)),
-            Request::Hello { .. } | Request::Bye => None,
+            Request::Hello { .. } | Request::Prove { .. } | Request::Bye => None,
         }
     }
 }
@@ -326,7 +343,7 @@ impl Orchestrator {
     /// Answers one request of an authenticated session.
     pub fn handle(&mut self, req: Request) -> Response {
         match req {
-            Request::Hello { .. } => Response::Welcome { policy: self.policy_name() },
+            Request::Hello { .. } | Request::Prove { .. } => Response::Error("already authenticated".into()),
             Request::Resume(state) => match self.restore(&state) {
                 Ok(()) => Response::Ack,
                 Err(e) => Response::Error(e.to_string()),
@@ -347,29 +364,68 @@ fn is_candidate(scorer: &Scorer, c: &Candidate) -> bool {
     scorer.throughput(c).is_some()
 }
 
-/// Checks a session's first request: the protocol version, the token (constant-time
-/// comparison), then the run's fingerprint against the service's.
-pub fn authenticate(req: &Request, token: &str, fingerprint: &RunFingerprint) -> Result<(), ProtocolError> {
+/// Checks a session's first request: a `Hello` of this protocol version for `fingerprint`;
+/// returns the client's nonce. The token is checked after, by the client's [`Request::Prove`].
+pub fn check_hello(req: &Request, fingerprint: &RunFingerprint) -> Result<String, ProtocolError> {
     match req {
-        Request::Hello { version, token: t, fingerprint: theirs, .. } => {
+        Request::Hello { version, fingerprint: theirs, nonce, .. } => {
             if *version != PROTOCOL_VERSION {
                 return Err(ProtocolError::Version { got: *version });
-            }
-            let (a, b) = (t.as_bytes(), token.as_bytes());
-            let mut diff = a.len() ^ b.len();
-            for i in 0..a.len().max(b.len()) {
-                diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
-            }
-            if diff != 0 {
-                return Err(ProtocolError::Unauthorized);
             }
             if theirs != fingerprint {
                 return Err(ProtocolError::Fingerprint { service: fingerprint.to_string(), run: theirs.to_string() });
             }
-            Ok(())
+            if nonce.len() < 32 || nonce.len() > 128 {
+                return Err(ProtocolError::Malformed(format!("a nonce of {} characters (32 to 128 expected)", nonce.len())));
+            }
+            Ok(nonce.clone())
         }
         _ => Err(ProtocolError::Unauthorized),
     }
+}
+
+/// A fresh random nonce: 32 bytes from the operating system's generator, as hex.
+pub fn nonce() -> String {
+    use rand::TryRngCore;
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.try_fill_bytes(&mut bytes).expect("the operating system's random generator");
+    hex(&bytes)
+}
+
+/// The service's proof that it knows `token`: HMAC-SHA256 under the token over the role, both
+/// nonces (the client's first) and the run's fingerprint, as hex.
+pub fn service_proof(token: &str, client_nonce: &str, service_nonce: &str, fingerprint: &RunFingerprint) -> String {
+    hex(&hmac::Mac::finalize(mac(token, "copus service", client_nonce, service_nonce, fingerprint)).into_bytes())
+}
+
+/// The client's proof that it knows `token` (another role, the nonces the other way round, so
+/// neither side's proof can be replayed as the other's).
+pub fn client_proof(token: &str, client_nonce: &str, service_nonce: &str, fingerprint: &RunFingerprint) -> String {
+    hex(&hmac::Mac::finalize(mac(token, "copus client", service_nonce, client_nonce, fingerprint)).into_bytes())
+}
+
+/// Whether `proof` is `expected` (the comparison takes the same time wherever they differ).
+pub fn proof_matches(expected: &str, proof: &str) -> bool {
+    let (a, b) = (expected.as_bytes(), proof.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
+fn mac(token: &str, role: &str, first: &str, second: &str, fingerprint: &RunFingerprint) -> hmac::Hmac<sha2::Sha256> {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(token.as_bytes()).expect("HMAC takes a key of any length");
+    for part in [role, first, second, &fingerprint.to_string()] {
+        m.update(&(part.len() as u64).to_le_bytes());
+        m.update(part.as_bytes());
+    }
+    m
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A saved orchestrator state of another policy than the one running.
@@ -434,7 +490,7 @@ mod tests {
         let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
         let obs = StepObservation { step: 3, current: cur, noise: None };
         for req in [
-            Request::Hello { version: PROTOCOL_VERSION, token: "t".into(), run: "r".into(), fingerprint: fp() },
+            Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fp(), nonce: nonce() },
             Request::Step { observation: obs, samples_per_sec: 5.0 },
             Request::Reconfigured { seconds: 1.5, layout_changed: true },
             Request::Bye,
@@ -500,17 +556,31 @@ mod tests {
 
     #[test]
     fn tokens_versions_fingerprints_and_sizes_are_checked() {
-        let hello = |t: &str| Request::Hello { version: PROTOCOL_VERSION, token: t.into(), run: "r".into(), fingerprint: fp() };
-        assert!(authenticate(&hello("secret"), "secret", &fp()).is_ok());
-        assert_eq!(authenticate(&hello("secreT"), "secret", &fp()), Err(ProtocolError::Unauthorized));
-        assert_eq!(authenticate(&hello("secret2"), "secret", &fp()), Err(ProtocolError::Unauthorized));
-        assert_eq!(authenticate(&Request::Bye, "secret", &fp()), Err(ProtocolError::Unauthorized));
-        let old = Request::Hello { version: 1, token: "secret".into(), run: "r".into(), fingerprint: fp() };
-        assert_eq!(authenticate(&old, "secret", &fp()), Err(ProtocolError::Version { got: 1 }));
+        let n = nonce();
+        let hello = || Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fp(), nonce: n.clone() };
+        assert_eq!(check_hello(&hello(), &fp()), Ok(n.clone()));
+        assert_eq!(check_hello(&Request::Bye, &fp()), Err(ProtocolError::Unauthorized));
+        let old = Request::Hello { version: 1, run: "r".into(), fingerprint: fp(), nonce: n.clone() };
+        assert_eq!(check_hello(&old, &fp()), Err(ProtocolError::Version { got: 1 }));
+        let short = Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fp(), nonce: "ab".into() };
+        assert!(matches!(check_hello(&short, &fp()), Err(ProtocolError::Malformed(_))));
         let other = RunFingerprint { world_size: 4, ..fp() };
-        let e = authenticate(&hello("secret"), "secret", &other).unwrap_err().to_string();
+        let e = check_hello(&hello(), &other).unwrap_err().to_string();
         assert!(e.contains("4 ranks") && e.contains("2 ranks") && e.contains("B_g [2, 4]"), "{e}");
         assert!(check_token("short").unwrap_err().to_string().contains("at least 16"));
+        // The proofs: each side's needs the token; neither is the other's; a changed nonce or
+        // fingerprint changes them.
+        let s = nonce();
+        assert_ne!(n, s);
+        let sp = service_proof("secret-token-0123", &n, &s, &fp());
+        let cp = client_proof("secret-token-0123", &n, &s, &fp());
+        assert_eq!(sp.len(), 64);
+        assert!(proof_matches(&sp, &service_proof("secret-token-0123", &n, &s, &fp())));
+        assert!(!proof_matches(&sp, &service_proof("secret-token-0124", &n, &s, &fp())));
+        assert!(!proof_matches(&sp, &cp));
+        assert!(!proof_matches(&cp, &client_proof("secret-token-0123", &s, &n, &fp())));
+        assert!(!proof_matches(&sp, &service_proof("secret-token-0123", &n, &s, &other)));
+        assert!(!proof_matches(&sp, &sp[..63]));
         assert!(check_token("0123456789abcdef").is_ok());
         assert_eq!(frame_len((MAX_FRAME as u32 + 1).to_be_bytes()), Err(ProtocolError::TooLarge(MAX_FRAME + 1)));
         assert!(matches!(decode::<Request>(b"{\"Step\": 5}"), Err(ProtocolError::Malformed(_))));

@@ -9,7 +9,8 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::time::{Duration, Instant};
 
 use copus_core::orchestrator::{
-    MAX_FRAME, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, decode, encode, frame_len_within,
+    MAX_FRAME, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, client_proof, decode, encode,
+    frame_len_within, nonce, proof_matches, service_proof,
 };
 use copus_core::policy::{Decision, StepObservation};
 
@@ -156,7 +157,15 @@ struct Endpoint {
     fingerprint: RunFingerprint,
     /// The policy the run expects the service to run.
     policy: String,
+    /// How long a whole answer may take, from the request sent to its last byte.
+    deadline: Duration,
 }
+
+/// How long the service may take for a whole answer (a decision, an acknowledgement), from the
+/// request sent to the answer's last byte, before the client counts the connection as lost and
+/// the embedded orchestrator decides: a service that answers a byte at a time cannot hold the
+/// run without decisions.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
 
 impl Endpoint {
     /// Connects and says hello; then hands over `state` if given.
@@ -164,15 +173,33 @@ impl Endpoint {
         let addr = self.addr;
         let mut stream =
             TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|source| ServiceError::Connect { addr, source })?;
-        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
         stream.set_nodelay(true)?;
+        // The handshake: the service must prove it knows the token before this side proves it
+        // does; the token itself never crosses the wire.
+        let client_nonce = nonce();
         let hello = Request::Hello {
             version: PROTOCOL_VERSION,
-            token: self.token.clone(),
             run: self.run.clone(),
             fingerprint: self.fingerprint.clone(),
+            nonce: client_nonce.clone(),
         };
-        match exchange(&mut stream, &hello)? {
+        let service_nonce = match exchange(&mut stream, &hello, self.deadline)? {
+            Response::Challenge { nonce, proof }
+                if proof_matches(&service_proof(&self.token, &client_nonce, &nonce, &self.fingerprint), &proof) =>
+            {
+                nonce
+            }
+            Response::Challenge { .. } => {
+                return Err(ServiceError::Refused {
+                    addr,
+                    reason: "could not prove it knows the shared token: a different COPUS_ORCHESTRATOR_TOKEN there or here, or not the orchestrator service; nothing was sent to it".into(),
+                });
+            }
+            Response::Error(e) => return Err(ServiceError::Refused { addr, reason: format!("refused the session: {e}") }),
+            other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
+        };
+        let prove = Request::Prove { proof: client_proof(&self.token, &client_nonce, &service_nonce, &self.fingerprint) };
+        match exchange(&mut stream, &prove, self.deadline)? {
             Response::Welcome { policy } if policy != self.policy => {
                 return Err(ServiceError::Refused {
                     addr,
@@ -184,7 +211,7 @@ impl Endpoint {
             other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
         }
         if let Some(state) = state {
-            match exchange(&mut stream, &Request::Resume(state.clone()))? {
+            match exchange(&mut stream, &Request::Resume(state.clone()), self.deadline)? {
                 Response::Ack => {}
                 Response::Error(e) => return Err(ServiceError::Refused { addr, reason: format!("refused the handover: {e}") }),
                 other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
@@ -211,7 +238,19 @@ impl Client {
     /// protocol version or run), or a service running another policy than `policy`, is an
     /// error here.
     pub fn connect(addr: SocketAddr, token: &str, run: &str, fingerprint: RunFingerprint, policy: &str) -> Result<Self, ServiceError> {
-        let endpoint = Endpoint { addr, token: token.into(), run: run.into(), fingerprint, policy: policy.into() };
+        Self::connect_with_deadline(addr, token, run, fingerprint, policy, ANSWER_DEADLINE)
+    }
+
+    /// [`Client::connect`] with another deadline for a whole answer than [`ANSWER_DEADLINE`].
+    pub fn connect_with_deadline(
+        addr: SocketAddr,
+        token: &str,
+        run: &str,
+        fingerprint: RunFingerprint,
+        policy: &str,
+        deadline: Duration,
+    ) -> Result<Self, ServiceError> {
+        let endpoint = Endpoint { addr, token: token.into(), run: run.into(), fingerprint, policy: policy.into(), deadline };
         let stream = endpoint.open(None)?;
         let (outgoing, rx) = channel::<Outgoing>();
         let (dtx, decisions) = channel();
@@ -355,11 +394,16 @@ fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, 
             }
         }
         let Some(s) = stream.as_mut() else { continue };
-        match exchange(s, &req) {
+        match exchange(s, &req, endpoint.deadline) {
             Ok(Response::Decision { step, decision }) => {
                 let _ = dtx.send((step, decision));
             }
             Ok(Response::Ack) | Ok(Response::Welcome { .. }) => {}
+            Ok(Response::Challenge { .. }) => {
+                stream = None;
+                next_attempt = Instant::now() + backoff;
+                let _ = stx.send(Status::Lost(step, "the orchestrator answered a step with a handshake challenge".into()));
+            }
             Ok(Response::Error(e)) => {
                 stream = None;
                 next_attempt = Instant::now() + backoff;
@@ -376,17 +420,44 @@ fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, 
         }
     }
     if let Some(s) = stream.as_mut() {
-        let _ = exchange(s, &Request::Bye);
+        let _ = exchange(s, &Request::Bye, endpoint.deadline);
     }
 }
 
-pub(crate) fn exchange(stream: &mut TcpStream, req: &Request) -> Result<Response, ServiceError> {
+/// Sends `req` and reads the whole answer within `deadline` of sending it.
+pub(crate) fn exchange(stream: &mut TcpStream, req: &Request, deadline: Duration) -> Result<Response, ServiceError> {
     let frame = encode(req)?;
+    stream.set_write_timeout(Some(deadline))?;
     stream.write_all(&frame).map_err(ServiceError::Lost)?;
+    let until = Instant::now() + deadline;
     let mut header = [0u8; 4];
-    stream.read_exact(&mut header).map_err(ServiceError::Lost)?;
+    read_by(stream, &mut header, until, deadline)?;
     let n = frame_len_within(header, MAX_FRAME)?;
     let mut body = vec![0u8; n];
-    stream.read_exact(&mut body).map_err(ServiceError::Lost)?;
+    read_by(stream, &mut body, until, deadline)?;
     Ok(decode::<Response>(&body)?)
+}
+
+/// Fills `buf` from `stream` by `until`, however the bytes trickle in.
+fn read_by(stream: &mut TcpStream, buf: &mut [u8], until: Instant, deadline: Duration) -> Result<(), ServiceError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or_else(|| {
+            ServiceError::Lost(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no whole answer within {deadline:?}")))
+        })?;
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => return Err(ServiceError::Lost(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(ServiceError::Lost(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no whole answer within {deadline:?}"),
+                )));
+            }
+            Err(e) => return Err(ServiceError::Lost(e)),
+        }
+    }
+    Ok(())
 }

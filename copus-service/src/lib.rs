@@ -4,10 +4,17 @@
 //! [`RemoteSource`].
 //!
 //! The service listens on TCP (127.0.0.1 by default), one session per connection, at most
-//! [`ServiceConfig::max_connections`] at once (more are closed on arrival). A session's first
-//! frame must be `Hello` with the protocol version, the shared token and the fingerprint of the
-//! run's candidate space, within [`ServiceConfig::handshake_timeout`] and in at most
-//! [`MAX_HELLO`](copus_core::orchestrator::MAX_HELLO) bytes; only then may frames grow to [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). An authenticated session
+//! [`ServiceConfig::max_connections`] at once (more are closed on arrival). Each side proves it
+//! knows the shared token without sending it: the client's `Hello` carries the protocol
+//! version, the fingerprint of the run's candidate space and a nonce; the service answers a
+//! `Challenge` with its nonce and an HMAC-SHA256 proof over both nonces and the fingerprint,
+//! which the client checks before it sends its own proof (`Prove`). So an impostor listening on
+//! the address learns nothing and gives no decisions. Each handshake frame must come whole
+//! within [`ServiceConfig::handshake_timeout`] and in at most
+//! [`MAX_HELLO`](copus_core::orchestrator::MAX_HELLO) bytes; only after it may frames grow to
+//! [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). Connections that have sent nothing yet
+//! are evicted oldest first beyond [`ServiceConfig::max_unauthenticated`]; one that has started
+//! its hello never is. Failed handshakes are logged at the 1st, 2nd, 4th, ... An authenticated session
 //! that stays silent for [`ServiceConfig::idle_timeout`], or sends half a frame and stalls for
 //! [`ServiceConfig::frame_timeout`], is closed. Each session gets its own policy, built from the
 //! service's candidate space and throughput profile; the decision logic is copus-core's
@@ -17,8 +24,9 @@
 //! The client runs on a background thread: the training loop hands it observations without
 //! waiting and picks up decisions when they have arrived, applying each at the next
 //! optimizer-step boundary. The training side keeps an embedded orchestrator that sees every
-//! observation too. When the service goes away, the embedded one decides (and the log says
-//! so) while the client reconnects with exponential backoff; on reconnecting it hands the
+//! observation too. When the service goes away, or takes longer than [`ANSWER_DEADLINE`] for a
+//! whole answer (however it trickles in), the embedded one decides (and the log says so) while
+//! the client reconnects with exponential backoff; on reconnecting it hands the
 //! service the embedded orchestrator's state, so the service continues exactly where the run
 //! is.
 //!
@@ -34,7 +42,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 
-pub use client::{Client, RemoteSource};
+pub use client::{ANSWER_DEADLINE, Client, RemoteSource};
 pub use error::ServiceError;
 pub use registry::{PolicyName, UnknownPolicy, policy_by_name};
 pub use server::{MakeOrchestrator, ServiceConfig, ServiceHandle, serve, spawn};

@@ -8,8 +8,8 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use copus_core::orchestrator::{
-    MAX_FRAME, MAX_HELLO, Orchestrator, ProtocolError, Request, Response, RunFingerprint, authenticate, check_token, decode, encode,
-    frame_len_within,
+    MAX_FRAME, MAX_HELLO, Orchestrator, ProtocolError, Request, Response, RunFingerprint, check_hello, check_token, client_proof, decode,
+    encode, frame_len_within, nonce, proof_matches, service_proof,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -84,16 +84,18 @@ async fn read_frame(stream: &mut tokio::net::TcpStream, limit: usize, wait: Dura
     tokio::time::timeout(frame_timeout, rest).await.unwrap_or(Err(ReadEnd::Timeout))
 }
 
-/// The connections that have not said hello yet, oldest first: when there are
+/// The connections that have sent nothing yet, oldest first: when there are
 /// [`ServiceConfig::max_unauthenticated`] of them, a new one closes the oldest, so silent
-/// connections can never keep a real client out.
+/// connections can never keep a real client out. A connection leaves the queue with its first
+/// byte, so one that has started its hello is never evicted.
 #[derive(Default)]
 struct Waiting {
     next: u64,
     queue: std::collections::VecDeque<(u64, Arc<tokio::sync::Notify>)>,
 }
 
-/// A connection's place among the [`Waiting`]; it leaves on hello or when the session ends.
+/// A connection's place among the [`Waiting`]; it leaves with its first byte or when the session
+/// ends.
 struct Unauthenticated {
     id: u64,
     evicted: Arc<tokio::sync::Notify>,
@@ -122,53 +124,111 @@ impl Drop for Unauthenticated {
     }
 }
 
-async fn session(mut stream: tokio::net::TcpStream, cfg: Arc<ServiceConfig>, make: MakeOrchestrator, pending: Unauthenticated) {
-    let mut orch: Option<Orchestrator> = None;
-    let mut pending = Some(pending);
-    loop {
-        // Before the hello: one small frame, whole within the handshake timeout (and before a
-        // newer connection evicts this one). After it: full frames, each whole within the frame
-        // timeout once it has started.
-        let read = match (&orch, &pending) {
-            (None, Some(p)) => {
-                let hello = read_frame(&mut stream, MAX_HELLO, cfg.handshake_timeout, cfg.handshake_timeout);
-                tokio::select! {
-                    _ = p.evicted.notified() => return,
-                    r = tokio::time::timeout(cfg.handshake_timeout, hello) => r.unwrap_or(Err(ReadEnd::Timeout)),
-                }
+/// Failed handshakes, logged at the 1st, 2nd, 4th, 8th, ... so a flood of bad hellos cannot
+/// flood the log.
+#[derive(Default)]
+struct FailedHellos(std::sync::atomic::AtomicU64);
+
+impl FailedHellos {
+    fn note(&self, peer: SocketAddr, why: &str) {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!("{n} failed handshake(s) so far; latest from {peer}: {why}");
+        }
+    }
+}
+
+/// Sends `r` as one frame; false when the connection is gone.
+async fn send(stream: &mut tokio::net::TcpStream, r: &Response) -> bool {
+    match encode(r) {
+        Ok(frame) => stream.write_all(&frame).await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// The handshake, each side proving it knows the token without sending it: the client's
+/// `Hello` (version, fingerprint, nonce), the service's `Challenge` (its nonce and proof), the
+/// client's `Prove`. Returns the session's orchestrator, or `None` after answering an error.
+async fn handshake(stream: &mut tokio::net::TcpStream, cfg: &ServiceConfig, make: &MakeOrchestrator) -> Result<Orchestrator, String> {
+    let t = cfg.handshake_timeout;
+    let hello = match read_frame(stream, MAX_HELLO, t, t).await {
+        Ok(body) => decode::<Request>(&body).map_err(|e| e.to_string())?,
+        Err(ReadEnd::Bad(e)) => return Err(e.to_string()),
+        Err(_) => return Err(String::new()),
+    };
+    let client_nonce = check_hello(&hello, &cfg.fingerprint).map_err(|e| e.to_string())?;
+    let service_nonce = nonce();
+    let proof = service_proof(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint);
+    if !send(stream, &Response::Challenge { nonce: service_nonce.clone(), proof }).await {
+        return Err(String::new());
+    }
+    let prove = match read_frame(stream, MAX_HELLO, t, t).await {
+        Ok(body) => decode::<Request>(&body).map_err(|e| e.to_string())?,
+        Err(ReadEnd::Bad(e)) => return Err(e.to_string()),
+        Err(_) => return Err(String::new()),
+    };
+    match prove {
+        Request::Prove { proof } if proof_matches(&client_proof(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint), &proof) => {
+            Ok(make())
+        }
+        _ => Err(ProtocolError::Unauthorized.to_string()),
+    }
+}
+
+async fn session(
+    mut stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    cfg: Arc<ServiceConfig>,
+    make: MakeOrchestrator,
+    pending: Unauthenticated,
+    failed: Arc<FailedHellos>,
+) {
+    // Until its first byte, newer connections may evict this one; from then on, never. (A peek
+    // waits for a byte without taking it; readiness alone may be reported spuriously.)
+    let mut first = [0u8; 1];
+    tokio::select! {
+        biased;
+        got = tokio::time::timeout(cfg.handshake_timeout, stream.peek(&mut first)) => {
+            if !matches!(got, Ok(Ok(n)) if n > 0) {
+                return;
             }
-            (None, None) => return,
-            (Some(_), _) => read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await,
-        };
-        let reply = match read {
+        }
+        _ = pending.evicted.notified() => return,
+    }
+    drop(pending);
+    let mut orch = match handshake(&mut stream, &cfg, &make).await {
+        Ok(o) => o,
+        Err(why) => {
+            if !why.is_empty() {
+                failed.note(peer, &why);
+                let _ = send(&mut stream, &Response::Error(why)).await;
+            } else {
+                failed.note(peer, "no whole handshake in time");
+            }
+            return;
+        }
+    };
+    if !send(&mut stream, &Response::Welcome { policy: orch.policy_name() }).await {
+        return;
+    }
+    loop {
+        // Full frames, each whole within the frame timeout once it has started.
+        let reply = match read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await {
             Err(ReadEnd::Closed) | Err(ReadEnd::Timeout) => return,
             Err(ReadEnd::Bad(e)) => Err(e.to_string()),
             Ok(body) => match decode::<Request>(&body) {
-                Ok(req) => match orch.as_mut() {
-                    None => match authenticate(&req, &cfg.token, &cfg.fingerprint) {
-                        Ok(()) => {
-                            let o = make();
-                            let welcome = Response::Welcome { policy: o.policy_name() };
-                            orch = Some(o);
-                            pending = None;
-                            Ok(welcome)
-                        }
-                        Err(e) => Err(e.to_string()),
-                    },
-                    Some(o) => match o.handle(req) {
-                        Response::Error(e) => Err(e),
-                        r => Ok(r),
-                    },
+                Ok(req) => match orch.handle(req) {
+                    Response::Error(e) => Err(e),
+                    r => Ok(r),
                 },
                 Err(e) => Err(e.to_string()),
             },
         };
-        let (frame, last) = match reply {
-            Ok(r) => (encode(&r), false),
-            Err(e) => (encode(&Response::Error(e)), true),
+        let (r, last) = match reply {
+            Ok(r) => (r, false),
+            Err(e) => (Response::Error(e), true),
         };
-        let Ok(frame) = frame else { return };
-        if stream.write_all(&frame).await.is_err() || last {
+        if !send(&mut stream, &r).await || last {
             return;
         }
     }
@@ -185,6 +245,7 @@ pub async fn serve(
     check_token(&cfg.token).map_err(std::io::Error::other)?;
     let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections.max(1)));
     let waiting = Arc::new(std::sync::Mutex::new(Waiting::default()));
+    let failed = Arc::new(FailedHellos::default());
     let cfg = Arc::new(cfg);
     let mut stop = stop;
     let mut refused = 0u64;
@@ -197,9 +258,9 @@ pub async fn serve(
             Ok((stream, peer)) => match slots.clone().try_acquire_owned() {
                 Ok(slot) => {
                     let pending = Unauthenticated::join(&waiting, cfg.max_unauthenticated);
-                    let (cfg, make) = (cfg.clone(), make.clone());
+                    let (cfg, make, failed) = (cfg.clone(), make.clone(), failed.clone());
                     tokio::spawn(async move {
-                        session(stream, cfg, make, pending).await;
+                        session(stream, peer, cfg, make, pending, failed).await;
                         drop(slot);
                     });
                 }

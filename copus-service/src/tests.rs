@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use copus_core::orchestrator::{
-    MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, decode, encode,
-    frame_len_within,
+    MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, client_proof, decode,
+    encode, frame_len_within, nonce, proof_matches, service_proof,
 };
 use copus_core::policy::{Decision, Scorer, StepObservation, SwitchRule};
 
@@ -208,12 +208,125 @@ fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_kill
     drop(restarted.expect("restarted"));
 }
 
+/// Reads one frame (blocking).
+fn read_frame(s: &mut TcpStream) -> Vec<u8> {
+    let mut header = [0u8; 4];
+    s.read_exact(&mut header).unwrap();
+    let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
+    s.read_exact(&mut body).unwrap();
+    body
+}
+
+/// The client's side of the handshake by hand, proving with `token`; the service's last answer.
+fn handshake_as_client(s: &mut TcpStream, token: &str) -> Response {
+    let n = nonce();
+    let hello = Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fingerprint(), nonce: n.clone() };
+    let Response::Challenge { nonce: theirs, proof } = exchange(s, &hello, Duration::from_secs(10)).unwrap() else {
+        panic!("no challenge")
+    };
+    assert!(proof_matches(&service_proof(TOKEN, &n, &theirs, &fingerprint()), &proof), "the real service proves the token");
+    exchange(s, &Request::Prove { proof: client_proof(token, &n, &theirs, &fingerprint()) }, Duration::from_secs(10)).unwrap()
+}
+
+/// The service's side of the handshake by hand, knowing `token`; then welcomes the client.
+fn handshake_as_service(s: &mut TcpStream, token: &str) {
+    let Request::Hello { nonce: theirs, .. } = decode::<Request>(&read_frame(s)).unwrap() else { panic!("no hello") };
+    let n = nonce();
+    s.write_all(&encode(&Response::Challenge { nonce: n.clone(), proof: service_proof(token, &theirs, &n, &fingerprint()) }).unwrap())
+        .unwrap();
+    let Request::Prove { proof } = decode::<Request>(&read_frame(s)).unwrap() else { panic!("no proof") };
+    assert!(proof_matches(&client_proof(token, &theirs, &n, &fingerprint()), &proof));
+    s.write_all(&encode(&Response::Welcome { policy: "copus".into() }).unwrap()).unwrap();
+}
+
+/// A listener that is not the service: it answers the hello with a challenge whose proof is
+/// made without the token. The client refuses it, and the token never reaches it.
+#[test]
+fn an_impostor_service_is_refused_and_learns_nothing() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let impostor = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut heard = read_frame(&mut s);
+        let Request::Hello { nonce: theirs, .. } = decode::<Request>(&heard).unwrap() else { panic!("no hello") };
+        let n = nonce();
+        let guess = service_proof("not-the-token-0123456789", &theirs, &n, &fingerprint());
+        s.write_all(&encode(&Response::Challenge { nonce: n, proof: guess }).unwrap()).unwrap();
+        // Whatever else the client sends before it hangs up.
+        let _ = s.read_to_end(&mut heard);
+        heard
+    });
+    let e = Client::connect(addr, TOKEN, "test", fingerprint(), "copus").err().expect("the impostor is refused").to_string();
+    assert!(e.contains("could not prove it knows the shared token"), "{e}");
+    let heard = String::from_utf8_lossy(&impostor.join().unwrap()).into_owned();
+    assert!(!heard.contains(TOKEN), "the token crossed the wire: {heard}");
+    assert!(!heard.contains("Prove"), "the client proved itself to an impostor: {heard}");
+}
+
+/// A service that answers a byte at a time (each well within any read timeout) cannot hold the
+/// run: its answer misses the deadline, the connection counts as lost, and the embedded
+/// orchestrator decides, saying so.
+#[test]
+fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        handshake_as_service(&mut s, TOKEN);
+        let _step = read_frame(&mut s);
+        let frame = encode(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
+        for b in frame {
+            if s.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let deadline = Duration::from_secs(1);
+    let client = Client::connect_with_deadline(addr, TOKEN, "test", fingerprint(), "copus", deadline).unwrap();
+    let mut remote = RemoteSource::synchronous(client, make()(), Duration::from_secs(20));
+    let mut embedded = make()();
+    use copus_burn::DecisionSource;
+    let started = Instant::now();
+    assert_eq!(remote.on_step(&obs(1, 8.0), 10.0), embedded.on_step_measured(&obs(1, 8.0), 10.0));
+    assert!(started.elapsed() < Duration::from_secs(5), "the step waited {:?}", started.elapsed());
+    assert_eq!(remote.fallback_steps(), 1);
+    let why = remote.unavailable().expect("lost").to_string();
+    assert!(why.contains("no whole answer within"), "{why}");
+}
+
+/// A connection that has started its hello is never evicted by a burst of newer silent ones,
+/// even when the rest of its hello comes after the burst.
+#[test]
+fn a_burst_of_connections_does_not_evict_one_that_has_said_hello() {
+    let cfg = ServiceConfig { max_unauthenticated: 4, ..config() };
+    let service = spawn("127.0.0.1:0".parse().unwrap(), cfg, make()).unwrap();
+    let addr = service.addr;
+    let mut first = TcpStream::connect(addr).unwrap();
+    first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let n = nonce();
+    let hello = Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fingerprint(), nonce: n };
+    let frame = encode(&hello).unwrap();
+    first.write_all(&frame[..3]).unwrap();
+    // Let the service see the hello's first bytes, flood it with silent connections, then send
+    // the rest.
+    std::thread::sleep(Duration::from_millis(200));
+    let burst: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    first.write_all(&frame[3..]).unwrap();
+    let answer = decode::<Response>(&read_frame(&mut first)).unwrap();
+    assert!(matches!(answer, Response::Challenge { .. }), "{answer:?}");
+    drop(burst);
+    drop(service);
+}
+
 #[test]
 fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
     let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
     let addr = service.addr;
+    // A wrong token here: the service's proof does not check out, and this side proves nothing.
     let e = Client::connect(addr, "0123456789abcdef-guess", "test", fingerprint(), "copus").err().unwrap().to_string();
-    assert!(e.contains("refused") && e.contains("wrong token"), "{e}");
+    assert!(e.contains("could not prove it knows the shared token"), "{e}");
     // Another run: another world size.
     let other = RunFingerprint { world_size: 8, ..fingerprint() };
     let e = Client::connect(addr, TOKEN, "test", other, "copus").err().unwrap().to_string();
@@ -222,7 +335,7 @@ fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
     let e = Client::connect(addr, TOKEN, "test", fingerprint(), "dp-only").err().unwrap().to_string();
     assert!(e.contains("runs policy `copus`") && e.contains("`dp-only`"), "{e}");
     // Another protocol version.
-    let old = Request::Hello { version: 1, token: TOKEN.into(), run: "r".into(), fingerprint: fingerprint() };
+    let old = Request::Hello { version: 1, run: "r".into(), fingerprint: fingerprint(), nonce: nonce() };
     let answer = raw_answer(addr, &encode(&old).unwrap());
     assert!(matches!(&answer, Some(Response::Error(e)) if e.contains("protocol version 1")), "{answer:?}");
     // Before the hello, a frame over MAX_HELLO is refused unread.
@@ -230,8 +343,10 @@ fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
     assert!(matches!(&answer, Some(Response::Error(e)) if e.contains("exceeds")), "{answer:?}");
     // Garbage after a valid hello.
     let mut s = TcpStream::connect(addr).unwrap();
-    let hello = Request::Hello { version: PROTOCOL_VERSION, token: TOKEN.into(), run: "r".into(), fingerprint: fingerprint() };
-    assert!(matches!(exchange(&mut s, &hello).unwrap(), Response::Welcome { .. }));
+    assert!(matches!(handshake_as_client(&mut s, TOKEN), Response::Welcome { .. }));
+    // A proof made with another token is refused.
+    let mut wrong = TcpStream::connect(addr).unwrap();
+    assert!(matches!(handshake_as_client(&mut wrong, "0123456789abcdef-guess"), Response::Error(e) if e.contains("wrong token")));
     let junk = b"{not json";
     s.write_all(&(junk.len() as u32).to_be_bytes()).unwrap();
     s.write_all(junk).unwrap();
@@ -271,11 +386,7 @@ fn a_vanished_service_leaves_the_embedded_orchestrator_deciding() {
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let mut header = [0u8; 4];
-        s.read_exact(&mut header).unwrap();
-        let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
-        s.read_exact(&mut body).unwrap();
-        s.write_all(&encode(&Response::Welcome { policy: "copus".into() }).unwrap()).unwrap();
+        handshake_as_service(&mut s, TOKEN);
         drop(s);
         drop(listener);
     });
