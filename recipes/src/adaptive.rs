@@ -176,6 +176,17 @@ static SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Set by a second signal during a save: quit (exit code 130) once the checkpoint is written.
 static QUIT_AFTER_SAVE: AtomicBool = AtomicBool::new(false);
 
+/// Set by SIGUSR1, which acts like the first SIGINT. mpirun passes SIGUSR1 on to every process
+/// (SIGTERM and SIGINT sent to mpirun become SIGKILL after a few seconds, too soon for a
+/// checkpoint), so `kill -USR1 <mpirun>` or Slurm's `--signal=USR1@120` stops a multi-process
+/// run with a checkpoint.
+static USR1: std::sync::OnceLock<std::sync::Arc<AtomicBool>> = std::sync::OnceLock::new();
+
+/// Whether SIGUSR1 arrived since the last call.
+fn usr1_taken() -> bool {
+    USR1.get().is_some_and(|f| f.swap(false, Ordering::SeqCst))
+}
+
 /// Ends the process at once (exit code 130), and under mpirun the serving processes with it.
 fn quit_now() -> ! {
     #[cfg(feature = "mpi")]
@@ -218,6 +229,16 @@ interrupted: finishing the step and saving a checkpoint (a second signal quits a
     });
     if let Err(e) = installed {
         tracing::debug!("signal handler not installed: {e}");
+    }
+    #[cfg(unix)]
+    if USR1.get().is_none() {
+        let flag = std::sync::Arc::new(AtomicBool::new(false));
+        match signal_hook::flag::register(signal_hook::consts::SIGUSR1, flag.clone()) {
+            Ok(_) => {
+                let _ = USR1.set(flag);
+            }
+            Err(e) => tracing::debug!("SIGUSR1 handler not installed: {e}"),
+        }
     }
 }
 
@@ -460,8 +481,8 @@ fn train(
             logs.evals.flush()?;
             last_eval = (step, l);
         }
-        if stop.swap(false, Ordering::SeqCst) {
-            stopped = format!("interrupted (a signal: Ctrl-C, SIGTERM or SIGHUP) after {step} steps");
+        if stop.swap(false, Ordering::SeqCst) | usr1_taken() {
+            stopped = format!("interrupted (a signal: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1) after {step} steps");
             interrupted = true;
             break;
         }

@@ -412,8 +412,10 @@ fn run_cli(cli: Cli) -> ExitCode {
 fn serve_ranks() -> ExitCode {
     use burn::config::Config;
     progress::init(true);
-    // Ctrl-C reaches every process; process 0 decides when to stop, the others follow it.
+    // Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 (which mpirun passes on to every process) reach every
+    // process; process 0 decides when to stop, the others follow it.
     let _ = ctrlc::set_handler(|| {});
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGUSR1, std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)));
     let served = copus_burn::engine::serve(|text| copus_models::LlamaConfig::load_binary(text.as_bytes()));
     if let Err(e) = served {
         // Process 0 would wait for this one forever: end the whole job.

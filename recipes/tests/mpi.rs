@@ -172,3 +172,47 @@ fn a_run_stopped_under_mpirun_resumes_to_the_same_steps() {
     }
     assert!((want_eval - got_eval).abs() <= 1e-5, "held-out loss: in-process {want_eval}, resumed {got_eval}");
 }
+
+/// SIGUSR1 to mpirun, which Open MPI passes on to every process (SIGTERM to mpirun would become
+/// SIGKILL within seconds): process 0 stops after its step with a checkpoint, the serving
+/// process follows, and the job exits 0.
+#[test]
+fn sigusr1_to_mpirun_stops_the_job_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("runs").join("usr1");
+    let text = format!(
+        r#"(
+            name: "usr1",
+            output_dir: "{}",
+            model: (preset: "tiny-1m", seq_len: Some(32)),
+            data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+            train: (global_batch: 4, micro_batch: 2, max_steps: 100000, eval_every: 0, eval_sequences: 8, checkpoint_every: 0),
+            optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 100000),
+            parallel: (world_size: 2, global_batches: [4], micro_batches: [2]),
+        )"#,
+        dir.path().join("runs").display()
+    );
+    let path = dir.path().join("usr1.ron");
+    std::fs::write(&path, text).unwrap();
+    let mut job = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN, "run", path.to_str().unwrap(), "--quiet"])
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(folder.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(started.elapsed() < std::time::Duration::from_secs(600), "no steps");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(Command::new("kill").args(["-USR1", &job.id().to_string()]).status().unwrap().success());
+    let status = job.wait().unwrap();
+    let mut out = String::new();
+    std::io::Read::read_to_string(job.stdout.as_mut().unwrap(), &mut out).unwrap();
+    assert!(status.success(), "{status}: {out}");
+    assert!(out.contains("resume with:"), "{out}");
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["interrupted"], true);
+    let steps = summary["steps"].as_u64().unwrap();
+    assert!(folder.join("checkpoints").join(format!("step-{steps:08}.bpk")).exists());
+}

@@ -1,4 +1,4 @@
-//! A scheduler's stop: SIGTERM (Slurm, Kubernetes, `docker stop`) and SIGHUP end an adaptive run
+//! A scheduler's stop: SIGTERM (Slurm, Kubernetes, `docker stop`), SIGHUP and SIGUSR1 end an adaptive run
 //! like the first Ctrl-C: the step finishes, a checkpoint is written, the process exits 0 and
 //! prints the resume command, and `--resume` continues the run to its end.
 
@@ -42,6 +42,12 @@ fn sigterm_finishes_the_step_checkpoints_and_exits_zero() {
 #[test]
 fn sighup_acts_like_sigterm() {
     stops_with_a_checkpoint_on("HUP");
+}
+
+/// SIGUSR1: what mpirun passes on to every process, so a multi-process run stops this way.
+#[test]
+fn sigusr1_acts_like_sigterm() {
+    stops_with_a_checkpoint_on("USR1");
 }
 
 /// Two processes on one run folder: the second `--resume` is refused while the first runs.

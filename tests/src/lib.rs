@@ -1,5 +1,5 @@
 //! Fixtures shared by the cross-crate tests: the tiny-1m Llama at a short sequence length, its
-//! initial weights, and deterministic token batches.
+//! initial weights, and deterministic token batches; and the mutation fuzzer of the fuzz tests.
 
 #![forbid(unsafe_code)]
 
@@ -7,6 +7,8 @@ use burn::tensor::Device;
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{Llama, LlamaConfig};
+
+pub mod fuzz;
 
 /// Tokens per training sequence in these tests.
 pub const SEQ: usize = 32;
