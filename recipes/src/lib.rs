@@ -7,7 +7,7 @@
 //! - [`data`]: the corpus, the tokenizer and packed sequences;
 //! - [`prepare`]: what every run starts from (data, model shape, run folder, seeding);
 //! - [`fixed`], [`adaptive`], [`run`]: the fixed single-rank run, the run on the engine under
-//!   Copus, and the choice between them (with resume);
+//!   Copus (stopped by signals through `stop`), and the choice between them (with resume);
 //! - [`eval`], [`summary`]: held-out loss and the run's summary;
 //! - [`interop`]: export to the Hugging Face layout, `init_from`, `recipes eval` and `generate`;
 //! - [`learner`]: the Burn `Learner` add-on on the recipe's data;
@@ -33,6 +33,7 @@ pub mod profile;
 pub mod recipe;
 pub mod report;
 pub mod run;
+mod stop;
 pub mod summary;
 
 use std::path::Path;
