@@ -80,7 +80,8 @@ impl TrainingState {
         let damaged = |m: String| EngineError::Damaged { path: "(in memory)".into(), message: m };
         let (meta, tensors, has_header_hash) = wire::unpack_hashed(META_KEY, bytes).map_err(|e| {
             if e.starts_with("no `") {
-                err("no copus metadata (not a copus checkpoint)".into())
+                // A file of the run's checkpoint folder whose header key is gone is damaged too.
+                damaged("no copus metadata (not a copus checkpoint, or its header is damaged)".into())
             } else {
                 damaged(format!("not a readable checkpoint: {e}"))
             }
@@ -88,6 +89,11 @@ impl TrainingState {
         // Checkpoints written before rank devices existed have no `devices` (Flex everywhere),
         // before wait timeouts none (the default), before content hashes no manifest.
         let mut meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| damaged(format!("metadata: {e}")))?;
+        // A newer build's format is not damage: say so before its metadata is read as this
+        // build's.
+        if let Some(f) = meta.get("format").and_then(serde_json::Value::as_u64).filter(|&f| f > u64::from(FORMAT)) {
+            return Err(err(format!("format {f} is not supported (this build reads formats 1 to {FORMAT})")));
+        }
         if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
             config.entry("devices").or_insert_with(|| serde_json::json!([]));
             config.entry("timeout_secs").or_insert_with(|| serde_json::json!(1800.0));

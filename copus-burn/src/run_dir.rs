@@ -207,6 +207,7 @@ impl RunDir {
             return Err(RunDirError::NoCheckpoints(self.checkpoints_dir()));
         }
         let mut newest_error = None;
+        let mut unusable_emergency = None;
         for i in order {
             let (step, path) = &checkpoints[i];
             match Driver::resume(model.clone(), path, space.clone(), clock(), source) {
@@ -215,23 +216,35 @@ impl RunDir {
                     let dir = self.checkpoints_dir();
                     std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
                     let to = self.checkpoint_path(*step);
-                    std::fs::rename(path, &to).map_err(|source| RunDirError::Io { path: path.clone(), source })?;
+                    std::fs::rename(path, &to)
+                        .and_then(|()| sync_dir(&to))
+                        .map_err(|source| RunDirError::Io { path: path.clone(), source })?;
                     tracing::info!("the emergency checkpoint {} is now {}", path.display(), to.display());
                     return Ok((driver, to));
                 }
                 Ok((driver, _)) => return Ok((driver, path.clone())),
                 Err(e @ DriverError::Engine(EngineError::Damaged { .. })) => {
                     let aside = path.with_extension("bpk.bad");
-                    match std::fs::rename(path, &aside) {
+                    match std::fs::rename(path, &aside).and_then(|()| sync_dir(path)) {
                         Ok(()) => tracing::warn!("checkpoint {} is damaged ({e}); renamed to {}", path.display(), aside.display()),
                         Err(r) => return Err(RunDirError::Io { path: path.clone(), source: r }),
                     }
                     newest_error.get_or_insert(e);
                 }
+                // An emergency checkpoint that cannot continue the run (one of an older build,
+                // without the driver's position) does not block the regular ones.
+                Err(e) if i >= regular => {
+                    tracing::warn!("emergency checkpoint {} not usable ({e}); left in place", path.display());
+                    unusable_emergency.get_or_insert((path.clone(), e));
+                }
                 Err(e) => return Err(RunDirError::Unusable { path: path.clone(), source: e }),
             }
         }
-        Err(RunDirError::NoneLoadable { dir: self.checkpoints_dir(), source: newest_error.expect("one checkpoint at least") })
+        match (newest_error, unusable_emergency) {
+            (Some(source), _) => Err(RunDirError::NoneLoadable { dir: self.checkpoints_dir(), source }),
+            (None, Some((path, source))) => Err(RunDirError::Unusable { path, source }),
+            (None, None) => Err(RunDirError::NoCheckpoints(self.checkpoints_dir())),
+        }
     }
 
     /// Cuts the log file `name` of the run back to the lines of steps up to `step` (and a CSV
@@ -250,6 +263,21 @@ impl RunDir {
             .collect();
         write_atomically(&path, kept.as_bytes()).map_err(|source| RunDirError::Io { path, source })
     }
+}
+
+/// Syncs the folder holding `path`, so a rename in it survives a power loss (where the file
+/// system can sync a folder at all).
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(22) | Some(95)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let _ = path;
+    Ok(())
 }
 
 /// A run folder taken by this process ([`RunDir::lock`]); dropping it lets the folder go.

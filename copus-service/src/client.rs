@@ -97,8 +97,12 @@ impl copus_burn::DecisionSource for RemoteSource {
         if !self.client.connected() {
             return self.fall_back(local);
         }
+        let got = self.client.poll();
+        if self.client.overdue() {
+            return self.fall_back(local);
+        }
         self.back();
-        match self.client.poll() {
+        match got {
             Some((s, d)) if s >= self.since => d,
             _ => Decision::Keep,
         }
@@ -231,6 +235,11 @@ pub struct Client {
     status: Receiver<Status>,
     connected: bool,
     unavailable: Option<String>,
+    /// How long the service may take for a whole answer.
+    deadline: Duration,
+    /// The newest step handed over, and since when a step has been waiting for its decision.
+    observed: u64,
+    waiting_since: Option<Instant>,
 }
 
 impl Client {
@@ -258,7 +267,7 @@ impl Client {
         std::thread::Builder::new()
             .name("copus-orchestrator-client".into())
             .spawn(move || client_thread(endpoint, stream, rx, dtx, stx))?;
-        Ok(Self { outgoing, decisions, status, connected: true, unavailable: None })
+        Ok(Self { outgoing, decisions, status, connected: true, unavailable: None, deadline, observed: 0, waiting_since: None })
     }
 
     /// Hands an observation, the step's measured samples/s and the embedded orchestrator's
@@ -266,7 +275,10 @@ impl Client {
     pub fn observe(&mut self, obs: StepObservation, samples_per_sec: f64, before: Arc<OrchestratorState>) {
         if self.outgoing.send(Outgoing::Step(obs, samples_per_sec, before)).is_err() {
             self.mark_lost("the client thread ended".into());
+            return;
         }
+        self.observed = obs.step;
+        self.waiting_since.get_or_insert_with(Instant::now);
     }
 
     /// Reports a carried-out reconfiguration.
@@ -291,10 +303,25 @@ impl Client {
         let mut last = None;
         loop {
             match self.decisions.try_recv() {
-                Ok(d) => last = Some(d),
+                Ok(d) => {
+                    // The clock of the next unanswered step starts when this one is answered.
+                    self.waiting_since = (d.0 < self.observed).then(Instant::now);
+                    last = Some(d);
+                }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return last,
             }
         }
+    }
+
+    /// Whether a step has waited longer than the deadline for its decision (a service that
+    /// accepts steps but answers too slowly, or a byte at a time); says so in
+    /// [`Client::unavailable`].
+    pub fn overdue(&mut self) -> bool {
+        let late = self.waiting_since.is_some_and(|t| t.elapsed() > self.deadline);
+        if late {
+            self.unavailable = Some(format!("no decision within {:?} of its step", self.deadline));
+        }
+        late
     }
 
     /// Waits up to `timeout` for the decision about `step`; `None` as soon as the client thread
@@ -328,6 +355,7 @@ impl Client {
         while let Ok(s) = self.status.try_recv() {
             match s {
                 Status::Lost(step, why) => {
+                    self.waiting_since = None;
                     self.mark_lost(why);
                     none_for = step.or(none_for);
                 }

@@ -295,6 +295,45 @@ fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
     assert!(why.contains("no whole answer within"), "{why}");
 }
 
+/// The same trickling service for a run that never waits for decisions: once a step has
+/// waited longer than the deadline, the embedded orchestrator decides, and the run says so.
+#[test]
+fn a_trickling_service_is_overdue_for_a_run_that_never_waits() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        handshake_as_service(&mut s, TOKEN);
+        let _step = read_frame(&mut s);
+        let frame = encode(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
+        for b in frame {
+            if s.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let client = Client::connect_with_deadline(addr, TOKEN, "test", fingerprint(), "copus", Duration::from_millis(800)).unwrap();
+    let mut remote = RemoteSource::new(client, make()());
+    let mut embedded = make()();
+    use copus_burn::DecisionSource;
+    let mut step = 0;
+    let started = Instant::now();
+    while remote.fallback_steps() == 0 {
+        step += 1;
+        let local = embedded.on_step_measured(&obs(step, 8.0), 10.0);
+        let d = remote.on_step(&obs(step, 8.0), 10.0);
+        if remote.fallback_steps() > 0 {
+            assert_eq!(d, local, "the embedded orchestrator decided step {step}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "never fell back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(started.elapsed() >= Duration::from_millis(800), "not before the deadline");
+    let why = remote.unavailable().unwrap().to_string();
+    assert!(why.contains("no decision within") || why.contains("no whole answer within"), "{why}");
+}
+
 /// A connection that has started its hello is never evicted by a burst of newer silent ones,
 /// even when the rest of its hello comes after the burst.
 #[test]

@@ -171,6 +171,8 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summa
 
 /// [`run`], stopping (with a checkpoint) after the first step that finds `stop` set.
 fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Result<(PathBuf, Summary)> {
+    // Signals during the setup already ask for a stop (after the first step).
+    stop::catch();
     let mut s = setup(recipe)?;
     let device = Device::flex().autodiff();
     let full = match &recipe.init_from {
@@ -204,6 +206,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
 /// recipe the run was started with, except for when it stops (`train.max_steps`,
 /// `train.time_budget_secs`) and how often it saves (`train.checkpoint_every`).
 pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    stop::catch();
     let saved_path = run_dir.join("recipe.ron");
     let saved = Recipe::load(&saved_path).with_context(|| format!("{} is not a run folder of a recipe", run_dir.display()))?;
     let differs = recipe_differences(&saved, recipe);
@@ -215,11 +218,11 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
             if differs.len() == 1 { "s" } else { "" }
         ));
     }
+    // No second process may resume (or write) the same folder meanwhile.
+    let dir = RunDir::new(run_dir);
+    let _lock = dir.lock()?;
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
-    let dir = RunDir::new(run_dir);
-    // No second process may resume (or write) the same folder meanwhile.
-    let _lock = dir.lock()?;
     let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
     let (mut driver, path) = dir.resume(model, &space, || Clock::Wall, s.source())?;
     driver.engine_mut().set_emergency_dir(run_dir);
@@ -319,7 +322,6 @@ fn train(
         let params = driver.engine_mut().gather()?;
         evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
     };
-    stop::catch();
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);
     let max_steps = opts.max_steps.unwrap_or(t.max_steps);

@@ -74,19 +74,22 @@ pub fn export(run_dir: &Path, to: &Path) -> anyhow::Result<()> {
     placed
 }
 
-/// Moves the folder `from` to `to`, replacing what is there; the old `to` is removed only once
-/// the new one is in place, and put back if the move fails.
+/// Moves the files written in `from` into the folder `to` (made if missing), each by one
+/// rename, so each is either the old file or the new one, whole; other files in `to` are left
+/// as they are. Then removes `from`.
 fn replace_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
     if !to.exists() {
         return std::fs::rename(from, to).with_context(|| format!("moving the export into {}", to.display()));
     }
-    let old = to.with_file_name(format!(".{}.old-{}", to.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-    std::fs::rename(to, &old).with_context(|| format!("moving the old {} aside", to.display()))?;
-    if let Err(e) = std::fs::rename(from, to) {
-        let _ = std::fs::rename(&old, to);
-        return Err(anyhow!("moving the export into {}: {e}", to.display()));
+    if !to.is_dir() {
+        return Err(anyhow!("--to {} exists and is not a directory", to.display()));
     }
-    std::fs::remove_dir_all(&old).with_context(|| format!("removing the old export {}", old.display()))
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let dest = to.join(entry.file_name());
+        std::fs::rename(entry.path(), &dest).with_context(|| format!("moving the export's {} into place", dest.display()))?;
+    }
+    std::fs::remove_dir(from).with_context(|| format!("removing {}", from.display()))
 }
 
 /// Writes the HF directory of `m` (config, weights, tokenizer and its config) into `to`.
@@ -264,19 +267,21 @@ mod tests {
         assert!(all.windows > 9 && all.loss != got.loss);
     }
 
-    /// Export then `init_from` gives the run's model back, bit for bit; a shape that differs is
-    /// refused naming the field.
-    /// An export over an existing folder replaces it whole (nothing of the old one stays) and
-    /// leaves no staging folder behind.
+    /// An export into an existing folder replaces the files it writes and leaves every other
+    /// file there as it was, and no staging folder behind.
     #[test]
-    fn an_export_replaces_the_old_one_whole() {
+    fn an_export_replaces_its_files_and_keeps_the_others() {
         let dir = tempfile::tempdir().unwrap();
         fake_run(dir.path());
         let out = dir.path().join("hf");
         std::fs::create_dir_all(&out).unwrap();
         std::fs::write(out.join("stale.txt"), "old").unwrap();
         export(dir.path(), &out).unwrap();
-        assert!(!out.join("stale.txt").exists() && out.join("model.safetensors").exists());
+        std::fs::write(out.join("config.json"), "old").unwrap();
+        export(dir.path(), &out).unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("stale.txt")).unwrap(), "old", "another file is kept");
+        assert_ne!(std::fs::read_to_string(out.join("config.json")).unwrap(), "old", "an exported file is replaced");
+        assert!(out.join("model.safetensors").exists());
         let hidden: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .flatten()
@@ -286,6 +291,8 @@ mod tests {
         assert!(hidden.is_empty(), "{hidden:?}");
     }
 
+    /// Export then `init_from` gives the run's model back, bit for bit; a shape that differs is
+    /// refused naming the field.
     #[test]
     fn export_and_init_from_round_trip() {
         let dir = tempfile::tempdir().unwrap();

@@ -1,31 +1,39 @@
 //! Stop requests of an adaptive run: SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and
 //! `docker stop` send), SIGHUP and SIGUSR1 (what mpirun passes on to every process; SIGTERM
-//! and SIGINT sent to mpirun become SIGKILL within seconds, so `kill -USR1 <mpirun>` or Slurm's
-//! `--signal=USR1@120` stops a multi-process run). The first signal asks the run to stop after
-//! its step with a checkpoint; a second one, or one after the loop, quits at once (exit code
-//! 130), except while a checkpoint is being written: then the checkpoint is finished first.
+//! and SIGINT sent to mpirun become SIGKILL within seconds, so `kill -USR1 <mpirun pid>` stops a
+//! multi-process run). The first signal asks the run to stop after its step with a checkpoint;
+//! a second SIGINT, SIGTERM or SIGHUP, or one after the loop, quits at once (exit code 130),
+//! except while a checkpoint is being written: then the checkpoint is finished first. SIGUSR1
+//! only ever asks for the stop.
+//!
+//! Whether a signal may quit at once and whether a save is under way are one state, changed by
+//! compare-and-swap on both sides, so a signal can neither end the process inside a save that
+//! has begun nor be lost as the save ends.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
-/// Set by the first SIGINT (Ctrl-C), SIGTERM or SIGHUP: finish the step, save a checkpoint,
-/// stop.
+/// Set by the first signal: finish the step, save a checkpoint, stop.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 /// Set once the training loop is over and its last checkpoint is written: a signal then quits
 /// at once.
 static LOOP_DONE: AtomicBool = AtomicBool::new(false);
-/// Set while a checkpoint is being written: a signal then lets it finish.
-static SAVING: AtomicBool = AtomicBool::new(false);
-/// Signals received since the run started (the loop takes `INTERRUPTED` back when it acts on it).
+/// SIGINT, SIGTERM and SIGHUP received since the run started (the loop takes `INTERRUPTED` back
+/// when it acts on it).
 static SIGNALS: AtomicU32 = AtomicU32::new(0);
-/// Set by a second signal during a save: quit (exit code 130) once the checkpoint is written.
-static QUIT_AFTER_SAVE: AtomicBool = AtomicBool::new(false);
-
-/// Set by SIGUSR1, which acts like the first SIGINT. mpirun passes SIGUSR1 on to every process
-/// (SIGTERM and SIGINT sent to mpirun become SIGKILL after a few seconds, too soon for a
-/// checkpoint), so `kill -USR1 <mpirun>` or Slurm's `--signal=USR1@120` stops a multi-process
-/// run with a checkpoint.
+/// Set by SIGUSR1, which asks for the stop like the first SIGINT.
 static USR1: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+
+/// No checkpoint is being written: a quitting signal may end the process.
+const IDLE: u8 = 0;
+/// A checkpoint is being written: a signal waits for it.
+const SAVING: u8 = 1;
+/// A checkpoint is being written and a second signal came: quit once it is written.
+const SAVING_THEN_QUIT: u8 = 2;
+/// A signal is ending the process: no save may begin.
+const QUITTING: u8 = 3;
+/// One of the four above.
+static STATE: AtomicU8 = AtomicU8::new(IDLE);
 
 /// Whether SIGUSR1 arrived since the last call.
 fn usr1_taken() -> bool {
@@ -41,36 +49,37 @@ fn quit_now() -> ! {
     std::process::exit(130);
 }
 
-/// SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and `docker stop` send) and SIGHUP all act
-/// alike. The first asks the run to stop after its step with a checkpoint (exit code 0, with the
-/// resume command); a second one, or one after the loop, quits at once, except while a
-/// checkpoint is being written: then the checkpoint is finished first.
+/// A signal that may end the process: at once when no save is under way, else once the save
+/// is written.
+fn quit_unless_saving() {
+    loop {
+        match STATE.load(Ordering::SeqCst) {
+            IDLE => {
+                if STATE.compare_exchange(IDLE, QUITTING, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                    quit_now();
+                }
+            }
+            SAVING => {
+                if STATE.compare_exchange(SAVING, SAVING_THEN_QUIT, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                    eprintln!("\ninterrupted again: quitting as soon as the checkpoint being written is saved");
+                    return;
+                }
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Installs the handlers (once per process).
 fn install() {
     let installed = ctrlc::set_handler(|| {
         INTERRUPTED.store(true, Ordering::SeqCst);
         let again = SIGNALS.fetch_add(1, Ordering::SeqCst) > 0;
-        if SAVING.load(Ordering::SeqCst) {
-            if again {
-                QUIT_AFTER_SAVE.store(true, Ordering::SeqCst);
-                eprintln!(
-                    "
-interrupted again: quitting as soon as the checkpoint being written is saved"
-                );
-            } else {
-                eprintln!(
-                    "
-interrupted: finishing the checkpoint being written, then stopping"
-                );
-            }
-            return;
-        }
         if again || LOOP_DONE.load(Ordering::SeqCst) {
-            quit_now();
+            quit_unless_saving();
+        } else {
+            eprintln!("\ninterrupted: finishing the step and saving a checkpoint (a second signal quits at once)");
         }
-        eprintln!(
-            "
-interrupted: finishing the step and saving a checkpoint (a second signal quits at once)"
-        );
     });
     if let Err(e) = installed {
         tracing::debug!("signal handler not installed: {e}");
@@ -87,11 +96,13 @@ interrupted: finishing the step and saving a checkpoint (a second signal quits a
     }
 }
 
-/// Installs the handlers (once per process) and forgets the signals of an earlier run.
+/// Installs the handlers (once per process) and forgets the requests of an earlier run. Call it
+/// first thing in a run, so a signal during its setup already asks for a stop.
 pub(crate) fn catch() {
     LOOP_DONE.store(false, Ordering::SeqCst);
-    QUIT_AFTER_SAVE.store(false, Ordering::SeqCst);
+    INTERRUPTED.store(false, Ordering::SeqCst);
     SIGNALS.store(0, Ordering::SeqCst);
+    let _ = usr1_taken();
     install();
 }
 
@@ -114,10 +125,14 @@ pub(crate) fn loop_done() {
 /// Runs `save` (a checkpoint being written) so that a signal meanwhile lets it finish; after a
 /// second signal during it, quits once it is written.
 pub(crate) fn saving<T, E: std::fmt::Display>(save: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
-    SAVING.store(true, Ordering::SeqCst);
+    if STATE.compare_exchange(IDLE, SAVING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+        // A signal is ending the process right now; nothing may begin.
+        loop {
+            std::thread::park();
+        }
+    }
     let saved = save();
-    SAVING.store(false, Ordering::SeqCst);
-    if QUIT_AFTER_SAVE.load(Ordering::SeqCst) {
+    if STATE.swap(IDLE, Ordering::SeqCst) == SAVING_THEN_QUIT {
         match &saved {
             Ok(_) => eprintln!("checkpoint written; quitting"),
             Err(e) => eprintln!("the checkpoint failed ({e}); quitting"),

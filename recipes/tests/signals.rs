@@ -59,6 +59,7 @@ fn a_second_resume_of_a_running_folder_is_refused() {
     let first = Run::start(&["run", p], &[]);
     wait_for_steps(&folder, 1, Duration::from_secs(600));
     let second = Run::start(&["run", p, "--resume", folder.to_str().unwrap()], &[]);
+    second.wait_for_line("in use by another process", Duration::from_secs(120));
     let (code, _) = second.finish(Duration::from_secs(120));
     assert_ne!(code, Some(0));
     first.signal("TERM");
