@@ -9,12 +9,13 @@
 //! version, the fingerprint of the run's candidate space and a nonce; the service answers a
 //! `Challenge` with its nonce and an HMAC-SHA256 proof over both nonces and the fingerprint,
 //! which the client checks before it sends its own proof (`Prove`). So an impostor listening on
-//! the address learns nothing and gives no decisions. Each handshake frame must come whole
+//! the address learns nothing of the token (only the run's name and fingerprint) and gives no
+//! decisions. Each handshake frame must come whole
 //! within [`ServiceConfig::handshake_timeout`] and in at most
 //! [`MAX_HELLO`](copus_core::orchestrator::MAX_HELLO) bytes; only after it may frames grow to
-//! [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). Connections that have sent nothing yet
-//! are evicted oldest first beyond [`ServiceConfig::max_unauthenticated`]; one that has started
-//! its hello never is. Failed handshakes are logged at the 1st, 2nd, 4th, ... An authenticated session
+//! [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). Connections without a whole hello are
+//! evicted oldest first beyond [`ServiceConfig::max_unauthenticated`] (one whose hello is under
+//! way gets a second to finish it). Failed handshakes are logged at the 1st, 2nd, 4th, ... An authenticated session
 //! that stays silent for [`ServiceConfig::idle_timeout`], or sends half a frame and stalls for
 //! [`ServiceConfig::frame_timeout`], is closed. Each session gets its own policy, built from the
 //! service's candidate space and throughput profile; the decision logic is copus-core's

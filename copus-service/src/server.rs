@@ -84,18 +84,18 @@ async fn read_frame(stream: &mut tokio::net::TcpStream, limit: usize, wait: Dura
     tokio::time::timeout(frame_timeout, rest).await.unwrap_or(Err(ReadEnd::Timeout))
 }
 
-/// The connections that have sent nothing yet, oldest first: when there are
-/// [`ServiceConfig::max_unauthenticated`] of them, a new one closes the oldest, so silent
-/// connections can never keep a real client out. A connection leaves the queue with its first
-/// byte, so one that has started its hello is never evicted.
+/// The connections whose hello is not whole yet, oldest first: when there are
+/// [`ServiceConfig::max_unauthenticated`] of them, a new one closes the oldest (one whose hello
+/// is under way gets [`EVICTION_GRACE`] to finish it), so silent or stalling connections can
+/// never keep a real client out. A connection leaves the queue once its whole hello is in.
 #[derive(Default)]
 struct Waiting {
     next: u64,
     queue: std::collections::VecDeque<(u64, Arc<tokio::sync::Notify>)>,
 }
 
-/// A connection's place among the [`Waiting`]; it leaves with its first byte or when the session
-/// ends.
+/// A connection's place among the [`Waiting`]; it leaves once its whole hello is in, or when the
+/// session ends.
 struct Unauthenticated {
     id: u64,
     evicted: Arc<tokio::sync::Notify>,
@@ -138,6 +138,47 @@ impl FailedHellos {
     }
 }
 
+/// How long a connection told to make room may still take to complete a hello it has begun.
+const EVICTION_GRACE: Duration = Duration::from_secs(1);
+
+/// Reads the hello frame by `until`. Until it is whole, newer connections may evict this one:
+/// at once if it has sent nothing, after [`EVICTION_GRACE`] if its hello is under way, so a
+/// real client whose hello is in flight is not cut off and a byte a connection does not keep
+/// one alive. Reads are cancel-safe, so nothing received is lost to the eviction's wait.
+async fn read_hello(
+    stream: &mut tokio::net::TcpStream,
+    until: tokio::time::Instant,
+    pending: &Unauthenticated,
+) -> Result<Vec<u8>, ReadEnd> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = [0u8; 1024];
+    let mut grace: Option<tokio::time::Instant> = None;
+    loop {
+        if buf.len() >= 4 {
+            let n = frame_len_within([buf[0], buf[1], buf[2], buf[3]], MAX_HELLO).map_err(ReadEnd::Bad)?;
+            if buf.len() >= 4 + n {
+                return Ok(buf[4..4 + n].to_vec());
+            }
+        }
+        let end = grace.map_or(until, |g| g.min(until));
+        tokio::select! {
+            biased;
+            got = stream.read(&mut chunk) => match got {
+                Ok(0) => return Err(ReadEnd::Closed),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) => return Err(ReadEnd::Bad(ProtocolError::Malformed(e.to_string()))),
+            },
+            _ = pending.evicted.notified(), if grace.is_none() => {
+                if buf.is_empty() {
+                    return Err(ReadEnd::Timeout);
+                }
+                grace = Some(tokio::time::Instant::now() + EVICTION_GRACE);
+            }
+            _ = tokio::time::sleep_until(end) => return Err(ReadEnd::Timeout),
+        }
+    }
+}
+
 /// Sends `r` as one frame; false when the connection is gone.
 async fn send(stream: &mut tokio::net::TcpStream, r: &Response) -> bool {
     match encode(r) {
@@ -149,20 +190,28 @@ async fn send(stream: &mut tokio::net::TcpStream, r: &Response) -> bool {
 /// The handshake, each side proving it knows the token without sending it: the client's
 /// `Hello` (version, fingerprint, nonce), the service's `Challenge` (its nonce and proof), the
 /// client's `Prove`. Returns the session's orchestrator, or `None` after answering an error.
-async fn handshake(stream: &mut tokio::net::TcpStream, cfg: &ServiceConfig, make: &MakeOrchestrator) -> Result<Orchestrator, String> {
-    let t = cfg.handshake_timeout;
-    let hello = match read_frame(stream, MAX_HELLO, t, t).await {
+async fn handshake(
+    stream: &mut tokio::net::TcpStream,
+    cfg: &ServiceConfig,
+    make: &MakeOrchestrator,
+    pending: Unauthenticated,
+) -> Result<Orchestrator, String> {
+    let until = tokio::time::Instant::now() + cfg.handshake_timeout;
+    let hello = match read_hello(stream, until, &pending).await {
         Ok(body) => decode::<Request>(&body).map_err(|e| e.to_string())?,
         Err(ReadEnd::Bad(e)) => return Err(e.to_string()),
         Err(_) => return Err(String::new()),
     };
+    // The whole hello is in: no newer connection may close this one now.
+    drop(pending);
     let client_nonce = check_hello(&hello, &cfg.fingerprint).map_err(|e| e.to_string())?;
     let service_nonce = nonce();
     let proof = service_proof(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint);
     if !send(stream, &Response::Challenge { nonce: service_nonce.clone(), proof }).await {
         return Err(String::new());
     }
-    let prove = match read_frame(stream, MAX_HELLO, t, t).await {
+    let left = until.saturating_duration_since(tokio::time::Instant::now());
+    let prove = match read_frame(stream, MAX_HELLO, left, left).await {
         Ok(body) => decode::<Request>(&body).map_err(|e| e.to_string())?,
         Err(ReadEnd::Bad(e)) => return Err(e.to_string()),
         Err(_) => return Err(String::new()),
@@ -183,20 +232,7 @@ async fn session(
     pending: Unauthenticated,
     failed: Arc<FailedHellos>,
 ) {
-    // Until its first byte, newer connections may evict this one; from then on, never. (A peek
-    // waits for a byte without taking it; readiness alone may be reported spuriously.)
-    let mut first = [0u8; 1];
-    tokio::select! {
-        biased;
-        got = tokio::time::timeout(cfg.handshake_timeout, stream.peek(&mut first)) => {
-            if !matches!(got, Ok(Ok(n)) if n > 0) {
-                return;
-            }
-        }
-        _ = pending.evicted.notified() => return,
-    }
-    drop(pending);
-    let mut orch = match handshake(&mut stream, &cfg, &make).await {
+    let mut orch = match handshake(&mut stream, &cfg, &make, pending).await {
         Ok(o) => o,
         Err(why) => {
             if !why.is_empty() {

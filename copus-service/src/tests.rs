@@ -261,6 +261,18 @@ fn an_impostor_service_is_refused_and_learns_nothing() {
     let heard = String::from_utf8_lossy(&impostor.join().unwrap()).into_owned();
     assert!(!heard.contains(TOKEN), "the token crossed the wire: {heard}");
     assert!(!heard.contains("Prove"), "the client proved itself to an impostor: {heard}");
+    // An impostor that skips the challenge and welcomes the client at once is refused too.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = read_frame(&mut s);
+        let _ = s.write_all(&encode(&Response::Welcome { policy: "copus".into() }).unwrap());
+        let _ = s.read_to_end(&mut Vec::new());
+    });
+    let e =
+        Client::connect(addr, TOKEN, "test", fingerprint(), "copus").err().expect("a welcome without a challenge is refused").to_string();
+    assert!(e.contains("unexpected answer"), "{e}");
 }
 
 /// A service that answers a byte at a time (each well within any read timeout) cannot hold the
@@ -334,8 +346,8 @@ fn a_trickling_service_is_overdue_for_a_run_that_never_waits() {
     assert!(why.contains("no decision within") || why.contains("no whole answer within"), "{why}");
 }
 
-/// A connection that has started its hello is never evicted by a burst of newer silent ones,
-/// even when the rest of its hello comes after the burst.
+/// A connection whose hello is under way survives a burst of newer silent ones when the rest
+/// of its hello comes within the grace; connections that sent one byte and stall are evicted.
 #[test]
 fn a_burst_of_connections_does_not_evict_one_that_has_said_hello() {
     let cfg = ServiceConfig { max_unauthenticated: 4, ..config() };
@@ -356,6 +368,19 @@ fn a_burst_of_connections_does_not_evict_one_that_has_said_hello() {
     let answer = decode::<Response>(&read_frame(&mut first)).unwrap();
     assert!(matches!(answer, Response::Challenge { .. }), "{answer:?}");
     drop(burst);
+    // One byte each, then nothing: the oldest of these is closed to make room (after the grace).
+    let mut stalled: Vec<TcpStream> = (0..8)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(&[0]).unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let _newer: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    stalled[0].set_read_timeout(Some(Duration::from_secs(4))).unwrap();
+    let mut b = [0u8; 1];
+    assert!(matches!(stalled[0].read(&mut b), Ok(0)), "a one-byte connection does not hold its place");
     drop(service);
 }
 
