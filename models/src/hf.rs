@@ -152,7 +152,7 @@ pub fn config_from_hf(c: &serde_json::Value) -> Result<LlamaConfig, HfError> {
     let (hidden, heads) = (uint("hidden_size")?, uint("num_attention_heads")?);
     if let Some(e) = c.get("head_dim").and_then(|v| v.as_u64())
         && heads > 0
-        && e as usize * heads != hidden
+        && (e as usize).checked_mul(heads) != Some(hidden)
     {
         return Err(bad("head_dim", format!("{e}; this model needs hidden_size / num_attention_heads = {}", hidden / heads)));
     }

@@ -12,7 +12,7 @@ use copus_models::{Llama, LlamaConfig, hf};
 use tokenizers::Tokenizer;
 
 use crate::data::{self, PackedDataset};
-use crate::prepare::vocab_of;
+use crate::prepare::checked_vocab;
 use crate::recipe::Recipe;
 use crate::report::progress::Progress;
 
@@ -44,7 +44,7 @@ pub fn load_run(run_dir: &Path) -> anyhow::Result<RunModel> {
     }
     let tokenizer = Tokenizer::from_file(&tpath).map_err(|e| anyhow!("{}: {e}", tpath.display()))?;
     let mut spec = recipe.model_spec()?;
-    spec.vocab_size = vocab_of(&tokenizer);
+    spec.vocab_size = checked_vocab(&tokenizer, &tpath.display().to_string())?;
     let cfg = LlamaConfig::from_spec(&spec);
     let mut model = cfg.init(&Device::flex());
     copus_models::load_safetensors(&mut model, &run_dir.join("model.safetensors"))?;
@@ -228,6 +228,7 @@ pub fn generate_command(run_dir: &Path, prompt: &str, max_tokens: usize, samplin
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::prepare::vocab_of;
     use burn::tensor::Device;
 
     /// A run folder made here: a tokenizer trained on made-up text, a seeded tiny model.
