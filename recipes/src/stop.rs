@@ -6,12 +6,12 @@
 //! except while a checkpoint is being written: then the checkpoint is finished first. SIGUSR1
 //! only ever asks for the stop.
 //!
-//! Whether a signal may quit at once and whether a save is under way are one state, changed by
-//! compare-and-swap on both sides, so a signal can neither end the process inside a save that
-//! has begun nor be lost as the save ends.
+//! Whether a signal may quit at once and whether a save is under way are decided under one lock,
+//! so a signal can neither end the process inside a save that has begun nor be lost as the save
+//! ends.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Set by the first signal: finish the step, save a checkpoint, stop.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -24,16 +24,19 @@ static SIGNALS: AtomicU32 = AtomicU32::new(0);
 /// Set by SIGUSR1, which asks for the stop like the first SIGINT.
 static USR1: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 
-/// No checkpoint is being written: a quitting signal may end the process.
-const IDLE: u8 = 0;
-/// A checkpoint is being written: a signal waits for it.
-const SAVING: u8 = 1;
-/// A checkpoint is being written and a second signal came: quit once it is written.
-const SAVING_THEN_QUIT: u8 = 2;
-/// A signal is ending the process: no save may begin.
-const QUITTING: u8 = 3;
-/// One of the four above.
-static STATE: AtomicU8 = AtomicU8::new(IDLE);
+/// Checkpoints being written, and whether a signal asked to quit once they are. The signal
+/// handler runs on its own thread (not in signal context), so a lock is safe here.
+static SAVES: Mutex<Saves> = Mutex::new(Saves { writing: 0, quit_after: false });
+
+/// See [`SAVES`].
+struct Saves {
+    writing: u32,
+    quit_after: bool,
+}
+
+fn saves() -> std::sync::MutexGuard<'static, Saves> {
+    SAVES.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Whether SIGUSR1 arrived since the last call.
 fn usr1_taken() -> bool {
@@ -49,24 +52,16 @@ fn quit_now() -> ! {
     std::process::exit(130);
 }
 
-/// A signal that may end the process: at once when no save is under way, else once the save
-/// is written.
+/// A signal that may end the process: at once when no save is under way (holding the lock, so
+/// none can begin), else once the saves under way are written.
 fn quit_unless_saving() {
-    loop {
-        match STATE.load(Ordering::SeqCst) {
-            IDLE => {
-                if STATE.compare_exchange(IDLE, QUITTING, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-                    quit_now();
-                }
-            }
-            SAVING => {
-                if STATE.compare_exchange(SAVING, SAVING_THEN_QUIT, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-                    eprintln!("\ninterrupted again: quitting as soon as the checkpoint being written is saved");
-                    return;
-                }
-            }
-            _ => return,
-        }
+    let mut s = saves();
+    if s.writing == 0 {
+        quit_now();
+    }
+    if !s.quit_after {
+        s.quit_after = true;
+        eprintln!("\ninterrupted again: quitting as soon as the checkpoint being written is saved");
     }
 }
 
@@ -101,6 +96,7 @@ fn install() {
 pub(crate) fn catch() {
     LOOP_DONE.store(false, Ordering::SeqCst);
     INTERRUPTED.store(false, Ordering::SeqCst);
+    saves().quit_after = false;
     SIGNALS.store(0, Ordering::SeqCst);
     let _ = usr1_taken();
     install();
@@ -125,14 +121,11 @@ pub(crate) fn loop_done() {
 /// Runs `save` (a checkpoint being written) so that a signal meanwhile lets it finish; after a
 /// second signal during it, quits once it is written.
 pub(crate) fn saving<T, E: std::fmt::Display>(save: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
-    if STATE.compare_exchange(IDLE, SAVING, Ordering::SeqCst, Ordering::SeqCst).is_err() {
-        // A signal is ending the process right now; nothing may begin.
-        loop {
-            std::thread::park();
-        }
-    }
+    saves().writing += 1;
     let saved = save();
-    if STATE.swap(IDLE, Ordering::SeqCst) == SAVING_THEN_QUIT {
+    let mut s = saves();
+    s.writing -= 1;
+    if s.writing == 0 && s.quit_after {
         match &saved {
             Ok(_) => eprintln!("checkpoint written; quitting"),
             Err(e) => eprintln!("the checkpoint failed ({e}); quitting"),
