@@ -275,11 +275,8 @@ fn an_impostor_service_is_refused_and_learns_nothing() {
     assert!(e.contains("unexpected answer"), "{e}");
 }
 
-/// A service that answers a byte at a time (each well within any read timeout) cannot hold the
-/// run: its answer misses the deadline, the connection counts as lost, and the embedded
-/// orchestrator decides, saying so.
-#[test]
-fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
+/// A service that knows the token, takes a step and answers it a byte every 300 ms.
+fn trickling_service() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -294,6 +291,15 @@ fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
             std::thread::sleep(Duration::from_millis(300));
         }
     });
+    addr
+}
+
+/// A service that answers a byte at a time (each well within any read timeout) cannot hold the
+/// run: its answer misses the deadline, the connection counts as lost, and the embedded
+/// orchestrator decides, saying so.
+#[test]
+fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
+    let addr = trickling_service();
     let deadline = Duration::from_secs(1);
     let client = Client::connect_with_deadline(addr, TOKEN, "test", fingerprint(), "copus", deadline).unwrap();
     let mut remote = RemoteSource::synchronous(client, make()(), Duration::from_secs(20));
@@ -311,20 +317,7 @@ fn a_trickling_service_misses_the_deadline_and_the_run_decides_in_process() {
 /// waited longer than the deadline, the embedded orchestrator decides, and the run says so.
 #[test]
 fn a_trickling_service_is_overdue_for_a_run_that_never_waits() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        handshake_as_service(&mut s, TOKEN);
-        let _step = read_frame(&mut s);
-        let frame = encode(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
-        for b in frame {
-            if s.write_all(&[b]).is_err() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    });
+    let addr = trickling_service();
     let client = Client::connect_with_deadline(addr, TOKEN, "test", fingerprint(), "copus", Duration::from_millis(800)).unwrap();
     let mut remote = RemoteSource::new(client, make()());
     let mut embedded = make()();
