@@ -241,18 +241,26 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()>
         return result;
     }
     remove_stale_temporaries(path, &name);
+    sync_parent(path)
+}
+
+/// Syncs the folder holding `path`, so a new name in it (a rename) survives a power loss. Some
+/// file systems (network, FUSE) cannot sync a folder: there it warns and goes on, the file
+/// itself being synced by its writer.
+pub(crate) fn sync_parent(path: &Path) -> std::io::Result<()> {
     #[cfg(unix)]
     {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
             Ok(()) => {}
-            // Some file systems (network, FUSE) cannot sync a folder: the file itself is synced.
             Err(e) if matches!(e.raw_os_error(), Some(22) | Some(95)) => {
-                tracing::warn!("{}: the folder cannot be synced here ({e}); the checkpoint file itself is", dir.display());
+                tracing::warn!("{}: the folder cannot be synced here ({e}); the file itself is", dir.display());
             }
             Err(e) => return Err(e),
         }
     }
+    #[cfg(not(unix))]
+    let _ = path;
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use copus_core::candidates::Enumeration;
 
-use crate::checkpoint::{remove_dead_temporaries, write_atomically};
+use crate::checkpoint::{remove_dead_temporaries, sync_parent, write_atomically};
 use crate::driver::{Clock, DecisionSource, Driver, DriverError};
 use crate::engine::EngineError;
 use crate::parallel::ParallelLm;
@@ -217,7 +217,7 @@ impl RunDir {
                     std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
                     let to = self.checkpoint_path(*step);
                     std::fs::rename(path, &to)
-                        .and_then(|()| sync_dir(&to))
+                        .and_then(|()| sync_parent(&to))
                         .map_err(|source| RunDirError::Io { path: path.clone(), source })?;
                     tracing::info!("the emergency checkpoint {} is now {}", path.display(), to.display());
                     return Ok((driver, to));
@@ -225,7 +225,7 @@ impl RunDir {
                 Ok((driver, _)) => return Ok((driver, path.clone())),
                 Err(e @ DriverError::Engine(EngineError::Damaged { .. })) => {
                     let aside = path.with_extension("bpk.bad");
-                    match std::fs::rename(path, &aside).and_then(|()| sync_dir(path)) {
+                    match std::fs::rename(path, &aside).and_then(|()| sync_parent(path)) {
                         Ok(()) => tracing::warn!("checkpoint {} is damaged ({e}); renamed to {}", path.display(), aside.display()),
                         Err(r) => return Err(RunDirError::Io { path: path.clone(), source: r }),
                     }
@@ -263,21 +263,6 @@ impl RunDir {
             .collect();
         write_atomically(&path, kept.as_bytes()).map_err(|source| RunDirError::Io { path, source })
     }
-}
-
-/// Syncs the folder holding `path`, so a rename in it survives a power loss (where the file
-/// system can sync a folder at all).
-fn sync_dir(path: &Path) -> std::io::Result<()> {
-    #[cfg(unix)]
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
-            Ok(()) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(22) | Some(95)) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let _ = path;
-    Ok(())
 }
 
 /// A run folder taken by this process ([`RunDir::lock`]); dropping it lets the folder go.

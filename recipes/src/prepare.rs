@@ -142,18 +142,18 @@ pub fn vocab_of(tokenizer: &tokenizers::Tokenizer) -> usize {
 /// [`MAX_VOCAB`]; sparse ids are allowed (the vocabulary covers the largest) with a warning.
 pub fn checked_vocab(tokenizer: &tokenizers::Tokenizer, what: &str) -> Result<usize, data::DataError> {
     let entries = tokenizer.get_vocab_size(true);
+    let largest = tokenizer.get_vocab(true).values().max().copied().unwrap_or(0);
     let vocab = vocab_of(tokenizer);
     if entries == 0 {
         return Err(data::DataError::Tokenizer(format!("{what}: the tokenizer has no tokens")));
     }
     if vocab > MAX_VOCAB {
         return Err(data::DataError::Tokenizer(format!(
-            "{what}: ids up to {} (a vocabulary of {vocab}); at most {MAX_VOCAB} are allowed",
-            vocab_of(tokenizer).saturating_sub(1)
+            "{what}: ids up to {largest} (a vocabulary of {vocab}); at most {MAX_VOCAB} are allowed"
         )));
     }
     if vocab > entries.div_ceil(64) * 64 {
-        tracing::warn!("{what}: {entries} tokens with ids up to {}: the model's vocabulary covers the largest id ({vocab})", vocab - 1);
+        tracing::warn!("{what}: {entries} tokens with ids up to {largest}: the model's vocabulary covers the largest id ({vocab})");
     }
     Ok(vocab)
 }

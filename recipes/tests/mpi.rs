@@ -10,6 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_recipes");
 
 fn mpirun(np: usize, args: &[&str]) -> Output {
@@ -179,21 +181,7 @@ fn a_run_stopped_under_mpirun_resumes_to_the_same_steps() {
 #[test]
 fn sigusr1_to_mpirun_stops_the_job_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let folder = dir.path().join("runs").join("usr1");
-    let text = format!(
-        r#"(
-            name: "usr1",
-            output_dir: "{}",
-            model: (preset: "tiny-1m", seq_len: Some(32)),
-            data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
-            train: (global_batch: 4, micro_batch: 2, max_steps: 100000, eval_every: 0, eval_sequences: 8, checkpoint_every: 0),
-            optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 100000),
-            parallel: (world_size: 2, global_batches: [4], micro_batches: [2]),
-        )"#,
-        dir.path().join("runs").display()
-    );
-    let path = dir.path().join("usr1.ron");
-    std::fs::write(&path, text).unwrap();
+    let (path, folder) = common::recipe_on(dir.path(), 100_000, 2);
     let mut job = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN, "run", path.to_str().unwrap(), "--quiet"])
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")

@@ -13,15 +13,21 @@ use std::time::{Duration, Instant};
 /// Writes a recipe of the 1M preset on 1 rank, `max_steps` steps, into `dir`; returns its path
 /// and the run folder it will write.
 pub(crate) fn recipe(dir: &Path, max_steps: u64) -> (PathBuf, PathBuf) {
+    recipe_on(dir, max_steps, 1)
+}
+
+/// [`recipe`] on `world` ranks (data parallel, B_g 4 x `world`).
+pub(crate) fn recipe_on(dir: &Path, max_steps: u64, world: usize) -> (PathBuf, PathBuf) {
+    let b = 4 * world;
     let text = format!(
         r#"(
             name: "signal",
             output_dir: "{}",
             model: (preset: "tiny-1m", seq_len: Some(32)),
             data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
-            train: (global_batch: 4, micro_batch: 2, max_steps: {max_steps}, eval_every: 0, eval_sequences: 8, checkpoint_every: 0),
-            optim: (lr: 3e-3, b0: 4, warmup_steps: 1, total_steps: {max_steps}),
-            parallel: (world_size: 1, global_batches: [4], micro_batches: [2]),
+            train: (global_batch: {b}, micro_batch: 2, max_steps: {max_steps}, eval_every: 0, eval_sequences: 8, checkpoint_every: 0),
+            optim: (lr: 3e-3, b0: {b}, warmup_steps: 1, total_steps: {max_steps}),
+            parallel: (world_size: {world}, global_batches: [{b}], micro_batches: [2]),
         )"#,
         dir.join("runs").display()
     );
