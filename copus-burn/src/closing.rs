@@ -94,30 +94,34 @@ impl StepCloser {
         self.gns = gns;
     }
 
-    /// Closes step `step` (0-based) of `global_batch` sequences: feeds `stats` (measured
+    /// Closes step `step` (0-based) of `global_batch` sequences, after `samples` samples: feeds `stats` (measured
     /// before clipping; `stats.grad_sq_norm` is the whole model's |g|^2) to the estimator,
     /// remembers or forgets `mean` for the probe, clips it and picks the learning rate.
+    #[allow(clippy::too_many_arguments)]
     pub fn close<M: Module>(
         &mut self,
         module: &M,
         cfg: &OptimConfig,
         step: u64,
+        samples: u64,
         global_batch: usize,
         stats: &StepStats,
         mean: GradientsParams,
     ) -> Result<Closed, GnsError> {
         self.gns.observe(stats)?;
         self.memory.remember(module, stats.num_micro, &mean);
-        Ok(self.close_unprobed(module, cfg, step, global_batch, stats.grad_sq_norm, mean))
+        Ok(self.close_unprobed(module, cfg, step, samples, global_batch, stats.grad_sq_norm, mean))
     }
 
     /// [`close`](Self::close) without the probe: nothing observed or remembered; the estimate
     /// is the one from before. Only to measure what the probe costs.
+    #[allow(clippy::too_many_arguments)]
     pub fn close_unprobed<M: Module>(
         &self,
         module: &M,
         cfg: &OptimConfig,
         step: u64,
+        samples: u64,
         global_batch: usize,
         grad_sq_norm: f64,
         mean: GradientsParams,
@@ -128,7 +132,7 @@ impl StepCloser {
             _ => mean,
         };
         let estimate = self.gns.estimate();
-        let lr = cfg.lr_at(step, global_batch, estimate.and_then(|e| e.b_simple()));
+        let lr = cfg.lr_at(step, samples, global_batch, estimate.and_then(|e| e.b_simple()));
         Closed { grads, grad_norm, lr, estimate }
     }
 }

@@ -75,7 +75,7 @@ pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, Reco
 pub use fused::cross_entropy_sum;
 #[cfg(feature = "learner")]
 pub use learner::{CopusBatching, CopusBatchingConfig, CopusTrainingExt};
-pub use optim::OptimConfig;
+pub use optim::{OptimConfig, ScheduleClock};
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;
 pub use run_dir::RunDir;
@@ -184,8 +184,55 @@ mod tests {
         assert!((c.schedule(9) - 0.55).abs() < 1e-12);
         assert!((c.schedule(14) - 0.1).abs() < 1e-12);
         assert!((c.schedule(100) - 0.1).abs() < 1e-12);
-        // sqrt rule at 4x the reference batch doubles the rate.
-        assert!((c.lr_at(3, 32, None) - 2.0).abs() < 1e-12);
+        // sqrt rule at 4x the reference batch (b0 8) doubles the rate: step 3 after 24
+        // samples is at position 3 and ends past the warmup.
+        assert!((c.lr_at(3, 24, 32, None) - 2.0).abs() < 1e-12);
+    }
+
+    /// The schedule counts samples: a step at 2 B0 advances it by two, so a run at any batch
+    /// sees the same rate at the same number of samples.
+    #[test]
+    fn the_schedule_counts_samples() {
+        let c = OptimConfig {
+            lr: 1.0,
+            b0: 8,
+            warmup_steps: 4,
+            total_steps: 14,
+            min_lr_ratio: 0.1,
+            lr_rule: copus_core::goodput::LrRule::Constant,
+            ..OptimConfig::default()
+        };
+        // B = 16 from 0 samples: warmup value after two reference steps, 2 / 4.
+        assert_eq!(c.lr_at(0, 0, 16, None), 0.5);
+        // Its second step starts at 16 samples (position 2) and ends the warmup: 4 / 4.
+        assert_eq!(c.lr_at(1, 16, 16, None), 1.0);
+        // After 72 samples (position 9), half way through the cosine whatever the batch or
+        // the number of steps it took.
+        for (step, b) in [(9, 8), (4, 16), (1, 64)] {
+            assert!((c.lr_at(step, 72, b, None) - 0.55).abs() < 1e-12, "{step} steps of {b}");
+        }
+        // A batch that overshoots the warmup's end is capped at the peak: (3 + 8) / 4 > 1.
+        assert_eq!(c.lr_at(3, 24, 64, None), 1.0);
+        // The step clock ignores samples: step 4 is the warmup's end at any batch.
+        let steps = OptimConfig { schedule_clock: crate::ScheduleClock::Steps, ..c };
+        assert_eq!(steps.lr_at(0, 0, 16, None), 0.25);
+        assert!((steps.lr_at(9, 720, 80, None) - 0.55).abs() < 1e-12);
+        assert_eq!(steps.schedule(9), c.schedule_at(9.0, 1.0));
+        // At B0 the sample clock is the step clock, to the bit: the step-counted schedule
+        // written out by hand (linear warmup (s + 1) / W, then cosine over [W, T]).
+        for b0 in [1usize, 8, 16] {
+            let c = OptimConfig { b0, lr_rule: copus_core::goodput::LrRule::Sqrt, ..c.clone() };
+            for s in 0..20u64 {
+                let (w, t) = (c.warmup_steps, c.total_steps);
+                let by_hand = if s < w {
+                    (s + 1) as f64 / w as f64
+                } else {
+                    let x = ((s - w) as f64 / (t - w) as f64).min(1.0);
+                    c.min_lr_ratio + (1.0 - c.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * x).cos())
+                };
+                assert_eq!(c.lr_at(s, s * b0 as u64, b0, None).to_bits(), (c.lr * by_hand).to_bits(), "b0 {b0}, step {s}");
+            }
+        }
     }
 
     #[test]

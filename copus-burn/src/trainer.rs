@@ -221,6 +221,7 @@ impl<M: CausalLm> Trainer<M> {
         let [b_m, seq] = micro[0].inputs.dims();
         let n = micro.len();
         let global_batch = b_m * n;
+        let samples = self.tokens_seen / seq.max(1) as u64;
         let closed = if self.probe {
             let diff = self.closer.memory().previous(n).map(|p| grads::diff_sq_norm(model, &acc.grads, p));
             let stats = StepStats {
@@ -230,11 +231,11 @@ impl<M: CausalLm> Trainer<M> {
                 grad_sq_norm: acc.grad_sq_norm,
                 diff_sq_norm: diff,
             };
-            let closed = self.closer.close(model, &self.cfg, self.step, global_batch, &stats, acc.grads)?;
+            let closed = self.closer.close(model, &self.cfg, self.step, samples, global_batch, &stats, acc.grads)?;
             self.last_stats = Some(stats);
             closed
         } else {
-            self.closer.close_unprobed(model, &self.cfg, self.step, global_batch, acc.grad_sq_norm, acc.grads)
+            self.closer.close_unprobed(model, &self.cfg, self.step, samples, global_batch, acc.grad_sq_norm, acc.grads)
         };
         let model = self.model.take().expect("model present between steps");
         self.model = Some(self.optim.step(closed.lr, model, closed.grads));

@@ -135,6 +135,16 @@ pub enum ObjectiveKind {
 }
 
 impl ObjectiveKind {
+    /// The objective consistent with training under `rule` from a rate tuned at B0: progress
+    /// at the rate the rule gives ([`LrTunedGoodput`]); plain Goodput for AdaScale, whose gain
+    /// is the rate re-tuned for the batch that plain Goodput assumes.
+    pub fn for_rule(rule: LrRule) -> Self {
+        match rule {
+            LrRule::AdaScale => ObjectiveKind::Plain,
+            rule => ObjectiveKind::LrTuned { rule },
+        }
+    }
+
     /// The objective this kind names, with its settings.
     pub fn build(self) -> Box<dyn Objective> {
         match self {

@@ -31,6 +31,7 @@ pub mod memory;
 pub mod model;
 pub mod orchestrator;
 pub mod policy;
+pub mod published;
 pub mod reshard;
 pub mod schedule;
 pub mod sim;

@@ -285,8 +285,10 @@ impl ModelSpec {
         })
     }
 
+    /// A Llama-style shape (no qkv bias): layers, width, heads, key/value heads, SwiGLU width,
+    /// vocabulary, sequence length and whether the embeddings are tied.
     #[allow(clippy::too_many_arguments)]
-    fn shape(
+    pub fn shape(
         name: &str,
         num_layers: usize,
         hidden: usize,

@@ -90,7 +90,7 @@ pub enum Request {
     },
     /// Continue from what an orchestrator learned so far (a client that decided on its own
     /// while the service was away hands its state over on reconnecting).
-    Resume(OrchestratorState),
+    Resume(Box<OrchestratorState>),
     /// A finished step, with what was measured.
     Step {
         /// The step, its configuration and the noise estimate, as the policy sees them.
@@ -602,7 +602,7 @@ mod tests {
         assert!(e.to_string().contains("Reconfigured.seconds"));
         let mut state = OrchestratorState::default();
         state.learned.layout_cost = Some(f64::NAN);
-        assert!(encode(&Request::Resume(state)).unwrap_err().to_string().contains("Resume.learned.layout_cost"));
+        assert!(encode(&Request::Resume(Box::new(state))).unwrap_err().to_string().contains("Resume.learned.layout_cost"));
         // Finite messages encode and decode to themselves.
         let req = Request::Step { observation: obs, samples_per_sec: 1.5 };
         assert_eq!(decode::<Request>(&encode(&req).unwrap()[4..]).unwrap(), req);

@@ -3,6 +3,12 @@
 //! training by `B * SE(B)` reference-batch samples and costs `B / throughput` seconds of the
 //! simulated clock (plus modelled switch costs). Policies run through the same `decide` calls
 //! as in real training, in microseconds per step.
+//!
+//! The clock's throughput is the `scorer` handed to [`simulate`], which need not be the one
+//! the policies hold: [`perturbed`] makes a truth that differs from the policies' model by a
+//! per-candidate error drawn once per seed, and [`SimConfig::jitter`] varies every step's
+//! time. The policies learn throughput only from the measured samples/s of the steps they run
+//! ([`Policy::observe_throughput`]), as in training.
 
 use std::sync::Arc;
 
@@ -68,6 +74,24 @@ pub struct SimConfig {
     pub seed: u64,
     /// Keep every step in [`SimRun::steps`] (else only the last; long runs hold gigabytes).
     pub record_steps: bool,
+    /// Standard deviation of the natural log of each step's time (log-normal, with the step's
+    /// true mean time as its mean; 0: every step takes its mean time). Measured here: 0.1 to
+    /// 0.3.
+    pub jitter: f64,
+}
+
+/// The truth a policy does not know: every candidate's throughput of `scorer` times an error
+/// `exp(sigma * z)`, `z` standard normal, drawn once per candidate from `seed` (the same
+/// candidate and seed always draw the same error). The policies keep the unperturbed scorer as
+/// their prior; [`simulate`] runs the clock on this one.
+pub fn perturbed(scorer: &Scorer, sigma: f64, seed: u64) -> Result<Scorer, crate::policy::PolicyError> {
+    let key = |c: &Candidate| {
+        let d = c.dims;
+        [d.dp, d.tp, d.pp, c.global_batch, c.micro_batch]
+            .iter()
+            .fold(0x5eed_u64, |h, &x| h.rotate_left(13) ^ (x as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    };
+    scorer.map_prior(|c, t| t * (sigma * normal(seed ^ 0xe770_4e55, key(c))).exp())
 }
 
 /// How a simulation makes the noise estimate the policies see.
@@ -160,7 +184,7 @@ pub struct SimStep {
     pub progress: f64,
     /// The configuration of the step.
     pub candidate: Candidate,
-    /// Samples/s of the configuration, as the scorer gives it.
+    /// Samples/s the step ran at on the simulated clock (the truth with the step's jitter).
     pub throughput: f64,
     /// True statistical efficiency of the step.
     pub efficiency: f64,
@@ -224,8 +248,8 @@ fn normal(seed: u64, k: u64) -> f64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    let u1 = ((mix(seed ^ (2 * k)) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-    let u2 = ((mix(seed ^ (2 * k + 1)) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let u1 = ((mix(seed ^ k.wrapping_mul(2)) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let u2 = ((mix(seed ^ k.wrapping_mul(2).wrapping_add(1)) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
@@ -250,7 +274,9 @@ pub fn simulate(
     let mut previous_noise = None;
     let mut run = SimRun { policy: policy.name(), steps: Vec::new(), switches: Vec::new(), time_to_target: None, refused: 0 };
     for step in 1..=cfg.max_steps {
-        let t = scorer.throughput(&cur).expect("only candidates are run");
+        let mean = scorer.throughput(&cur).expect("only candidates are run");
+        // Mean-preserving in time: the step takes `b / mean` seconds on average.
+        let t = mean * (-cfg.jitter * normal(cfg.seed ^ 0x0a17_7e55, step) + 0.5 * cfg.jitter * cfg.jitter).exp();
         let phi = phi_at(trajectory, progress);
         let b = cur.global_batch as f64;
         let efficiency = cfg.truth.efficiency(b, cfg.b0, phi);
@@ -294,6 +320,7 @@ pub fn simulate(
             (SimNoise::Estimator { .. }, None) => unreachable!("the estimator exists in estimator mode"),
         };
         let obs = crate::policy::StepObservation { step, current: cur, noise };
+        policy.observe_throughput(&cur, t);
         let decision = policy.decide(&obs);
         let target = decision.target(cur);
         if target == cur {
@@ -377,6 +404,7 @@ mod tests {
             max_steps: 1_000_000,
             seed: 1,
             record_steps: true,
+            jitter: 0.0,
         }
     }
 
@@ -446,7 +474,9 @@ mod tests {
             if layout_at(mid) == layout_at(lo) { lo = mid } else { hi = mid }
         }
         let traj = Trajectory::new(vec![(0.0, lo)], 8.0e5).unwrap();
-        let rule = SwitchRule { horizon: 3600.0, layout_cost: 20.0, ..SwitchRule::default() };
+        // Hysteresis under the estimator's noise; exploration (a bounded number of trials, each
+        // of a candidate never measured) is tested on its own.
+        let rule = SwitchRule { horizon: 3600.0, layout_cost: 20.0, explore: 0.0, ..SwitchRule::default() };
         for seed in 0..3 {
             for p_eff in [6.0, 18.5] {
                 let cfg = SimConfig {
@@ -528,6 +558,62 @@ mod tests {
             let oracle = hindsight_oracle(&traj, &scorer, costs, Some(initial));
             assert!(oracle.time <= t_copus * 1.001, "oracle {} vs copus {t_copus}", oracle.time);
             assert!(schedule_time(&traj, &oracle.per_segment, &scorer, costs, Some(initial)).is_some());
+        }
+    }
+
+    /// The truth of a perturbed simulation is not the policies' model: errors of the requested
+    /// size, per candidate, the same for a seed and different across seeds, and enough to
+    /// reorder the layouts at some B_g.
+    #[test]
+    fn the_perturbed_truth_differs_from_the_scorer() {
+        let (scorer, _) = setup();
+        let truth = perturbed(&scorer, 0.25, 7).unwrap();
+        let logs: Vec<f64> = scorer.candidates().map(|(c, t)| (truth.throughput(c).unwrap() / t).ln()).collect();
+        let n = logs.len() as f64;
+        let mean = logs.iter().sum::<f64>() / n;
+        let sd = (logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+        assert!(n >= 50.0, "{n} candidates");
+        assert!((0.18..0.32).contains(&sd), "log-error spread {sd}, asked 0.25");
+        assert!(mean.abs() < 0.1, "log-error mean {mean}");
+        assert!(logs.iter().all(|x| x.abs() > 0.0), "some candidate kept its prior exactly");
+        let again = perturbed(&scorer, 0.25, 7).unwrap();
+        let other = perturbed(&scorer, 0.25, 8).unwrap();
+        let c = scorer.candidates().next().unwrap().0;
+        assert_eq!(again.throughput(&c), truth.throughput(&c));
+        assert_ne!(other.throughput(&c), truth.throughput(&c));
+        let reordered = [1usize, 4, 16, 64, 256].iter().filter(|&&b| best_layout(&scorer, b) != best_layout(&truth, b)).count();
+        assert!(reordered >= 1, "the error never changes the fastest candidate of a B_g");
+        // sigma 0 is the scorer itself.
+        let same = perturbed(&scorer, 0.0, 7).unwrap();
+        assert!(scorer.candidates().all(|(c, t)| same.throughput(c) == Some(*t)));
+    }
+
+    /// A prior that ranks the candidates of every B_g wrongly (its favourite is truly half as
+    /// fast as it says): Copus, which learns throughput only from the steps it runs, ends on the
+    /// truly fastest candidate of the B_g it chooses (within its layout threshold); with
+    /// exploration off it stays on the prior's wrong choice.
+    #[test]
+    fn exploration_corrects_a_prior_in_the_wrong_order() {
+        let (scorer, _) = setup();
+        let favourite = |c: &Candidate| best_layout(&scorer, c.global_batch) == *c;
+        let truth = scorer.map_prior(|c, t| if favourite(c) { 0.5 * t } else { t }).unwrap();
+        let traj = Trajectory::new(vec![(0.0, 64.0)], 4.0e5).unwrap();
+        let ends = |explore: f64, seed: u64| {
+            let rule = SwitchRule { horizon: 3600.0, layout_cost: 20.0, explore, ..SwitchRule::default() };
+            let mut copus = Copus::new(scorer.clone(), rule).unwrap();
+            let cfg = SimConfig { jitter: 0.1, ..realistic(SwitchCosts { batch: 0.5, layout: 20.0 }, seed) };
+            let run = simulate(&mut copus, &truth, &traj, best_layout(&scorer, 8), &cfg).unwrap();
+            let last = run.steps.last().unwrap().candidate;
+            let fastest = best_layout(&truth, last.global_batch);
+            (last, truth.throughput(&last).unwrap() / truth.throughput(&fastest).unwrap(), run)
+        };
+        for seed in [1, 2, 3] {
+            let (last, ratio, run) = ends(0.3, seed);
+            assert!(ratio >= 1.0 / 1.05, "seed {seed}: ends on {last}, {ratio:.2} of the fastest at its B_g");
+            let trials = run.switches.len();
+            assert!(trials <= 40, "seed {seed}: {trials} switches");
+            let (blind, blind_ratio, _) = ends(0.0, seed);
+            assert!(favourite(&blind) && blind_ratio < 0.9, "seed {seed}: without exploration it ends on {blind} ({blind_ratio:.2})");
         }
     }
 }

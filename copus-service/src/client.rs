@@ -215,7 +215,7 @@ impl Endpoint {
             other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
         }
         if let Some(state) = state {
-            match exchange(&mut stream, &Request::Resume(state.clone()), self.deadline)? {
+            match exchange(&mut stream, &Request::Resume(Box::new(state.clone())), self.deadline)? {
                 Response::Ack => {}
                 Response::Error(e) => return Err(ServiceError::Refused { addr, reason: format!("refused the handover: {e}") }),
                 other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
@@ -394,7 +394,7 @@ fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, 
         let (req, state) = match msg {
             Outgoing::Step(observation, samples_per_sec, before) => (Request::Step { observation, samples_per_sec }, Some(before)),
             Outgoing::Reconfigured(seconds, layout_changed) => (Request::Reconfigured { seconds, layout_changed }, None),
-            Outgoing::State(s) => (Request::Resume((*s).clone()), Some(s)),
+            Outgoing::State(s) => (Request::Resume(Box::new((*s).clone())), Some(s)),
         };
         if stream.is_none() {
             // Only a message that carries the whole state can reconnect: a reconfiguration

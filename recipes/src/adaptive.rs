@@ -26,12 +26,11 @@ use copus_burn::parallel::{ShardPlan, ShardSource};
 use copus_burn::run_dir::RunDir;
 use copus_burn::{Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
 use copus_core::candidates::{Candidate, Enumeration};
-use copus_core::goodput::{Objective, PlainGoodput};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::MemoryModel;
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{Copus, Scorer, SwitchRule};
+use copus_core::policy::{Copus, Scorer};
 use copus_core::throughput::{ClusterModel, ClusterSpec};
 use copus_models::{LlamaConfig, LlamaStage, full_params};
 use serde::{Deserialize, Serialize};
@@ -107,12 +106,25 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
         ..ClusterModel::new(ClusterSpec::cpu_ranks(par.world_size, cores), spec.clone())
     };
     let b0 = recipe.optim.b0 as f64;
-    let scorer = Scorer::plain(&space.feasible, &prior, b0)?;
-    let horizon = recipe.train.time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
-    let rule = SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() };
+    let scorer = Scorer::new(&space.feasible, &prior, b0, Arc::from(par.objective(&recipe.optim).build()))?;
+    let rule = par.switch_rule(recipe.train.time_budget_secs);
     let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
     let script = (!par.script.is_empty()).then(|| par.scripted(&spec).map(Scripted::new)).transpose()?;
     Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script, world_size: par.world_size })
+}
+
+/// The applied decisions of `decisions.jsonl` (the whole run's, resumes included), one line
+/// each: step, from, to and why.
+fn applied_changes(folder: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(folder.join("decisions.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["record"]["applied"].as_bool() == Some(true))
+        .filter_map(|v| {
+            let r = serde_json::from_value::<copus_burn::driver::DecisionRecord>(v["record"].clone()).ok()?;
+            Some(format!("step {}: {} -> {} ({})", r.step, r.current, r.proposed, v["why"].as_str().unwrap_or("-")))
+        })
+        .collect()
 }
 
 /// The run's output files, open for appending.
@@ -346,7 +358,8 @@ fn train(
         tokens_seen = m.tokens_seen;
         let phi = m.b_simple;
         let c = st.candidate;
-        let efficiency = phi.map_or(1.0, |p| PlainGoodput.efficiency(c.global_batch as f64, b0, p));
+        // The statistical efficiency of the objective Copus ranks by.
+        let efficiency = phi.map_or(1.0, |p| s.scorer.goodput(1.0, c.global_batch, p));
         let point =
             Point { secs: st.step_clock_secs, loss: m.loss, candidate: c, b_simple: phi, throughput: st.samples_per_sec, efficiency };
         writeln!(
@@ -359,10 +372,18 @@ fn train(
                 let (sc, p) = (s.orch.scorer(), phi?);
                 sc.throughput(c).map(|t| sc.goodput(t, c.global_batch, p))
             };
+            let trial = s.script.is_none() && s.orch.state().learned.trial == Some((d.proposed, d.step));
+            let why = match (goodput(&d.current), goodput(&d.proposed)) {
+                _ if trial => "a trial: its throughput was not measured yet".to_string(),
+                (Some(a), Some(b)) if a > 0.0 => {
+                    format!("predicted Goodput {:+.0}% at B_simple {:.1}", 100.0 * (b / a - 1.0), phi.unwrap_or(f64::NAN))
+                }
+                _ => "measured throughput".to_string(),
+            };
             writeln!(
                 logs.decisions,
                 "{}",
-                serde_json::json!({"record": d, "goodput_current": goodput(&d.current), "goodput_proposed": goodput(&d.proposed), "b_simple": phi})
+                serde_json::json!({"record": d, "goodput_current": goodput(&d.current), "goodput_proposed": goodput(&d.proposed), "b_simple": phi, "why": why})
             )?;
         }
         if let Some(w) = &st.switch {
@@ -448,6 +469,7 @@ fn train(
         final_eval_loss: final_eval,
         final_b_simple: driver.engine().gns().b_simple(),
         stopped,
+        changes: applied_changes(&folder),
         batch: Some(format!(
             "adaptive: B_g {} on {}; now {}",
             batches.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),

@@ -136,6 +136,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
         stopped,
         batch: None,
         interrupted: false,
+        changes: Vec::new(),
     };
     write("summary.json", &serde_json::to_string_pretty(&summary).unwrap_or_default())?;
     write("summary.md", &summary_markdown(&summary, recipe))?;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use copus_core::orchestrator::{Orchestrator, RunFingerprint};
-use copus_core::policy::{Scorer, SwitchRule};
+use copus_core::policy::Scorer;
 use copus_core::throughput::ThroughputProfile;
 use copus_service::{MakeOrchestrator, PolicyName, ServiceConfig, policy_by_name, spawn};
 
@@ -27,8 +27,8 @@ pub fn serve(recipe_path: &Path, profile: &Path, policy: PolicyName, listen: Soc
     let space = par.space()?;
     let fingerprint = RunFingerprint::new(&spec, &space);
     let feasible = space.enumerate(&spec).feasible;
-    let scorer = Scorer::plain(&feasible, &profile, recipe.optim.b0 as f64)?;
-    let rule = SwitchRule::default();
+    let scorer = Scorer::new(&feasible, &profile, recipe.optim.b0 as f64, std::sync::Arc::from(par.objective(&recipe.optim).build()))?;
+    let rule = par.switch_rule(recipe.train.time_budget_secs);
     policy_by_name(policy, &scorer, rule)?;
     let make: MakeOrchestrator = Arc::new(move || {
         let p = policy_by_name(policy, &scorer, rule).expect("checked above");

@@ -5,9 +5,11 @@ use std::path::Path;
 
 use copus_burn::{OptimConfig, RankDevice};
 use copus_core::candidates::{Candidate, CandidateSpace};
+use copus_core::goodput::ObjectiveKind;
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
+use copus_core::policy::SwitchRule;
 use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -161,6 +163,15 @@ pub struct ParallelRecipe {
     /// given configuration (replays, reproducible comparisons). Empty: Copus decides.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub script: Vec<ScriptedSwitch>,
+    /// The objective Copus ranks candidates by. Default: the one consistent with
+    /// `optim.lr_rule` ([`ObjectiveKind::for_rule`]: `LrTuned(rule: Sqrt)` under the default
+    /// sqrt rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objective: Option<ObjectiveKind>,
+    /// Copus's switch rule (thresholds, dwell, confirmation, exploration), fixed before the
+    /// run. Default: the shipped rule, its payback horizon a quarter of the time budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<SwitchRule>,
 }
 
 /// One switch of [`ParallelRecipe::script`].
@@ -190,6 +201,21 @@ fn default_profile_steps() -> usize {
 }
 
 impl ParallelRecipe {
+    /// The objective Copus ranks by: the recipe's, else the one `optim.lr_rule` implies.
+    pub fn objective(&self, optim: &OptimConfig) -> ObjectiveKind {
+        self.objective.unwrap_or(ObjectiveKind::for_rule(optim.lr_rule))
+    }
+
+    /// Copus's switch rule: the recipe's, else the shipped rule with a payback horizon of a
+    /// quarter of the time budget (10 s to 10 min; 2 min without a budget) and a 1 s first
+    /// guess of a layout change's cost (in-process ranks reshard in a fraction of a step).
+    pub fn switch_rule(&self, time_budget_secs: Option<f64>) -> SwitchRule {
+        self.rule.unwrap_or_else(|| {
+            let horizon = time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
+            SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() }
+        })
+    }
+
     /// The candidate space of this recipe.
     pub fn space(&self) -> Result<CandidateSpace, RecipeError> {
         CandidateSpace::new(
@@ -319,6 +345,7 @@ struct OptimSection {
     lr_rule: Option<copus_core::goodput::LrRule>,
     warmup_steps: Option<u64>,
     total_steps: Option<u64>,
+    schedule_clock: Option<copus_burn::optim::ScheduleClock>,
     min_lr_ratio: Option<f64>,
     beta1: Option<f64>,
     beta2: Option<f64>,
@@ -352,6 +379,7 @@ fn optim_section<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OptimConfig, 
         lr_rule,
         warmup_steps,
         total_steps,
+        schedule_clock,
         min_lr_ratio,
         beta1,
         beta2,
@@ -473,6 +501,14 @@ impl Recipe {
             }
             if p.profile_steps == 0 {
                 return Err(field("parallel.profile_steps", 0, "at least 1"));
+            }
+            if let Some(ObjectiveKind::LrAware { x0, .. }) = p.objective
+                && !(x0 > 0.0 && x0 <= 1.0)
+            {
+                return Err(field("parallel.objective.x0", x0, "in (0, 1]"));
+            }
+            if let Some(r) = &p.rule {
+                r.validate().map_err(|e| RecipeError::Field { field: "parallel.rule", value: String::new(), allowed: e.to_string() })?;
             }
             p.space()?;
             p.initial_dims(&self.model_spec()?)?;

@@ -42,11 +42,14 @@ pub struct Summary {
     pub batch: Option<String>,
     /// Stopped by Ctrl-C; the run folder's last checkpoint continues it.
     pub interrupted: bool,
+    /// Adaptive runs: every change made, with its step and why (`decisions.jsonl`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub changes: Vec<String>,
 }
 
 /// The Markdown summary (`summary.md`) of a run of `r`.
 pub fn summary_markdown(s: &Summary, r: &Recipe) -> String {
-    format!(
+    let mut md = format!(
         "# {name}\n\nClock: {clock}.\n\n| | |\n|---|---|\n| model | {model}, {params:.2}M parameters |\n\
          | batch | {batch}; sequences of {seq} tokens |\n| steps | {steps} ({stopped}) |\n\
          | tokens | {tokens} |\n| training time | {secs:.1} s |\n| throughput | {tps:.0} tokens/s |\n\
@@ -70,5 +73,12 @@ pub fn summary_markdown(s: &Summary, r: &Recipe) -> String {
         el = s.final_eval_loss,
         bs = s.final_b_simple.map_or("not measured".into(), |b| format!("{b:.1}")),
         sha = s.corpus_sha256,
-    )
+    );
+    if !s.changes.is_empty() {
+        md.push_str(&format!("\n## What Copus changed, and why ({} changes)\n\n", s.changes.len()));
+        for c in &s.changes {
+            md.push_str(&format!("- {c}\n"));
+        }
+    }
+    md
 }

@@ -218,10 +218,11 @@ fn a_batch_only_change_keeps_every_moment_and_takes_effect() {
     assert_same_state(&before, &e.stage_state().unwrap(), "batch-only");
     let out = e.step(batch(2, 32)).unwrap();
     assert_eq!((out.metrics.global_batch, out.metrics.micro_batch, out.stats.num_micro), (32, 4, 8));
-    // The sqrt LR rule sees the new batch: lr(32) / lr(16) = sqrt(2) at the same schedule point.
-    let factor = optim().lr_at(2, 32, None) / optim().lr_at(2, 16, None);
+    // The sqrt LR rule sees the new batch: lr(32) / lr(16) = sqrt(2) at the same schedule point
+    // (step 2, after 32 samples: the end of the warmup either way).
+    let factor = optim().lr_at(2, 32, 32, None) / optim().lr_at(2, 32, 16, None);
     assert!((factor - 2f64.sqrt()).abs() < 1e-12);
-    assert!((out.metrics.lr - optim().lr_at(2, 32, None)).abs() < 1e-15);
+    assert!((out.metrics.lr - optim().lr_at(2, 32, 32, None)).abs() < 1e-15);
 }
 
 #[test]

@@ -146,12 +146,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if !(loss.is_finite() && stats.grad_sq_norm.is_finite()) {
             // Diverged: skip the update. Weights, optimizer state, estimator, probe memory and
             // counters stay as they were (every rank sees the same reduced loss and norm).
-            let lr = self.cfg.optim.lr_at(self.step, self.cfg.global_batch, self.closer.gns().b_simple());
+            let lr = self.cfg.optim.lr_at(self.step, self.samples_seen(), self.cfg.global_batch, self.closer.gns().b_simple());
             let metrics = self.metrics(loss, lr, stats.grad_sq_norm.sqrt(), None, start);
             return Ok(EngineStep { metrics, stats, skipped: true });
         }
         let stage = self.stage.take().expect("stage present");
-        let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.cfg.global_batch, &stats, acc) {
+        let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.samples_seen(), self.cfg.global_batch, &stats, acc) {
             Ok(c) => c,
             Err(e) => {
                 self.stage = Some(stage);
@@ -163,6 +163,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
         let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);
         Ok(EngineStep { metrics, stats, skipped: false })
+    }
+
+    /// Sequences trained on so far (the schedule's clock).
+    fn samples_seen(&self) -> u64 {
+        self.tokens_seen / self.cfg.seq_len.max(1) as u64
     }
 
     /// The step's metrics in the current configuration and counters.

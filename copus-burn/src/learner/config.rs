@@ -4,7 +4,6 @@
 use burn::config::Config;
 use copus_core::accumulation::StepCost;
 use copus_core::goodput::{LrRule, ObjectiveKind};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Settings of the add-on. `micro_batch` is the batch size the training loader produces.
@@ -62,14 +61,7 @@ pub struct CopusBatchingConfig {
     pub gradient_checkpointing: bool,
 }
 
-/// What advances the wrapped learning-rate schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ScheduleClock {
-    /// Once per optimizer step.
-    Steps,
-    /// By the step's samples over `B0`.
-    Samples,
-}
+pub use crate::optim::ScheduleClock;
 
 /// A setting out of range.
 #[derive(Clone, Debug, PartialEq, Error)]

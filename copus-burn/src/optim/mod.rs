@@ -39,12 +39,18 @@ pub struct OptimConfig {
     /// How the LR follows B_g.
     #[config(default = "LrRule::Sqrt")]
     pub lr_rule: LrRule,
-    /// Linear warmup steps.
+    /// Linear warmup, in steps at `b0` (with the [`ScheduleClock::Samples`] clock:
+    /// `warmup_steps * b0` samples, whatever the batch).
     #[config(default = 20)]
     pub warmup_steps: u64,
-    /// Steps of the cosine decay (after which the LR stays at its floor).
+    /// End of the cosine decay (after which the LR stays at its floor), in steps at `b0` like
+    /// `warmup_steps`.
     #[config(default = 1000)]
     pub total_steps: u64,
+    /// What advances the warmup and decay: samples (the default; every batch size follows the
+    /// same schedule in data) or optimizer steps.
+    #[config(default = "ScheduleClock::Samples")]
+    pub schedule_clock: ScheduleClock,
     /// Final LR as a fraction of the peak.
     #[config(default = 0.1)]
     pub min_lr_ratio: f64,
@@ -69,6 +75,15 @@ pub struct OptimConfig {
     /// EMA factor of the noise-scale estimator.
     #[config(default = 0.95)]
     pub gns_theta: f64,
+}
+
+/// What advances a learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ScheduleClock {
+    /// Once per optimizer step, whatever its batch.
+    Steps,
+    /// By the step's samples over `B0`: a step at `B0` advances it by one, at `2 B0` by two.
+    Samples,
 }
 
 impl Default for OptimConfig {
@@ -98,19 +113,39 @@ impl OptimConfig {
         check("gns_theta", self.gns_theta, (0.0..1.0).contains(&self.gns_theta), "in [0, 1)")
     }
 
-    /// Schedule factor at `step` (0-based): linear warmup to 1, cosine to `min_lr_ratio`.
+    /// Schedule factor at `step` (0-based) counted in steps: linear warmup to 1, cosine to
+    /// `min_lr_ratio`.
     pub fn schedule(&self, step: u64) -> f64 {
-        if step < self.warmup_steps {
-            return (step + 1) as f64 / self.warmup_steps as f64;
+        self.schedule_at(step as f64, 1.0)
+    }
+
+    /// Schedule factor of a step that starts at position `at` and advances it by `len` (in
+    /// steps at `b0`): the warmup's value after the step, `min(1, (at + len) / warmup_steps)`,
+    /// while `at` is in the warmup, then cosine from 1 to `min_lr_ratio` over
+    /// `[warmup_steps, total_steps]` at `at`. With `len = 1` and `at` the step index it is the
+    /// step-counted schedule.
+    pub fn schedule_at(&self, at: f64, len: f64) -> f64 {
+        let warmup = self.warmup_steps as f64;
+        if at < warmup {
+            return ((at + len) / warmup).min(1.0);
         }
         let decay = self.total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
-        let t = ((step - self.warmup_steps) as f64 / decay).min(1.0);
+        let t = ((at - warmup) / decay).min(1.0);
         self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
     }
 
-    /// Learning rate at `step` for global batch `batch` and noise scale `phi`.
-    pub fn lr_at(&self, step: u64, batch: usize, phi: Option<f64>) -> f64 {
-        self.lr * self.schedule(step) * self.lr_rule.factor(batch as f64, self.b0 as f64, phi)
+    /// Learning rate of step `step` (0-based), which starts after `samples` samples and has
+    /// global batch `batch`, at noise scale `phi`: the schedule on the recipe's clock times the
+    /// LR rule's factor.
+    pub fn lr_at(&self, step: u64, samples: u64, batch: usize, phi: Option<f64>) -> f64 {
+        let schedule = match self.schedule_clock {
+            ScheduleClock::Steps => self.schedule(step),
+            ScheduleClock::Samples => {
+                let b0 = self.b0 as f64;
+                self.schedule_at(samples as f64 / b0, batch as f64 / b0)
+            }
+        };
+        self.lr * schedule * self.lr_rule.factor(batch as f64, self.b0 as f64, phi)
     }
 }
 

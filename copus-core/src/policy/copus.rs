@@ -24,8 +24,9 @@ pub struct SwitchRule {
     /// when it pays at B_simple `z` standard errors below, at, and above the estimate.
     #[serde(default = "default_confidence")]
     pub confidence: f64,
-    /// Steps a configuration runs before the next change (the run's first included), so the
-    /// smoothed estimate has seen the configuration it judges.
+    /// Steps a global batch runs before the next change (the run's first included), so the
+    /// smoothed estimate has seen the batch it judges; trials of layouts and micro-batches at
+    /// the same B_g (exploration) do not restart it.
     #[serde(default = "default_min_dwell")]
     pub min_dwell_steps: u64,
     /// Consecutive decisions a change must win (to the same layout, in the same batch
@@ -33,6 +34,27 @@ pub struct SwitchRule {
     /// so a change that only wins during one excursion is not made.
     #[serde(default = "default_confirm")]
     pub confirm_steps: u64,
+    /// Exploration: the natural log of the optimism granted to a candidate the run has not
+    /// measured (its predicted samples/s times `exp(explore)`, an upper confidence bound on a
+    /// prior whose error is about this size; once two candidates are measured, their spread
+    /// about the prior takes over, see [`Copus`]). A candidate whose optimistic Goodput beats
+    /// the best measured one by the switch threshold is tried for `trial_steps` steps (only
+    /// candidates of the running B_g during the dwell or without a noise estimate); 0 turns
+    /// exploration off.
+    #[serde(default = "default_explore")]
+    pub explore: f64,
+    /// Steps of a trial before it is judged on its measurement (longer if none of them was
+    /// measured yet).
+    #[serde(default = "default_trial_steps")]
+    pub trial_steps: u64,
+}
+
+fn default_explore() -> f64 {
+    0.3
+}
+
+fn default_trial_steps() -> u64 {
+    4
 }
 
 fn default_confirm() -> u64 {
@@ -58,6 +80,8 @@ impl Default for SwitchRule {
             confidence: default_confidence(),
             min_dwell_steps: default_min_dwell(),
             confirm_steps: default_confirm(),
+            explore: default_explore(),
+            trial_steps: default_trial_steps(),
         }
     }
 }
@@ -71,7 +95,9 @@ impl SwitchRule {
         check("horizon", self.horizon, self.horizon > 0.0, "> 0 seconds")?;
         check("layout_cost", self.layout_cost, self.layout_cost >= 0.0, ">= 0 seconds")?;
         check("cost_smoothing", self.cost_smoothing, (0.0..=1.0).contains(&self.cost_smoothing), "in [0, 1]")?;
-        check("confidence", self.confidence, self.confidence >= 0.0, ">= 0 standard errors")
+        check("confidence", self.confidence, self.confidence >= 0.0, ">= 0 standard errors")?;
+        check("explore", self.explore, self.explore >= 0.0, ">= 0 (0: no exploration)")?;
+        check("trial_steps", self.trial_steps as f64, self.trial_steps >= 1, ">= 1 step")
     }
 }
 
@@ -84,11 +110,23 @@ impl SwitchRule {
 /// comes from the standard errors of the smoothed |G|^2 and tr(Sigma), so a small batch under
 /// large noise, whose |G|^2 estimate is often non-positive, still bounds B_simple from below. A
 /// change is made once it has been wanted at every judgement over `confirm_steps` steps, a
-/// configuration runs `min_dwell_steps` before the next change, and going back to the
+/// global batch runs `min_dwell_steps` before the next change, and going back to the
 /// configuration (or, for a layout change, the layout) the run just left needs twice the
 /// threshold and twice the confirmation, so two near-equal configurations do not alternate. The
 /// layout cost is the policy's own running estimate, starting from `rule.layout_cost` and updated
 /// from each measured layout change.
+///
+/// Throughput is learned by trying: once a configuration has run more than `trial_steps`
+/// steps and no change is pending, the most promising candidate the run has not measured is tried when its
+/// optimistic Goodput (prior throughput, rescaled by the measurements, times `exp(explore)`, at
+/// the point estimate of B_simple; throughput alone, within the running B_g, before there is
+/// an estimate) beats the best measured one by the switch threshold (and, for a layout,
+/// repays its cost). After `trial_steps` measured steps the run keeps the trial or goes at
+/// once to the best measured candidate of the trial's B_g or back where it came from; the
+/// trial does not count as a change to come back from (the hysteresis from before it is put
+/// back). Every candidate is tried at most once (also when the driver refuses the trial),
+/// so a prior that ranks candidates wrongly is corrected within (candidates) x `trial_steps`
+/// steps, and only candidates that could win are tried.
 ///
 /// Its [`Policy::learned`] saves the scorer's measurements, the layout-cost estimate and the
 /// dwell, hysteresis and confirmation state, so a resumed run decides as the original would.
@@ -104,6 +142,14 @@ pub struct Copus {
     left_layout: Option<ParallelDims>,
     /// The change wanted at every judgement since a step: (layout, batch direction, step).
     winning: Option<(ParallelDims, std::cmp::Ordering, u64)>,
+    /// The candidate on trial and the step the trial was decided at.
+    trial: Option<(Candidate, u64)>,
+    /// The hysteresis state from before the trial, put back when it ends.
+    before_trial: Option<(Option<Candidate>, Option<ParallelDims>)>,
+    /// Every candidate tried so far (a trial the driver refused is not tried again).
+    tried: Vec<Candidate>,
+    /// The B_g running and the step it was first seen at (the dwell).
+    batch_seen: Option<(usize, u64)>,
 }
 
 impl Copus {
@@ -111,7 +157,18 @@ impl Copus {
     /// an error if `rule` is out of range ([`SwitchRule::validate`]).
     pub fn new(scorer: Scorer, rule: SwitchRule) -> Result<Self, PolicyError> {
         rule.validate()?;
-        Ok(Self { scorer, rule, seen: None, left: None, left_layout: None, winning: None })
+        Ok(Self {
+            scorer,
+            rule,
+            seen: None,
+            left: None,
+            left_layout: None,
+            winning: None,
+            trial: None,
+            before_trial: None,
+            tried: Vec::new(),
+            batch_seen: None,
+        })
     }
 
     /// B_simple taken as "very large" (statistical efficiency 1 at every batch that matters).
@@ -146,6 +203,87 @@ impl Copus {
         self.scorer.throughput(c).map_or(0.0, |t| self.scorer.goodput(t, c.global_batch, phi))
     }
 
+    /// The log-optimism granted to unmeasured candidates: `explore` until two candidates are
+    /// measured, then the prior's measured log-error shrunk towards `explore` as one
+    /// pseudo-observation, `sqrt((explore^2 + n s^2) / (1 + n))`: a prior that proves right
+    /// stops paying for trials, one that proves wrong keeps earning them.
+    fn optimism(&self) -> f64 {
+        let e = self.rule.explore;
+        match self.scorer.prior_log_error() {
+            Some((sd, n)) => ((e * e + n as f64 * sd * sd) / (1.0 + n as f64)).sqrt(),
+            None => e,
+        }
+    }
+
+    /// A candidate's value to exploration: its Goodput at the noise scale `phi` when there is
+    /// one, else its throughput (and only candidates of the running B_g are compared).
+    fn value(&self, c: &Candidate, samples_per_sec: f64, phi: Option<f64>) -> f64 {
+        phi.map_or(samples_per_sec, |p| self.scorer.goodput(samples_per_sec, c.global_batch, p))
+    }
+
+    /// A trial of the most promising candidate the run has not measured, when `cur` has run
+    /// more than `trial_steps` steps (`ran`), no change is pending, and the candidate's
+    /// optimistic value (its predicted throughput times `exp(explore)`, as Goodput at the
+    /// point estimate `phi`) beats the best measured candidate's by the switch threshold and,
+    /// for a layout, repays the layout's cost within the horizon; `Keep` otherwise. Without a
+    /// noise estimate only candidates of the running B_g compete, on throughput.
+    fn explore(&mut self, step: u64, cur: &Candidate, ran: u64, phi: Option<f64>) -> Decision {
+        let r = self.rule;
+        if r.explore <= 0.0 || self.winning.is_some() || ran <= r.trial_steps {
+            return Decision::Keep;
+        }
+        let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
+        let optimism = self.optimism().exp();
+        let (mut best_known, mut next) = (now, None::<(Candidate, f64)>);
+        for (c, t, measured) in self.scorer.candidates_measured() {
+            if !(phi.is_some() || c.global_batch == cur.global_batch) {
+                continue;
+            }
+            if measured {
+                best_known = best_known.max(self.value(c, t, phi));
+            } else if c != cur && !self.tried.contains(c) {
+                let v = self.value(c, t * optimism, phi);
+                if next.is_none_or(|(_, best)| v > best) {
+                    next = Some((*c, v));
+                }
+            }
+        }
+        let Some((next, optimistic)) = next else { return Decision::Keep };
+        let layout = next.layout_differs(cur);
+        let th = if layout { r.layout_threshold } else { r.batch_threshold };
+        let repays = !layout || optimistic * (r.horizon - r.layout_cost).max(0.0) > now * r.horizon;
+        if optimistic > best_known * (1.0 + th) && repays {
+            self.trial = Some((next, step));
+            self.before_trial = Some((self.left, self.left_layout));
+            self.tried.push(next);
+            Decision::to(cur, next)
+        } else {
+            Decision::Keep
+        }
+    }
+
+    /// The end of a trial: the best measured candidate among the trial's B_g and the
+    /// configuration the trial started from (`origin`), by Goodput at `phi` (by throughput
+    /// without an estimate, the trial's B_g only), when it beats `cur` by the switch
+    /// threshold; `Keep` otherwise.
+    fn after_trial(&self, cur: &Candidate, origin: Option<Candidate>, phi: Option<f64>) -> Decision {
+        let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
+        let eligible = |c: &Candidate| c.global_batch == cur.global_batch || (phi.is_some() && origin == Some(*c));
+        let best = self
+            .scorer
+            .candidates_measured()
+            .filter(|(c, _, measured)| *measured && eligible(c))
+            .map(|(c, t, _)| (*c, self.value(c, t, phi)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        match best {
+            Some((c, v)) if c != *cur => {
+                let th = if c.layout_differs(cur) { self.rule.layout_threshold } else { self.rule.batch_threshold };
+                if v > now * (1.0 + th) { Decision::to(cur, c) } else { Decision::Keep }
+            }
+            _ => Decision::Keep,
+        }
+    }
+
     /// The current estimate of a layout change's cost, seconds.
     pub fn layout_cost(&self) -> f64 {
         self.rule.layout_cost
@@ -169,16 +307,51 @@ impl Policy for Copus {
                 self.seen = Some((cur, obs.step));
             }
         }
-        let since = self.seen.map_or(0, |s| s.1);
-        if obs.step.saturating_sub(since) + 1 < self.rule.min_dwell_steps {
-            return Decision::Keep;
+        // A trial does not restart the dwell; the B_g the run stays on after it does.
+        match self.batch_seen {
+            Some((b, _)) if b == cur.global_batch => {}
+            _ if self.trial.is_some_and(|(t, _)| t == cur) => {}
+            _ => self.batch_seen = Some((cur.global_batch, obs.step)),
+        }
+        // Steps the configuration has run (its measurement's age) and steps its B_g has run
+        // (the dwell: the smoothed estimate has seen this batch, whatever trials of layouts and
+        // micro-batches ran meanwhile).
+        let ran = obs.step.saturating_sub(self.seen.map_or(0, |s| s.1)) + 1;
+        let dwelled = obs.step.saturating_sub(self.batch_seen.map_or(0, |s| s.1)) + 1;
+        // A trial runs its steps, then is left at once if a measured candidate of its B_g is
+        // faster; it does not count as a change to come back from.
+        if let Some((t, decided)) = self.trial {
+            if t != cur {
+                // Refused or failed: not tried again (`tried`), hysteresis as it was.
+                self.trial = None;
+                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((self.left, self.left_layout));
+            } else if obs.step.saturating_sub(decided) < self.rule.trial_steps || !self.scorer.is_measured(&cur) {
+                // Until it has run its steps and been measured (the driver does not measure
+                // the first step after a layout change on the wall clock).
+                return Decision::Keep;
+            } else {
+                self.trial = None;
+                let origin = self.left;
+                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((None, None));
+                let back = self.after_trial(&cur, origin, obs.b_simple());
+                if back != Decision::Keep {
+                    return back;
+                }
+            }
+        }
+        // During the dwell only the running B_g is explored (the estimate has not yet seen
+        // this batch long enough to compare others).
+        if dwelled < self.rule.min_dwell_steps {
+            return self.explore(obs.step, &cur, ran, None);
         }
         // The band of B_simple the estimate allows; the point estimate, or the band's low end
         // while the smoothed |G|^2 is not positive. An infinite high end is a very large one.
         // No usable estimate this step: no judgement, and the run of confirmations goes on
         // (at a small batch under large noise this is frequent, and resetting would trap the
         // run there).
-        let Some((low, high)) = obs.noise.and_then(|n| n.b_simple_band(self.rule.confidence)) else { return Decision::Keep };
+        let Some((low, high)) = obs.noise.and_then(|n| n.b_simple_band(self.rule.confidence)) else {
+            return self.explore(obs.step, &cur, ran, None);
+        };
         let phi = obs.b_simple().unwrap_or(low);
         let band = [low, phi, high.min(Self::PHI_CAP)];
         let r = self.rule;
@@ -209,7 +382,10 @@ impl Policy for Copus {
             }
             _ => (Decision::Keep, r.confirm_steps),
         };
-        self.confirmed(obs.step, &cur, wanted, confirm)
+        match self.confirmed(obs.step, &cur, wanted, confirm) {
+            Decision::Keep => self.explore(obs.step, &cur, ran, Some(phi)),
+            change => change,
+        }
     }
 
     fn scorer(&self) -> Option<&Scorer> {
@@ -234,6 +410,10 @@ impl Policy for Copus {
             left: self.left,
             left_layout: self.left_layout,
             winning: self.winning.map(|(d, o, s)| (d, o as i8, s)),
+            trial: self.trial,
+            before_trial: self.before_trial,
+            tried: self.tried.clone(),
+            batch_seen: self.batch_seen,
             ..learned_by_scorer(self.scorer())
         }
     }
@@ -245,6 +425,8 @@ impl Policy for Copus {
         }
         (self.seen, self.left, self.left_layout) = (state.seen, state.left, state.left_layout);
         self.winning = state.winning.map(|(d, o, s)| (d, o.cmp(&0), s));
+        (self.trial, self.before_trial, self.batch_seen) = (state.trial, state.before_trial, state.batch_seen);
+        self.tried = state.tried.clone();
     }
 }
 
@@ -444,5 +626,83 @@ mod tests {
         assert!(high.global_batch >= 128);
         let mut p = Copus::new(s, SwitchRule { layout_cost: 30.0, ..no_dwell() }).unwrap();
         assert!(matches!(p.decide(&obs(low, 1e5)), Decision::ChangeLayout(c) if c.dims.dp == 8));
+    }
+
+    /// Without a noise estimate, only the running B_g is explored, on throughput: the
+    /// unmeasured tp2 at B_g 4 (prior 15.4 samples/s against dp4's measured 6.7) is tried once
+    /// dp4 has run more than `trial_steps` steps; measured at 3.0 it is left at once, back to
+    /// dp4, and never tried again; the learned state carries the trial bookkeeping.
+    #[test]
+    fn a_trial_is_made_judged_on_its_measurement_and_not_repeated() {
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 0.0, ..no_dwell() };
+        let mut p = Copus::new(s.clone(), rule).unwrap();
+        let at = |step, current| StepObservation { step, current, noise: None };
+        let prior_dp4 = s.throughput(&dp4).unwrap();
+        for step in 1..=2 {
+            p.observe_throughput(&dp4, prior_dp4);
+            assert_eq!(p.decide(&at(step, dp4)), Decision::Keep, "step {step}: dp4 has not run long enough");
+        }
+        p.observe_throughput(&dp4, prior_dp4);
+        assert_eq!(p.decide(&at(3, dp4)), Decision::ChangeLayout(tp2), "the trial");
+        assert_eq!(p.learned().trial, Some((tp2, 3)));
+        p.observe_throughput(&tp2, 3.0);
+        assert_eq!(p.decide(&at(4, tp2)), Decision::Keep, "the trial runs its two steps");
+        // A fresh policy restored from the learned state decides the same.
+        let mut resumed = Copus::new(s, rule).unwrap();
+        resumed.restore_learned(&p.learned());
+        assert_eq!(resumed.learned(), p.learned());
+        p.observe_throughput(&tp2, 3.0);
+        resumed.observe_throughput(&tp2, 3.0);
+        assert_eq!(p.decide(&at(5, tp2)), Decision::ChangeLayout(dp4), "measured slower: back at once");
+        assert_eq!(resumed.decide(&at(5, tp2)), Decision::ChangeLayout(dp4));
+        for step in 6..12 {
+            p.observe_throughput(&dp4, prior_dp4);
+            assert_eq!(p.decide(&at(step, dp4)), Decision::Keep, "step {step}: tp2 is measured, nothing left to try");
+        }
+        assert_eq!(p.learned().tried, vec![tp2]);
+    }
+
+    /// A trial the driver refuses is not proposed again.
+    #[test]
+    fn a_refused_trial_is_not_retried() {
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 0.0, ..no_dwell() };
+        let mut p = Copus::new(s.clone(), rule).unwrap();
+        let at = |step| StepObservation { step, current: dp4, noise: None };
+        let t = s.throughput(&dp4).unwrap();
+        let mut trials = 0;
+        for step in 1..30 {
+            p.observe_throughput(&dp4, t);
+            if p.decide(&at(step)) != Decision::Keep {
+                trials += 1;
+            }
+        }
+        assert_eq!(trials, 1, "proposed once; the run stayed on dp4 (refused) and it was not proposed again");
+    }
+
+    /// The optimism starts at `explore` and, once two candidates are measured, is their
+    /// log-error about the prior shrunk towards `explore` as one pseudo-observation.
+    #[test]
+    fn optimism_follows_the_priors_measured_error() {
+        let (s, _) = toy();
+        let a = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let b = Candidate::new(d(2, 2, 1), 8, 1).unwrap();
+        let mut p = Copus::new(s.clone(), SwitchRule { explore: 0.3, ..no_dwell() }).unwrap();
+        assert_eq!(p.optimism(), 0.3);
+        // Both measured at their priors: no error, sqrt(0.09 / 3).
+        p.observe_throughput(&a, s.throughput(&a).unwrap());
+        assert_eq!(p.optimism(), 0.3, "one measurement says nothing about the spread");
+        p.observe_throughput(&b, s.throughput(&b).unwrap());
+        assert!((p.optimism() - (0.09f64 / 3.0).sqrt()).abs() < 1e-12, "{}", p.optimism());
+        // One at e^0.5 times its prior, the other at e^-0.5: logs +-0.5 about their mean 0,
+        // sample variance 0.5, so sqrt((0.09 + 2 * 0.5) / 3).
+        let mut q = Copus::new(s.clone(), SwitchRule { explore: 0.3, ..no_dwell() }).unwrap();
+        q.observe_throughput(&a, s.throughput(&a).unwrap() * 0.5f64.exp());
+        q.observe_throughput(&b, s.throughput(&b).unwrap() * (-0.5f64).exp());
+        assert!((q.optimism() - (1.09f64 / 3.0).sqrt()).abs() < 1e-12, "{}", q.optimism());
     }
 }

@@ -174,6 +174,18 @@ pub struct PolicyState {
     /// and that step.
     #[serde(default)]
     pub winning: Option<(ParallelDims, i8, u64)>,
+    /// The candidate on trial and the step its trial was decided at (exploration).
+    #[serde(default)]
+    pub trial: Option<(Candidate, u64)>,
+    /// The hysteresis state (`left`, `left_layout`) from before the trial running.
+    #[serde(default)]
+    pub before_trial: Option<(Option<Candidate>, Option<ParallelDims>)>,
+    /// The candidates tried so far (exploration).
+    #[serde(default)]
+    pub tried: Vec<Candidate>,
+    /// The B_g running and the step it started at (dwell time).
+    #[serde(default)]
+    pub batch_seen: Option<(usize, u64)>,
 }
 
 #[cfg(test)]

@@ -21,6 +21,8 @@ pub struct Scorer {
     prior: Vec<f64>,
     /// Smoothed measured samples/s of each entry the run has run.
     measured: Vec<Option<f64>>,
+    /// [`Scorer::prior_log_error`], kept by [`Scorer::rescale`].
+    log_error: Option<(f64, usize)>,
     /// Reference batch B0 of statistical efficiency.
     pub b0: f64,
     /// Turns throughput and noise into Goodput (plain, or a variant).
@@ -58,7 +60,7 @@ impl Scorer {
         }
         let prior = entries.iter().map(|e| e.1).collect();
         let measured = vec![None; entries.len()];
-        Ok(Self { entries, prior, measured, b0, objective })
+        Ok(Self { entries, prior, measured, log_error: None, b0, objective })
     }
 
     /// Plain Goodput with reference batch `b0`.
@@ -106,10 +108,39 @@ impl Scorer {
     /// measured / prior.
     fn rescale(&mut self) {
         let logs: Vec<f64> = self.measured.iter().zip(&self.prior).filter_map(|(m, p)| m.map(|m| (m / p).ln())).collect();
-        let scale = if logs.is_empty() { 1.0 } else { (logs.iter().sum::<f64>() / logs.len() as f64).exp() };
+        let n = logs.len();
+        let mean = if n == 0 { 0.0 } else { logs.iter().sum::<f64>() / n as f64 };
+        let scale = mean.exp();
+        self.log_error = (n >= 2).then(|| ((logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt(), n));
         for ((entry, prior), measured) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured) {
             entry.1 = measured.unwrap_or(prior * scale);
         }
+    }
+
+    /// How far the prior is from the measurements: the standard deviation of
+    /// `log(measured / prior)` over the measured candidates about its mean (the shared factor
+    /// the rescaling already removes), and their number. `None` before two are measured.
+    pub fn prior_log_error(&self) -> Option<(f64, usize)> {
+        self.log_error
+    }
+
+    /// Whether the run has measured `c` (a step of it ran).
+    pub fn is_measured(&self, c: &Candidate) -> bool {
+        self.entries.iter().zip(&self.measured).any(|((d, _), m)| d == c && m.is_some())
+    }
+
+    /// The same candidates with each prior replaced by `f(candidate, prior)` and no
+    /// measurements; candidates whose new value is not positive and finite are dropped. What
+    /// the simulator uses to make a truth the policies do not know.
+    pub fn map_prior(&self, f: impl Fn(&Candidate, f64) -> f64) -> Result<Self, PolicyError> {
+        let entries: Vec<(Candidate, f64)> =
+            self.entries.iter().zip(&self.prior).map(|((c, _), p)| (*c, f(c, *p))).filter(|(_, t)| t.is_finite() && *t > 0.0).collect();
+        if entries.is_empty() {
+            return Err(PolicyError::NoCandidates);
+        }
+        let prior = entries.iter().map(|e| e.1).collect();
+        let measured = vec![None; entries.len()];
+        Ok(Self { entries, prior, measured, log_error: None, b0: self.b0, objective: self.objective.clone() })
     }
 
     /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA.
@@ -118,6 +149,11 @@ impl Scorer {
     /// The candidates with throughputs.
     pub fn candidates(&self) -> impl Iterator<Item = &(Candidate, f64)> {
         self.entries.iter()
+    }
+
+    /// The candidates with throughputs and whether each is measured.
+    pub fn candidates_measured(&self) -> impl Iterator<Item = (&Candidate, f64, bool)> {
+        self.entries.iter().zip(&self.measured).map(|((c, t), m)| (c, *t, m.is_some()))
     }
 
     /// Predicted samples/s of a candidate, if it is one.
@@ -173,7 +209,7 @@ impl Scorer {
     /// A scorer without candidates, which [`Scorer::new`] refuses: for tests of code that must
     /// not panic on one.
     pub(crate) fn empty_for_tests() -> Self {
-        Self { entries: Vec::new(), prior: Vec::new(), measured: Vec::new(), b0: 1.0, objective: Arc::new(PlainGoodput) }
+        Self { entries: Vec::new(), prior: Vec::new(), measured: Vec::new(), log_error: None, b0: 1.0, objective: Arc::new(PlainGoodput) }
     }
 }
 

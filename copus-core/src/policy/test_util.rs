@@ -6,10 +6,10 @@ use crate::gns::NoiseEstimate;
 use crate::layout::ParallelDims;
 use crate::throughput::{ProfileEntry, ThroughputProfile};
 
-/// The default rule without a dwell time or confirmation (these tests judge single
-/// decisions).
+/// The default rule without a dwell time, confirmation or exploration (these tests judge
+/// single decisions).
 pub(super) fn no_dwell() -> SwitchRule {
-    SwitchRule { min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() }
+    SwitchRule { min_dwell_steps: 1, confirm_steps: 1, explore: 0.0, ..SwitchRule::default() }
 }
 
 /// Shorthand for a layout.

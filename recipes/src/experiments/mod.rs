@@ -4,4 +4,5 @@
 
 pub mod compare;
 pub mod headline;
+pub mod stats;
 pub mod suite;

@@ -85,18 +85,22 @@ mod tests {
         let rows: Vec<csv::StringRecord> =
             csv::Reader::from_path(out.folder.join("results.csv")).unwrap().records().map(|r| r.unwrap()).collect();
         let time =
-            |prefix: &str| -> Vec<f64> { rows.iter().filter(|r| r[0].starts_with(prefix)).map(|r| r[2].parse::<f64>().unwrap()).collect() };
+            // A policy that never reaches the target has an empty time: infinitely slow.
+            |prefix: &str| -> Vec<f64> {
+                rows.iter().filter(|r| r[0].starts_with(prefix)).map(|r| r[2].parse::<f64>().unwrap_or(f64::INFINITY)).collect()
+            };
         let copus = time("copus")[0];
         let oracle = time("hindsight oracle")[0];
         // Every baseline here keeps one layout; Copus changes layout and is faster than all,
-        // under the estimator-driven noise at the calibrated level.
+        // under the estimator-driven noise at the calibrated level, with the policies' own model
+        // as the truth (the recipe says so; the suite grades against a truth they do not know).
         for prefix in ["static", "cbs", "merrill", "dp-only", "goodput on the best layout"] {
             assert!(!time(prefix).is_empty(), "{prefix} ran");
             for t in time(prefix) {
                 assert!(copus < t, "copus {copus} vs {prefix} {t}");
             }
         }
-        assert!(oracle <= copus * 1.001);
+        assert!(copus.is_finite() && oracle <= copus * 1.001);
         assert!(out.summary.contains("Clock: simulated"), "the report names its clock");
         let switches: Vec<csv::StringRecord> =
             csv::Reader::from_path(out.folder.join("reconfigurations.csv")).unwrap().records().map(|r| r.unwrap()).collect();
@@ -112,7 +116,7 @@ mod tests {
         // A shorter run of the same shape, so the test stays quick.
         s.trajectory = vec![(0.0, 2.0), (1.0e4, 16.0), (2.0e4, 128.0)];
         s.end = 3.0e4;
-        let (scorer, truth, traj, _) = synthetic_setup(&s, ObjectiveKind::Plain).unwrap();
+        let (scorer, truth, traj, _) = synthetic_setup(&s, ObjectiveKind::Plain, 3).unwrap();
         let cfg = s.sim_config(r.costs, 3);
         let rule = r.rule();
         let per_layout = goodput_per_layout(&scorer, &truth, &traj, &cfg, rule).unwrap();

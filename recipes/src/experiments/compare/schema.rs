@@ -141,10 +141,20 @@ pub struct Synthetic {
     /// simulation").
     #[serde(default = "default_p_eff")]
     pub p_eff: f64,
-    /// The progress model's statistical efficiency (the truth the clock charges): `Plain`, or
-    /// `LrAware` for training under the sqrt LR rule at the reference-tuned rate.
-    #[serde(default = "default_objective")]
+    /// The progress model's statistical efficiency (the truth the clock charges). Default:
+    /// `LrTuned(rule: Sqrt)`, training under the sqrt LR rule from a rate tuned at B0, which
+    /// differs from the policies' default objective (`Plain`); a scenario that wants them
+    /// matched names both.
+    #[serde(default = "default_truth")]
     pub truth: ObjectiveKind,
+    /// The true throughput's error against the analytic model the policies hold: each
+    /// candidate's samples/s times `exp(throughput_error * z)`, z standard normal, drawn once
+    /// per candidate and seed (0: the policies' model is the truth).
+    #[serde(default = "default_throughput_error")]
+    pub throughput_error: f64,
+    /// Standard deviation of the natural log of each step's time (0: none).
+    #[serde(default = "default_jitter")]
+    pub jitter: f64,
     /// Steps before the first estimate.
     #[serde(default = "default_warmup")]
     pub warmup_steps: u64,
@@ -155,6 +165,18 @@ pub struct Synthetic {
 
 fn default_p_eff() -> f64 {
     18.5
+}
+
+fn default_truth() -> ObjectiveKind {
+    ObjectiveKind::LrTuned { rule: copus_core::goodput::LrRule::Sqrt }
+}
+
+fn default_throughput_error() -> f64 {
+    0.25
+}
+
+fn default_jitter() -> f64 {
+    0.15
 }
 
 impl Synthetic {
@@ -173,6 +195,7 @@ impl Synthetic {
             max_steps: 5_000_000,
             seed,
             record_steps: true,
+            jitter: self.jitter,
         }
     }
 
@@ -191,6 +214,12 @@ impl Synthetic {
             && !(positive(e) || e == 0.0)
         {
             return Err(anyhow!("recipe field `{at}.estimate_error` = {e}: >= 0 (or absent for the estimator-driven simulation)"));
+        }
+        if !(self.throughput_error.is_finite() && self.throughput_error >= 0.0) {
+            return Err(anyhow!("recipe field `{at}.throughput_error` = {}: >= 0 (0: the model is the truth)", self.throughput_error));
+        }
+        if !(self.jitter.is_finite() && self.jitter >= 0.0) {
+            return Err(anyhow!("recipe field `{at}.jitter` = {}: >= 0 (0: every step takes its mean time)", self.jitter));
         }
         if !(self.p_eff.is_finite() && self.p_eff >= 1.0) {
             return Err(anyhow!("recipe field `{at}.p_eff` = {}: at least 1 (an effective dimension)", self.p_eff));

@@ -13,7 +13,7 @@ use copus_core::memory::MemoryModel;
 use copus_core::model::ModelSpec;
 use copus_core::policy::{Copus, DpOnlyGoodput, Policy, Scorer, StepObservation, SwitchCosts, SwitchRule, Trajectory, hindsight_oracle};
 use copus_core::schedule::ScheduleKind;
-use copus_core::sim::{SimConfig, SimRun, simulate};
+use copus_core::sim::{SimConfig, SimRun, perturbed, simulate};
 use copus_core::throughput::ClusterModel;
 
 use super::records::{Compared, PolicyRun, StepRecord, SwitchRecord, describe};
@@ -72,11 +72,13 @@ pub(crate) fn fastest_run(runs: &[SimRun]) -> Option<&SimRun> {
         .min_by(|a, b| a.time_to_target.unwrap_or(f64::INFINITY).total_cmp(&b.time_to_target.unwrap_or(f64::INFINITY)))
 }
 
-/// The truth scorer (throughput and the scenario's progress model), the policies' scorer and
-/// the trajectory of a synthetic scenario.
-pub(crate) fn synthetic_setup(s: &Synthetic, objective: ObjectiveKind) -> anyhow::Result<(Scorer, Scorer, Trajectory, usize)> {
+/// The policies' scorer, the truth of seed `seed` (the analytic throughput times the seed's
+/// per-candidate error, and the scenario's progress model) and the trajectory of a synthetic
+/// scenario.
+pub(crate) fn synthetic_setup(s: &Synthetic, objective: ObjectiveKind, seed: u64) -> anyhow::Result<(Scorer, Scorer, Trajectory, usize)> {
     let (scorer, world) = synthetic_scorer(s, objective)?;
-    let (truth, _) = synthetic_scorer(s, s.truth)?;
+    let (model, _) = synthetic_scorer(s, s.truth)?;
+    let truth = perturbed(&model, s.throughput_error, seed)?;
     Ok((scorer, truth, Trajectory::new(s.trajectory.clone(), s.end)?, world))
 }
 
@@ -97,7 +99,7 @@ pub(crate) fn simulate_lineup(
     seed: u64,
     record_steps: bool,
 ) -> anyhow::Result<Simulated> {
-    let (scorer, truth, trajectory, _) = synthetic_setup(s, objective)?;
+    let (scorer, truth, trajectory, _) = synthetic_setup(s, objective, seed)?;
     let cfg = SimConfig { record_steps, ..s.sim_config(costs, seed) };
     let lineup = lineup(&scorer, rule, cbs_c)?;
     let mut runs = Vec::new();
@@ -109,7 +111,7 @@ pub(crate) fn simulate_lineup(
 }
 
 pub(super) fn synthetic(recipe: &CompareRecipe, s: &Synthetic) -> anyhow::Result<Compared> {
-    let (_, truth, trajectory, world) = synthetic_setup(s, recipe.objective)?;
+    let (_, truth, trajectory, world) = synthetic_setup(s, recipe.objective, s.seed)?;
     let cfg = s.sim_config(recipe.costs, s.seed);
     let Simulated { runs: mut sims, per_layout, start: copus_start } =
         simulate_lineup(s, recipe.objective, recipe.costs, recipe.rule(), recipe.cbs_c, s.seed, true)?;
