@@ -51,10 +51,14 @@ impl Scorer {
         objective: Arc<dyn Objective>,
     ) -> Result<Self, PolicyError> {
         check("b0", b0, b0 > 0.0, "a positive batch size")?;
-        let entries: Vec<_> = candidates
-            .iter()
-            .filter_map(|c| throughput.samples_per_sec(c).filter(|t| *t > 0.0 && t.is_finite()).map(|t| (*c, t)))
-            .collect();
+        let entries = candidates.iter().filter_map(|c| throughput.samples_per_sec(c).map(|t| (*c, t))).collect();
+        Self::from_prior(entries, b0, objective)
+    }
+
+    /// Candidates with their prior samples/s (those not positive and finite dropped), nothing
+    /// measured yet.
+    fn from_prior(mut entries: Vec<(Candidate, f64)>, b0: f64, objective: Arc<dyn Objective>) -> Result<Self, PolicyError> {
+        entries.retain(|(_, t)| *t > 0.0 && t.is_finite());
         if entries.is_empty() {
             return Err(PolicyError::NoCandidates);
         }
@@ -133,14 +137,8 @@ impl Scorer {
     /// measurements; candidates whose new value is not positive and finite are dropped. What
     /// the simulator uses to make a truth the policies do not know.
     pub fn map_prior(&self, f: impl Fn(&Candidate, f64) -> f64) -> Result<Self, PolicyError> {
-        let entries: Vec<(Candidate, f64)> =
-            self.entries.iter().zip(&self.prior).map(|((c, _), p)| (*c, f(c, *p))).filter(|(_, t)| t.is_finite() && *t > 0.0).collect();
-        if entries.is_empty() {
-            return Err(PolicyError::NoCandidates);
-        }
-        let prior = entries.iter().map(|e| e.1).collect();
-        let measured = vec![None; entries.len()];
-        Ok(Self { entries, prior, measured, log_error: None, b0: self.b0, objective: self.objective.clone() })
+        let entries = self.entries.iter().zip(&self.prior).map(|((c, _), p)| (*c, f(c, *p))).collect();
+        Self::from_prior(entries, self.b0, self.objective.clone())
     }
 
     /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA.

@@ -27,7 +27,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use super::stats::{SweepPoint, candidate_objectives, crossing_time, fit_objectives, paired_ratio};
+use super::stats::{SweepPoint, candidate_objectives, crossing_time, fit_objectives, geometric_mean, paired_ratio};
 use crate::prepare::{Prepared, TrainSequences, prepare};
 use crate::recipe::{ParallelRecipe, Recipe, ScriptedSwitch};
 use crate::report::plot::{Series, line_plot};
@@ -493,8 +493,7 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
     match (copus, default) {
         (Some(c), Some(d)) => match ratios(c, d, k, &all) {
             Some(r) => {
-                let r = r.iter().map(|x| x.ln()).sum::<f64>() / r.len() as f64;
-                let r = r.exp();
+                let r = geometric_mean(&r);
                 md.push_str(&format!(
                     "- Copus at least 20% sooner than {} (ratio <= 0.80): {:.3}, {}.\n",
                     d.name,
@@ -509,7 +508,7 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
     if let (Some(c), Some((_, b))) = (copus, fixed_best) {
         match ratios(c, b, k, &all) {
             Some(r) => {
-                let r = (r.iter().map(|x| x.ln()).sum::<f64>() / r.len() as f64).exp();
+                let r = geometric_mean(&r);
                 md.push_str(&format!(
                     "- Copus no more than 2% behind the best fixed arm in hindsight, {} (ratio <= 1.02): {:.3}, {}.\n",
                     b.name,

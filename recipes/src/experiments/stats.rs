@@ -21,6 +21,11 @@ pub fn crossing_time(evals: &[(f64, f64)], target: f64) -> Option<f64> {
     Some(t0 + (t1 - t0) * (l0 - target) / (l0 - l1))
 }
 
+/// The geometric mean of positive numbers (NaN for none).
+pub fn geometric_mean(xs: &[f64]) -> f64 {
+    (xs.iter().map(|x| x.ln()).sum::<f64>() / xs.len() as f64).exp()
+}
+
 /// A ratio's point estimate and its bootstrap interval.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RatioInterval {
@@ -45,7 +50,7 @@ pub fn paired_ratio(ratios: &[f64], reps: usize, seed: u64) -> Option<RatioInter
     let logs: Vec<f64> = ratios.iter().map(|r| r.ln()).collect();
     let n = logs.len();
     let mean = |xs: &mut dyn Iterator<Item = f64>| xs.sum::<f64>() / n as f64;
-    let ratio = mean(&mut logs.iter().copied()).exp();
+    let ratio = geometric_mean(ratios);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut means: Vec<f64> = (0..reps).map(|_| mean(&mut (0..n).map(|_| logs[rng.random_range(0..n)])).exp()).collect();
     means.sort_by(f64::total_cmp);

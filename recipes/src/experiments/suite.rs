@@ -15,7 +15,7 @@ use copus_core::policy::{SwitchCosts, SwitchRule, hindsight_oracle};
 use serde::{Deserialize, Serialize};
 
 use crate::experiments::compare::schema::{Synthetic, default_rule, read_ron};
-use crate::experiments::compare::synthetic::{simulate_lineup, synthetic_setup};
+use crate::experiments::compare::synthetic::simulate_lineup;
 use crate::report::plot::{Series, line_plot};
 use crate::report::progress::Progress;
 
@@ -156,13 +156,12 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
         // Per seed, only what the table needs (whole runs are large).
         let mut light = Vec::new();
         for &seed in &suite.seeds {
-            let (_, truth, trajectory, _) = synthetic_setup(&sc.scenario, objective, seed)?;
             let sim = simulate_lineup(&sc.scenario, objective, sc.costs, rule, suite.cbs_c, seed, false)?;
             let copus = sim.runs.iter().find(|r| !r.1).context("Copus is in the line-up")?;
             let layout = copus.0.switches.iter().filter(|w| w.from.dims != w.to.dims).count();
             let baselines: Vec<(f64, String)> = sim.runs.iter().filter(|r| r.1).map(|r| (time(&r.0), r.0.policy.clone())).collect();
             let per_layout: Vec<(f64, String)> = sim.per_layout.iter().map(|r| (time(r), r.policy.clone())).collect();
-            let oracle = hindsight_oracle(&trajectory, &truth, sc.costs, Some(sim.start));
+            let oracle = hindsight_oracle(&sim.trajectory, &sim.truth, sc.costs, Some(sim.start));
             let oracle_layout_switches = std::iter::once(sim.start)
                 .chain(oracle.per_segment.iter().copied())
                 .collect::<Vec<_>>()

@@ -88,6 +88,11 @@ pub(crate) struct Simulated {
     pub(crate) runs: Vec<(SimRun, bool)>,
     pub(crate) per_layout: Vec<SimRun>,
     pub(crate) start: Candidate,
+    /// The seed's truth and the trajectory the runs were timed on (for the oracle).
+    pub(crate) truth: Scorer,
+    pub(crate) trajectory: Trajectory,
+    /// Ranks of the scenario's cluster.
+    pub(crate) world: usize,
 }
 
 pub(crate) fn simulate_lineup(
@@ -99,7 +104,7 @@ pub(crate) fn simulate_lineup(
     seed: u64,
     record_steps: bool,
 ) -> anyhow::Result<Simulated> {
-    let (scorer, truth, trajectory, _) = synthetic_setup(s, objective, seed)?;
+    let (scorer, truth, trajectory, world) = synthetic_setup(s, objective, seed)?;
     let cfg = SimConfig { record_steps, ..s.sim_config(costs, seed) };
     let lineup = lineup(&scorer, rule, cbs_c)?;
     let mut runs = Vec::new();
@@ -107,13 +112,12 @@ pub(crate) fn simulate_lineup(
         runs.push((simulate(policy.as_mut(), &truth, &trajectory, start, &cfg)?, baseline));
     }
     let per_layout = goodput_per_layout(&scorer, &truth, &trajectory, &cfg, rule)?;
-    Ok(Simulated { runs, per_layout, start: lineup.copus_start })
+    Ok(Simulated { runs, per_layout, start: lineup.copus_start, truth, trajectory, world })
 }
 
 pub(super) fn synthetic(recipe: &CompareRecipe, s: &Synthetic) -> anyhow::Result<Compared> {
-    let (_, truth, trajectory, world) = synthetic_setup(s, recipe.objective, s.seed)?;
     let cfg = s.sim_config(recipe.costs, s.seed);
-    let Simulated { runs: mut sims, per_layout, start: copus_start } =
+    let Simulated { runs: mut sims, per_layout, start: copus_start, truth, trajectory, world } =
         simulate_lineup(s, recipe.objective, recipe.costs, recipe.rule(), recipe.cbs_c, s.seed, true)?;
     if let Some(best) = fastest_run(&per_layout) {
         // Next to the other baselines, before Copus.
