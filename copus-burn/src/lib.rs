@@ -79,7 +79,7 @@ pub use optim::{OptimConfig, ScheduleClock};
 pub use parallel::{ParallelLm, ParallelPlan, ShardPlan, StageModel};
 pub use reconfig::ReconfigReport;
 pub use run_dir::RunDir;
-pub use state::TrainingState;
+pub use state::{StateError, TrainingState};
 pub use trainer::{CausalLm, MicroBatch, StepMetrics, TrainError, Trainer};
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
+use crate::engine::config::RankDevice;
 
 /// Tag of replies from the serving processes to process 0 on the control communicator.
 const REPLY_TAG: i32 = 7;
@@ -131,7 +132,7 @@ pub fn role() -> Role {
 /// do nothing.
 pub fn finish() {
     if role() == (Role::Driver { size: role_size() }) {
-        let _ = control_broadcast(Some(crate::engine::exit_message()));
+        let _ = control_broadcast(Some(crate::engine::messages::exit_message()));
     }
     let universe = with_mpi(|m| {
         m.rank = 0;
@@ -148,7 +149,7 @@ fn role_size() -> usize {
 /// The device a GPU rank of a multi-process run uses: the GPU of its rank on its node (from
 /// the launcher's environment: Open MPI, MPICH, Slurm), so rank 5 of two 4-GPU nodes takes GPU 1
 /// of the second node. Other devices, and single-process runs, stay as they are.
-pub fn on_this_node(device: crate::RankDevice) -> crate::RankDevice {
+pub fn on_this_node(device: RankDevice) -> RankDevice {
     if role() == Role::Single {
         return device;
     }
@@ -156,8 +157,8 @@ pub fn on_this_node(device: crate::RankDevice) -> crate::RankDevice {
         .iter()
         .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok());
     match (device, local) {
-        (crate::RankDevice::Cuda(_), Some(l)) => crate::RankDevice::Cuda(l),
-        (crate::RankDevice::Rocm(_), Some(l)) => crate::RankDevice::Rocm(l),
+        (RankDevice::Cuda(_), Some(l)) => RankDevice::Cuda(l),
+        (RankDevice::Rocm(_), Some(l)) => RankDevice::Rocm(l),
         (d, _) => d,
     }
 }

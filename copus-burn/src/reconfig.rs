@@ -3,7 +3,8 @@
 //!   be added): the ranks stay up and exchange exactly the slices of weights, AdamW moments and
 //!   previous gradient that copus-core's reshard plan names, build the new layout beside the
 //!   old one, and verify each piece's checksum at sender and receiver; a failure drops what was
-//!   built, so rollback costs nothing (`engine/live.rs`). A smaller world keeps its first ranks
+//!   built, so rollback costs nothing (the driver side below, the rank side in
+//!   `engine/live.rs`). A smaller world keeps its first ranks
 //!   and retires the others once the change commits;
 //! - *staged* (a larger world of in-process ranks): the whole training state is staged in host
 //!   memory ([`TrainingState`]), the old ranks stop, the new ones start from it and verify
@@ -14,14 +15,19 @@
 //! checkpoint. A change of B_g or B_m alone only changes the data split, the accumulation count
 //! and the learning rate.
 //!
-//! It uses the engine's narrow crate API (stage, relaunch, switch live, set the batch), never its
-//! fields.
+//! It uses the engine's narrow crate API (stage, relaunch, broadcast a command to the ranks,
+//! adopt a committed live change, set the batch) and its messages, never its fields.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
+use burn_pack::Scalar;
 use copus_core::layout::ParallelDims;
+use copus_core::reshard::{Placer, ReshardPlan};
 
-use crate::engine::{Engine, EngineConfig, EngineError, LiveFailure, ReconfigPhase};
+use crate::engine::messages::{Agreed, Command, Handoff, LiveJob, PhaseError, Received, Reply, Sent, TAG_BASE, tag};
+use crate::engine::{Engine, EngineConfig, EngineError, Fault, ReconfigPhase};
 use crate::parallel::ParallelLm;
 use crate::state::TrainingState;
 
@@ -185,5 +191,257 @@ impl<L: ParallelLm> Engine<L> {
             Ok(()) => format!("the state is saved to the emergency checkpoint {}", path.display()),
             Err(w) => format!("the emergency checkpoint could not be written either ({w})"),
         }
+    }
+}
+
+// The driver side of a live layout change: the three commands to the ranks, the agreement
+// on what moves, and the check of every piece (the rank side is `engine/live.rs`).
+
+/// The step counts of every parameter, from the ranks' step-1 replies, and the pieces per move
+/// they agree on.
+fn agree(sent: &[Sent]) -> Result<Agreed, String> {
+    let first = sent.first().ok_or("no ranks")?;
+    if let Some((r, s)) = sent.iter().enumerate().find(|(_, s)| s.fields != first.fields || s.has_previous != first.has_previous) {
+        return Err(format!(
+            "rank {r} keeps optimizer fields {:?} (previous gradient: {}), rank 0 {:?} ({})",
+            s.fields, s.has_previous, first.fields, first.has_previous
+        ));
+    }
+    let mut scalars: HashMap<String, Vec<(String, Scalar)>> = HashMap::new();
+    for s in sent {
+        for (name, field, v) in &s.scalars {
+            let entry = scalars.entry(name.clone()).or_default();
+            match entry.iter().find(|(f, _)| f == field) {
+                Some((_, w)) if w != v => return Err(format!("ranks disagree on the optimizer's `{field}` of `{name}`")),
+                Some(_) => {}
+                None => entry.push((field.clone(), *v)),
+            }
+        }
+    }
+    Ok(Agreed { fields: first.fields.clone(), has_previous: first.has_previous, scalars })
+}
+
+/// Checks that every piece of every move of the plan was sent once and received once, with the
+/// same checksum at its source and where it landed; returns the elements moved.
+fn check_pieces(moves: usize, kinds: usize, sent: &[Sent], received: &[Received]) -> Result<u64, String> {
+    // Per piece: whether it was sent, its checksum at the source, and where it landed.
+    #[derive(Default)]
+    struct Seen {
+        sent: bool,
+        source: Option<u64>,
+        landed: Option<u64>,
+    }
+    let mut sums: HashMap<u32, Seen> = HashMap::new();
+    let piece = |t: u32| t - TAG_BASE;
+    for (r, s) in sent.iter().enumerate() {
+        for &(t, sum) in &s.sums {
+            let e = sums.entry(t).or_default();
+            if std::mem::replace(&mut e.sent, true) {
+                return Err(format!("piece {} was sent twice (again by rank {r})", piece(t)));
+            }
+            e.source = sum;
+        }
+    }
+    for (r, s) in received.iter().enumerate() {
+        for &(t, sum) in &s.sums {
+            let e = sums.entry(t).or_default();
+            if e.landed.replace(sum).is_some() {
+                return Err(format!("piece {} was received twice (again by rank {r})", piece(t)));
+            }
+        }
+        // Source sums of pieces handed over: only for pieces sent without one, and only once.
+        for &(t, sum) in &s.sources {
+            match sums.get_mut(&t) {
+                Some(e) if e.sent && e.source.is_none() => e.source = Some(sum),
+                _ => {
+                    return Err(format!(
+                        "rank {r} gave a source sum of piece {}, which its sender summed or which was summed already",
+                        piece(t)
+                    ));
+                }
+            }
+        }
+    }
+    for i in 0..moves {
+        for kind in 0..kinds {
+            match sums.get(&tag(i, kind, kinds)) {
+                Some(Seen { sent: true, source: Some(a), landed: Some(b) }) if a == b => {}
+                Some(Seen { sent: true, source: Some(_), landed: Some(_) }) => {
+                    return Err(format!("move {i}, piece {kind}: the checksums at its source and where it landed differ"));
+                }
+                Some(Seen { sent: true, source: None, landed: Some(_) }) => {
+                    return Err(format!("move {i}, piece {kind} was handed over but its source was never summed"));
+                }
+                _ => return Err(format!("move {i}, piece {kind} was not both sent and received")),
+            }
+        }
+    }
+    if sums.len() != moves * kinds {
+        return Err(format!("{} pieces moved; the plan has {}", sums.len(), moves * kinds));
+    }
+    let out: u64 = sent.iter().map(|s| s.elements).sum();
+    let back: u64 = received.iter().map(|s| s.elements).sum();
+    if out != back {
+        return Err(format!("{out} elements sent, {back} received"));
+    }
+    Ok(out)
+}
+
+/// What a live layout change did.
+pub(crate) struct LiveSwitch {
+    /// Seconds until every rank had sent its pieces.
+    pub(crate) send_secs: f64,
+    /// Bytes copied (weights, moments and previous gradient), within and between ranks.
+    pub(crate) bytes: u64,
+    /// Of them, bytes that went from one rank to another.
+    pub(crate) remote_bytes: u64,
+}
+
+/// Why a live layout change did not happen.
+pub(crate) enum LiveFailure {
+    /// Refused before any rank was touched.
+    Refused(EngineError),
+    /// Failed at a phase; every rank dropped what it built and runs the old layout, untouched.
+    RolledBack(PhaseError),
+    /// Failed at a phase and the old layout cannot go on (its world was aborted, or a planted
+    /// fault struck the rollback); every rank still holds its old state.
+    Broken(PhaseError),
+    /// A rank thread failed outright: the engine is dead.
+    Engine(EngineError),
+}
+
+impl<L: ParallelLm> Engine<L> {
+    /// Switches the running ranks to `target` (the same or a smaller world: the first ranks
+    /// stay) by executing the reshard plan between them; see the module documentation.
+    pub(crate) fn switch_live(&mut self, target: &EngineConfig, fault: Fault) -> Result<LiveSwitch, LiveFailure> {
+        let num_layers = self.model().spec().num_layers;
+        let plan = ReshardPlan::new(self.specs(), Placer { num_layers }, self.config().dims, target.dims)
+            .map_err(|e| LiveFailure::Refused(EngineError::Layout { dims: target.dims.to_string(), reason: e.to_string() }))?;
+        let remote = plan.remote_elements(self.specs());
+        let job = Arc::new(LiveJob {
+            plan,
+            cfg: target.clone(),
+            specs: Arc::new(self.specs().to_vec()),
+            num_layers,
+            fault,
+            // The last rank that builds: a fault planted there is seen whatever the world size.
+            fault_rank: self.config().dims.world_size().min(target.dims.world_size()) - 1,
+            handoff: self.runs_locally().then(Handoff::default),
+        });
+        let start = Instant::now();
+        let outcome = self.live_steps(&job, start);
+        // No piece of this change may stay queued, whatever happened.
+        if let Some(world) = self.rank_world() {
+            let left = world.discard_messages(TAG_BASE) + job.handoff.as_ref().map_or(0, Handoff::clear);
+            if left > 0 && outcome.is_ok() {
+                tracing::warn!("{left} reshard piece(s) were sent but never received");
+            }
+        }
+        match outcome {
+            Ok((send_secs, elements, kinds)) => {
+                self.broadcast(|| Command::LiveCommit).map_err(LiveFailure::Engine)?;
+                self.adopt_live(target);
+                Ok(LiveSwitch { send_secs, bytes: 4 * elements, remote_bytes: 4 * remote * kinds as u64 })
+            }
+            Err(LiveFailure::RolledBack(failure)) => {
+                self.broadcast(|| Command::LiveAbort).map_err(LiveFailure::Engine)?;
+                let aborted = self.rank_world().is_some_and(|w| w.is_aborted());
+                if aborted {
+                    Err(LiveFailure::Broken((failure.0, format!("{}; the ranks' world was aborted", failure.1))))
+                } else if fault.for_rollback().phase().is_some() {
+                    Err(LiveFailure::Broken((failure.0, format!("{}; injected failure of the rollback", failure.1))))
+                } else {
+                    Err(LiveFailure::RolledBack(failure))
+                }
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Steps 1 and 2 and the check of every piece: (seconds to send, elements moved, pieces per
+    /// move).
+    fn live_steps(&mut self, job: &Arc<LiveJob>, start: Instant) -> Result<(f64, u64, usize), LiveFailure> {
+        let failed = |phase: ReconfigPhase, m: String| LiveFailure::RolledBack((phase, m));
+        // Before the build, sent pieces are still in flight. Between threads they are discarded;
+        // between processes they cannot be recalled, so the processes cannot train on together.
+        let local = self.runs_locally();
+        let unsent = move |phase: ReconfigPhase, m: String| {
+            if local { LiveFailure::RolledBack((phase, m)) } else { LiveFailure::Broken((phase, m)) }
+        };
+        let replies = self.broadcast(|| Command::LiveSend(job.clone())).map_err(LiveFailure::Engine)?;
+        let mut sent = Vec::with_capacity(replies.len());
+        for (r, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Reply::Sent(Ok(s)) => sent.push(s),
+                Reply::Sent(Err(e)) => return Err(unsent(ReconfigPhase::AfterStaging, format!("rank {r}: {e}"))),
+                _ => unreachable!("send reply"),
+            }
+        }
+        let send_secs = start.elapsed().as_secs_f64();
+        if job.fault.hits(ReconfigPhase::AfterStaging) {
+            return Err(unsent(ReconfigPhase::AfterStaging, "injected failure after sending".into()));
+        }
+        let agreed = agree(&sent).map_err(|e| unsent(ReconfigPhase::AfterStaging, e))?;
+        let kinds = agreed.kinds();
+        let agreed = Arc::new(agreed);
+        let replies = self.broadcast(|| Command::LiveBuild(job.clone(), agreed.clone())).map_err(LiveFailure::Engine)?;
+        let mut received = Vec::with_capacity(replies.len());
+        let mut first: Option<PhaseError> = None;
+        for (r, reply) in replies.into_iter().enumerate() {
+            match reply {
+                Reply::Built(Ok(x)) => received.push(x),
+                // Prefer a rank's own failure over another rank's report of the abort it caused.
+                Reply::Built(Err((phase, e))) => {
+                    let echo = |m: &str| m.starts_with("rank ") && m.contains(" failed: ");
+                    if first.as_ref().is_none_or(|f| echo(&f.1) && !echo(&e)) {
+                        first = Some((phase, format!("rank {r}: {e}")));
+                    }
+                }
+                _ => unreachable!("build reply"),
+            }
+        }
+        if let Some((phase, e)) = first {
+            // A rank fails verification only once it has received every piece sent to it; an
+            // earlier failure may leave pieces in flight, which processes cannot recall.
+            return Err(if phase == ReconfigPhase::Verify { failed(phase, e) } else { unsent(phase, e) });
+        }
+        let elements = check_pieces(job.plan.moves.len(), kinds, &sent, &received).map_err(|e| failed(ReconfigPhase::Verify, e))?;
+        Ok((send_secs, elements, kinds))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_sent_twice_missing_or_changed_are_caught() {
+        let sent = |sums: Vec<(u32, Option<u64>)>| Sent {
+            elements: 4 * sums.len() as u64,
+            sums,
+            scalars: vec![],
+            fields: vec![],
+            has_previous: false,
+        };
+        let got = |sums: Vec<(u32, u64)>| Received { elements: 4 * sums.len() as u64, sums, sources: vec![] };
+        // A piece handed over: sent unsummed, its source summed by the receiver.
+        let handed = |landed: u64, source: Vec<(u32, u64)>| Received { elements: 4, sums: vec![(tag(1, 0, 1), landed)], sources: source };
+        let (a, b) = (tag(0, 0, 1), tag(1, 0, 1));
+        assert_eq!(check_pieces(2, 1, &[sent(vec![(a, Some(7))]), sent(vec![(b, Some(9))])], &[got(vec![(b, 9), (a, 7)])]), Ok(8));
+        let err = |sent: &[Sent], got: &[Received]| check_pieces(2, 1, sent, got).unwrap_err();
+        assert!(err(&[sent(vec![(a, Some(7)), (b, Some(9))])], &[got(vec![(a, 7), (b, 8)])]).contains("differ"));
+        assert!(err(&[sent(vec![(a, Some(7))])], &[got(vec![(a, 7)])]).contains("move 1"));
+        assert!(
+            check_pieces(1, 1, &[sent(vec![(a, Some(7))]), sent(vec![(a, Some(7))])], &[got(vec![(a, 7)])]).unwrap_err().contains("twice")
+        );
+
+        let mixed = [sent(vec![(a, Some(7)), (b, None)])];
+        assert_eq!(check_pieces(2, 1, &mixed, &[got(vec![(a, 7)]), handed(9, vec![(b, 9)])]), Ok(8));
+        // The landed sum differs from the source's; the source was never summed; a source summed
+        // for a piece its sender summed, or twice.
+        assert!(err(&mixed, &[got(vec![(a, 7)]), handed(8, vec![(b, 9)])]).contains("differ"));
+        assert!(err(&mixed, &[got(vec![(a, 7)]), handed(9, vec![])]).contains("never summed"));
+        assert!(err(&[sent(vec![(a, Some(7)), (b, Some(9))])], &[got(vec![(a, 7)]), handed(9, vec![(b, 9)])]).contains("source sum"));
+        assert!(err(&mixed, &[got(vec![(a, 7)]), handed(9, vec![(b, 9), (b, 9)])]).contains("source sum"));
     }
 }

@@ -1,7 +1,7 @@
 //! The training state in host memory, independent of the layout: what a layout change stages,
 //! what a checkpoint holds, and what each rank starts from and hands back. The engine,
-//! reconfiguration and checkpoints all use it; of them it uses only the engine's error type
-//! (`engine/error.rs`, itself a leaf), so no file imports back into this one's users.
+//! reconfiguration and checkpoints all use it; it has its own error type ([`StateError`],
+//! which the engine's error converts from), so it imports none of its users.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hasher as _;
@@ -12,8 +12,26 @@ use copus_core::gns::GnsEstimator;
 use copus_core::layout::{Coord, ParallelDims, RankGrid, stage_of_layer};
 use copus_core::model::{ModelSpec, ParamSpec, Placement};
 
-use crate::engine::EngineError;
 use crate::parallel::{FullParams, ShardError, ShardPlan, ShardSource, holds, shard_values, unshard};
+
+/// Why a training state cannot be built, checked or split.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum StateError {
+    /// A parameter missing, of the wrong shape, or not of the model; shards that do not
+    /// reassemble.
+    #[error("sharding: {0}")]
+    Shard(#[from] ShardError),
+    /// The noise-scale estimator's settings.
+    #[error("gradient noise scale: {0}")]
+    Gns(copus_core::gns::GnsError),
+    /// The state is not whole for the model (the message names the first tensor missing,
+    /// extra or of the wrong size).
+    #[error("checkpoint (training state): {0}")]
+    Incomplete(String),
+    /// No rank exported anything.
+    #[error("the engine stopped after an earlier failure: {0}")]
+    NoRanks(String),
+}
 
 /// (global name, field, local shape, values) of optimizer state tensors.
 pub(crate) type OptimTensors = Vec<(String, String, Vec<usize>, Vec<f32>)>;
@@ -180,20 +198,20 @@ pub struct TrainingState {
 
 impl TrainingState {
     /// The state before the first step, from full parameters.
-    pub fn fresh(spec: &ModelSpec, full: &FullParams, gns_theta: f64) -> Result<Self, EngineError> {
+    pub fn fresh(spec: &ModelSpec, full: &FullParams, gns_theta: f64) -> Result<Self, StateError> {
         let mut params = BTreeMap::new();
         for p in spec.param_specs() {
-            let data = full.get(&p.name).ok_or_else(|| EngineError::Shard(ShardError::Missing(p.name.clone())))?;
+            let data = full.get(&p.name).ok_or_else(|| StateError::Shard(ShardError::Missing(p.name.clone())))?;
             if data.shape().to_vec() != p.shape {
-                return Err(EngineError::Shard(ShardError::Shape { name: p.name.clone(), got: data.shape().to_vec(), expected: p.shape }));
+                return Err(StateError::Shard(ShardError::Shape { name: p.name.clone(), got: data.shape().to_vec(), expected: p.shape }));
             }
             let values = data.iter::<f32>().collect();
             params.insert(p.name, values);
         }
         if let Some(extra) = full.keys().find(|k| !params.contains_key(*k)) {
-            return Err(EngineError::Shard(ShardError::Layout(format!("parameter `{extra}` is not part of the model"))));
+            return Err(StateError::Shard(ShardError::Layout(format!("parameter `{extra}` is not part of the model"))));
         }
-        let gns = GnsEstimator::new(gns_theta).map_err(|e| EngineError::Train(crate::TrainError::Gns(e)))?;
+        let gns = GnsEstimator::new(gns_theta).map_err(StateError::Gns)?;
         Ok(Self { params, optim: BTreeMap::new(), scalars: BTreeMap::new(), previous: None, step: 0, tokens_seen: 0, gns })
     }
 
@@ -203,11 +221,11 @@ impl TrainingState {
     /// gradient, when kept, for every parameter. The error names the first tensor that is
     /// missing, extra or of the wrong size, so a partial state is never loaded (it would silently
     /// restart AdamW moments).
-    pub fn check(&self, specs: &[ParamSpec]) -> Result<(), EngineError> {
-        let bad = |m: String| EngineError::Checkpoint { path: "(training state)".into(), message: m };
+    pub fn check(&self, specs: &[ParamSpec]) -> Result<(), StateError> {
+        let bad = StateError::Incomplete;
         let sizes: BTreeMap<&str, usize> = specs.iter().map(|s| (s.name.as_str(), s.shape.iter().product())).collect();
         // `label` names the tensor in errors; `name` is its parameter.
-        let check_len = |label: String, name: &str, len: usize| -> Result<(), EngineError> {
+        let check_len = |label: String, name: &str, len: usize| -> Result<(), StateError> {
             match sizes.get(name) {
                 None => Err(bad(format!("{label} is not of a parameter of the model (an extra tensor)"))),
                 Some(&n) if n != len => Err(bad(format!("{label} has {len} elements, the parameter has {n}"))),
@@ -266,7 +284,7 @@ impl TrainingState {
     }
 
     /// What the rank with `plan` starts from, and the checksums it must report after loading.
-    pub(crate) fn rank_init(&self, specs: &[ParamSpec], plan: &ShardPlan) -> Result<RankStart, EngineError> {
+    pub(crate) fn rank_init(&self, specs: &[ParamSpec], plan: &ShardPlan) -> Result<RankStart, StateError> {
         let num_layers =
             specs.iter().filter_map(|s| if let Placement::Layer(i) = s.placement { Some(i + 1) } else { None }).max().unwrap_or(0);
         let (tp, t) = (plan.dims.tp, plan.tp_rank);
@@ -279,7 +297,7 @@ impl TrainingState {
             if !holds(spec, plan, num_layers) {
                 continue;
             }
-            let full = self.params.get(&spec.name).ok_or_else(|| EngineError::Shard(ShardError::Missing(spec.name.clone())))?;
+            let full = self.params.get(&spec.name).ok_or_else(|| StateError::Shard(ShardError::Missing(spec.name.clone())))?;
             let (shape, values) = shard_values(spec, full, tp, t)?;
             hashes.push((spec.name.clone(), checksum(&values)));
             shards.insert(spec.name.clone(), TensorData::new(values, shape.clone()));
@@ -307,9 +325,9 @@ impl TrainingState {
         specs: &[ParamSpec],
         dims: ParallelDims,
         num_layers: usize,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, StateError> {
         let grid = RankGrid::new(dims);
-        let first = exports.first().ok_or_else(|| EngineError::Dead("no ranks".into()))?;
+        let first = exports.first().ok_or_else(|| StateError::NoRanks("no ranks".into()))?;
         let mut state = TrainingState {
             params: BTreeMap::new(),
             optim: BTreeMap::new(),
@@ -338,12 +356,12 @@ impl TrainingState {
                 Placement::First | Placement::FirstAndLast => 0,
             };
             let holders: Vec<usize> = (0..dims.tp).map(|t| grid.rank(Coord { dp: 0, tp: t, pp: stage })).collect();
-            let gather = |index: &[Index], what: &str| -> Result<Option<Vec<f32>>, EngineError> {
+            let gather = |index: &[Index], what: &str| -> Result<Option<Vec<f32>>, StateError> {
                 let shards: Option<Vec<Vec<f32>>> =
                     holders.iter().map(|&r| index[r].get(spec.name.as_str()).map(|v| (*v).clone())).collect();
                 match shards {
                     Some(s) => Ok(Some(unshard(spec, &s, dims.tp)?)),
-                    None if what == "parameter" => Err(EngineError::Shard(ShardError::Missing(format!("{} on stage {stage}", spec.name)))),
+                    None if what == "parameter" => Err(StateError::Shard(ShardError::Missing(format!("{} on stage {stage}", spec.name)))),
                     None => Ok(None),
                 }
             };
@@ -359,7 +377,7 @@ impl TrainingState {
                         let v = optim[r]
                             .get(spec.name.as_str())
                             .and_then(|fs| fs.iter().find(|(f, _)| f == field))
-                            .ok_or_else(|| EngineError::Shard(ShardError::Missing(format!("{}#{field} on rank {r}", spec.name))))?;
+                            .ok_or_else(|| StateError::Shard(ShardError::Missing(format!("{}#{field} on rank {r}", spec.name))))?;
                         shards.push(v.1.clone());
                     }
                     state.optim.entry(spec.name.clone()).or_default().insert(field.to_string(), unshard(spec, &shards, dims.tp)?);

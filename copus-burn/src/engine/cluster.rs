@@ -7,50 +7,17 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
-use copus_core::layout::RankGrid;
 use copus_core::model::ParamSpec;
 
 use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
-use super::fault::{Fault, StepFault};
-use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
-use super::rank::{RankError, RankInit, RankState};
-use super::{EngineStep, RankParams};
+use super::fault::Fault;
+use super::messages::{Command, Reply};
+use super::rank::{RankError, RankInit, RankState, panic_message, rank_init};
 use crate::collective::{AbortHandle, Collective, CommError, ThreadComm};
-use crate::parallel::{ParallelLm, ShardPlan};
-use crate::state::{RankExport, TrainingState};
+use crate::parallel::ParallelLm;
+use crate::state::TrainingState;
 use std::time::{Duration, Instant};
-
-/// What the engine asks of every rank.
-pub(super) enum Command {
-    /// The step's batch, and the faults planted in it (nothing without `fault-injection`).
-    Step(Arc<Vec<i64>>, StepFault),
-    Params,
-    Export,
-    SetBatch {
-        global_batch: usize,
-        micro_batch: usize,
-    },
-    /// A live layout change, step 1: send this rank's pieces of the plan.
-    LiveSend(Arc<LiveJob>),
-    /// Step 2: receive and build the new state beside the current one.
-    LiveBuild(Arc<LiveJob>, Arc<Agreed>),
-    /// Step 3: switch to the state built in step 2.
-    LiveCommit,
-    /// Step 3 after a failure: drop whatever step 2 built, keep the current state.
-    LiveAbort,
-    Stop,
-}
-
-/// A rank's answer.
-pub(super) enum Reply {
-    Step(Box<EngineStep>),
-    Params(RankParams),
-    Export(Box<RankExport>),
-    Sent(Result<Sent, String>),
-    Built(Result<Received, PhaseError>),
-    Done,
-}
 
 /// A rank's failure: `origin` is false when it only saw another rank's abort.
 pub(super) struct RankFailure {
@@ -353,29 +320,6 @@ impl Cluster {
     }
 }
 
-/// What world rank `r` of `cfg` starts from, and the checksums it must report.
-pub(super) fn rank_init<L: ParallelLm>(
-    model: &L,
-    specs: &[ParamSpec],
-    state: &TrainingState,
-    cfg: &EngineConfig,
-    parallel: &Arc<crate::parallel::ParallelPlan>,
-    r: usize,
-    fault: Fault,
-) -> Result<(RankInit, Vec<(String, u64)>), EngineError> {
-    let spec = model.spec();
-    let dims = cfg.dims;
-    let c = RankGrid::new(dims).coord(r).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
-    let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
-    let (source, resume, hashes) = state.rank_init(specs, &plan)?;
-    let device = cfg.devices.get(r).copied().unwrap_or_default();
-    // Under mpirun a GPU rank takes its node's GPU; this process only builds its own rank's.
-    #[cfg(feature = "mpi")]
-    let device = crate::mpi::on_this_node(device);
-    let device = device.device()?.autodiff();
-    Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
-}
-
 type Ready = Sender<(usize, Result<Vec<(String, u64)>, EngineError>)>;
 
 /// Starts a thread per local rank `(world rank, its world communicator)`.
@@ -424,16 +368,6 @@ fn spawn_ranks<L: ParallelLm, C: Collective + 'static>(
         workers.push(WorkerHandle { commands: tx, thread: Some(thread) });
     }
     Ok(workers)
-}
-
-pub(super) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        format!("panicked: {s}")
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        format!("panicked: {s}")
-    } else {
-        "panicked".into()
-    }
 }
 
 fn worker_loop<L: ParallelLm, C: Collective>(

@@ -73,6 +73,19 @@ pub enum EngineError {
     Dead(String),
 }
 
+impl From<crate::state::StateError> for EngineError {
+    /// The state's errors as the engine reported them before the state had its own type.
+    fn from(e: crate::state::StateError) -> Self {
+        use crate::state::StateError;
+        match e {
+            StateError::Shard(e) => Self::Shard(e),
+            StateError::Gns(e) => Self::Train(TrainError::Gns(e)),
+            StateError::Incomplete(message) => Self::Checkpoint { path: "(training state)".into(), message },
+            StateError::NoRanks(m) => Self::Dead(m),
+        }
+    }
+}
+
 /// Where a reconfiguration can fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ReconfigPhase {

@@ -9,9 +9,9 @@ use burn::optim::GradientsParams;
 use copus_core::gns::{NoiseEstimate, StepStats};
 use copus_core::schedule::{Action, build as build_schedule};
 
-use super::EngineStep;
 use super::fault::StepFault;
 use super::grad_index::Role;
+use super::messages::EngineStep;
 use super::rank::{RankError, RankState};
 use super::regions::InFlight;
 use crate::collective::{Collective, ReduceOp};

@@ -18,14 +18,15 @@
 //!   reduced gradient over the model-parallel ranks, so copus-core's estimator sees exactly the
 //!   numbers serial training would give it.
 //!
-//! Files: [`config`] and [`error`]; `cluster` (rank threads, their messages, start-up and
+//! Files: [`config`] and [`error`]; `messages` (a leaf: commands, replies, a step's report,
+//! the live-change messages, the MPI control header); `cluster` (rank threads, start-up and
 //! verification); `rank` (one rank's state: build, resume, export); `regions` (the
 //! tensor-parallel regions and the vocabulary-parallel loss); `executor` (one step: the
 //! pipeline schedule, dp reduction, the probe, the update); `grad_index` (gradients by
-//! parameter selection); `live` (live layout changes: the three commands and their checks);
-//! `processes` (feature `mpi`: ranks on other processes, and what a serving process runs);
-//! `fault` (faults planted by the rollback, divergence and timeout tests, feature
-//! `fault-injection`).
+//! parameter selection); `live` (the rank side of live layout changes; the driver side is
+//! `crate::reconfig`); `processes` (feature `mpi`: ranks on other processes, and what a serving
+//! process runs); `fault` (faults planted by the rollback, divergence and timeout tests,
+//! feature `fault-injection`). No two of them import each other.
 
 mod cluster;
 pub mod config;
@@ -34,6 +35,7 @@ mod executor;
 mod fault;
 mod grad_index;
 mod live;
+pub(crate) mod messages;
 #[cfg(feature = "mpi")]
 mod processes;
 mod rank;
@@ -42,37 +44,21 @@ mod regions;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use copus_core::gns::{GnsEstimator, StepStats};
+use copus_core::gns::GnsEstimator;
 use copus_core::model::ParamSpec;
 
 pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
-pub(crate) use live::LiveFailure;
-#[cfg(feature = "mpi")]
-pub(crate) use processes::exit_message;
 #[cfg(feature = "mpi")]
 pub use processes::serve;
 
 use crate::parallel::{FullParams, ParallelLm};
 use crate::state::TrainingState;
-use crate::trainer::{StepMetrics, TrainError};
-use cluster::{Cluster, Command, Reply};
-
-/// What a step reports.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineStep {
-    /// The usual trainer metrics.
-    pub metrics: StepMetrics,
-    /// What the probe measured this step (before smoothing).
-    pub stats: StepStats,
-    /// The loss or the gradient norm was not finite, so the update was skipped: no weight,
-    /// optimizer moment, estimator or counter changed.
-    pub skipped: bool,
-}
-
-/// One rank's parameters as `(global name, shape, values)`.
-pub type RankParams = Vec<(String, Vec<usize>, Vec<f32>)>;
+use crate::trainer::TrainError;
+use cluster::Cluster;
+use messages::{Command, Reply};
+pub use messages::{EngineStep, RankParams};
 
 /// The parallel trainer.
 pub struct Engine<L: ParallelLm> {
@@ -216,7 +202,7 @@ impl<L: ParallelLm> Engine<L> {
 
     /// Sends every rank a command and collects the replies in rank order; a failure marks the
     /// engine dead.
-    fn broadcast(&mut self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
+    pub(crate) fn broadcast(&mut self, make: impl Fn() -> Command) -> Result<Vec<Reply>, EngineError> {
         let result = self.cluster()?.broadcast(make);
         if let Err(e) = &result {
             self.dead = Some(e.to_string());
@@ -283,7 +269,7 @@ impl<L: ParallelLm> Engine<L> {
                 _ => unreachable!("export reply"),
             })
             .collect();
-        TrainingState::from_exports(exports, &self.specs, self.cfg.dims, self.model.spec().num_layers)
+        Ok(TrainingState::from_exports(exports, &self.specs, self.cfg.dims, self.model.spec().num_layers)?)
     }
 
     /// The full parameters, reassembled from dp replica 0's shards (through the staging path).
@@ -334,6 +320,31 @@ impl<L: ParallelLm> Engine<L> {
         self.steps_done = state.step;
         self.tokens_seen = state.tokens_seen;
         Ok(())
+    }
+
+    /// Whether a layout change can run live: the ranks are up, as threads of this process or as
+    /// the processes of an MPI job.
+    pub(crate) fn can_switch_live(&self) -> bool {
+        self.dead.is_none() && self.cluster.is_some()
+    }
+
+    /// Whether every rank is a thread of this process.
+    pub(crate) fn runs_locally(&self) -> bool {
+        self.dead.is_none() && self.cluster.as_ref().is_some_and(Cluster::is_local)
+    }
+
+    /// The running ranks' world communicator's abort handle (`None` without running ranks).
+    pub(crate) fn rank_world(&self) -> Option<&crate::collective::AbortHandle> {
+        self.cluster.as_ref().and_then(Cluster::world)
+    }
+
+    /// After a live change to `target` committed: the ranks beyond its world retire and the
+    /// engine runs `target`.
+    pub(crate) fn adopt_live(&mut self, target: &EngineConfig) {
+        if let Some(cluster) = self.cluster.as_mut() {
+            cluster.retire_from(target.dims.world_size());
+        }
+        self.cfg = target.clone();
     }
 
     /// Whether an earlier failure left the engine unusable.

@@ -11,81 +11,15 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
-use super::cluster::{Command, Reply, panic_message, rank_init};
 use super::error::{EngineError, ReconfigPhase};
-use super::fault::{Fault, StepFault};
-use super::live::{Agreed, LiveJob, PhaseError, Received, Sent};
-use super::rank::RankState;
-use super::{EngineStep, RankParams};
+use super::fault::Fault;
+use super::messages::{
+    Agreed, Command, EngineStep, Header, LiveJob, LiveOrder, PhaseError, RankParams, Received, Reply, Sent, decode, encode,
+};
+use super::rank::{RankState, panic_message, rank_init};
 use crate::mpi::{self, MpiComm, Role};
 use crate::parallel::ParallelLm;
 use crate::state::{RankExport, TrainingState};
-
-/// What process 0 tells the others; the payload follows the header.
-#[derive(Debug, Serialize, Deserialize)]
-enum Header {
-    /// Start the ranks of the configuration in the payload's training state (checkpoint bytes).
-    Launch {
-        model: String,
-    },
-    /// One step; the payload is the batch (i64, little-endian).
-    Step {
-        /// The faults planted in the step (nothing without `fault-injection`).
-        fault: StepFault,
-    },
-    Params,
-    Export,
-    SetBatch {
-        global_batch: usize,
-        micro_batch: usize,
-    },
-    /// A live layout change, step 1: send this rank's pieces of the plan in the payload
-    /// ([`LiveOrder`], JSON).
-    LiveSend,
-    /// Step 2: receive and build; the payload is what the ranks agreed on (JSON).
-    LiveBuild,
-    /// Step 3: switch to what step 2 built.
-    LiveCommit,
-    /// Step 3 after a failure: drop it.
-    LiveAbort,
-    /// Stop the ranks of the current layout (the process keeps serving).
-    Stop,
-    /// The run is over.
-    Exit,
-}
-
-/// A live layout change as process 0 sends it: the plan and the configuration to switch to
-/// (each process derives the parameter specs from its own model).
-#[derive(Serialize, Deserialize)]
-struct LiveOrder {
-    plan: copus_core::reshard::ReshardPlan,
-    cfg: super::EngineConfig,
-    num_layers: usize,
-}
-
-fn encode(header: &Header, payload: &[u8]) -> Vec<u8> {
-    let h = serde_json::to_vec(header).expect("headers serialise");
-    let mut out = Vec::with_capacity(4 + h.len() + payload.len());
-    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
-    out.extend_from_slice(&h);
-    out.extend_from_slice(payload);
-    out
-}
-
-fn decode(msg: &[u8]) -> Result<(Header, &[u8]), String> {
-    let len = msg.get(..4).ok_or("a control message shorter than its header")?;
-    let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
-    let h = msg.get(4..4 + len).ok_or("a control message shorter than its header")?;
-    let header = serde_json::from_slice(h).map_err(|e| format!("a control header that does not parse: {e}"))?;
-    Ok((header, &msg[4 + len..]))
-}
-
-/// The message that ends a serving process's loop.
-pub(crate) fn exit_message() -> Vec<u8> {
-    encode(&Header::Exit, &[])
-}
 
 fn comm_err(message: String) -> EngineError {
     EngineError::Dead(format!("MPI control channel: {message}"))

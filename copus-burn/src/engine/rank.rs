@@ -11,17 +11,17 @@ use copus_core::layout::{Axis, RankGrid};
 use copus_core::model::{ParamSpec, Placement, TpSplit};
 use thiserror::Error;
 
-use super::RankParams;
 use super::config::EngineConfig;
 use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::grad_index::{GradIndex, ParamInfo, Role};
+use super::messages::RankParams;
 use crate::closing::StepCloser;
 use crate::collective::{Collective, CommError, ThreadComm};
 use crate::grads::with_values;
 use crate::optim::{self as adamw, AdamW, Moments};
 use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
-use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, checksum};
+use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, TrainingState, checksum};
 use crate::trainer::TrainError;
 
 /// Why a rank could not do what it was asked.
@@ -438,5 +438,38 @@ impl<C: Collective> Groups<C> {
             (0..dims.dp).map(|d| (0..dims.world_size()).filter(|&r| grid.coord(r).map(|c| c.dp) == Ok(d)).collect()).collect();
         let mp = world.split(&mp_groups)?;
         Ok(Self { world, tp, dp, pp, mp })
+    }
+}
+
+/// What world rank `r` of `cfg` starts from, and the checksums it must report.
+pub(super) fn rank_init<L: ParallelLm>(
+    model: &L,
+    specs: &[ParamSpec],
+    state: &TrainingState,
+    cfg: &EngineConfig,
+    parallel: &Arc<crate::parallel::ParallelPlan>,
+    r: usize,
+    fault: Fault,
+) -> Result<(RankInit, Vec<(String, u64)>), EngineError> {
+    let spec = model.spec();
+    let dims = cfg.dims;
+    let c = RankGrid::new(dims).coord(r).map_err(|e| EngineError::Layout { dims: dims.to_string(), reason: e.to_string() })?;
+    let plan = ShardPlan::new(dims, c.tp, c.pp, spec.num_layers);
+    let (source, resume, hashes) = state.rank_init(specs, &plan)?;
+    let device = cfg.devices.get(r).copied().unwrap_or_default();
+    // Under mpirun a GPU rank takes its node's GPU; this process only builds its own rank's.
+    #[cfg(feature = "mpi")]
+    let device = crate::mpi::on_this_node(device);
+    let device = device.device()?.autodiff();
+    Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
+}
+
+pub(super) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".into()
     }
 }

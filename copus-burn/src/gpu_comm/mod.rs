@@ -18,65 +18,12 @@
 
 #![allow(unsafe_code)]
 
-use std::any::TypeId;
-
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
 use crate::mpi::MpiComm;
 
-/// A host buffer of one of the two element types a collective moves.
-pub enum Host<'a> {
-    /// Tensors.
-    F32(&'a mut [f32]),
-    /// Statistics.
-    F64(&'a mut [f64]),
-}
-
-fn host<T: Element>(buf: &mut [T]) -> Host<'_> {
-    // `Element` is sealed to f32 and f64; the TypeId check picks the one `T` is, so the cast
-    // keeps the element size and never fails.
-    if TypeId::of::<T>() == TypeId::of::<f32>() {
-        Host::F32(bytemuck::cast_slice_mut(buf))
-    } else {
-        Host::F64(bytemuck::cast_slice_mut(buf))
-    }
-}
-
-/// What a GPU collective library reported, in its words (a missing library, a failed call).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct LibraryError(pub String);
-
-impl From<String> for LibraryError {
-    fn from(message: String) -> Self {
-        Self(message)
-    }
-}
-
-impl From<&str> for LibraryError {
-    fn from(message: &str) -> Self {
-        Self(message.to_string())
-    }
-}
-
-/// What one GPU collective library provides, on host buffers staged through its device.
-pub trait GpuLibrary: Sized {
-    /// The library's name, for messages.
-    const NAME: &'static str;
-    /// Checks that the driver, the library and a device are there.
-    fn check(device: usize) -> Result<(), LibraryError>;
-    /// A fresh unique id (on the group's rank 0).
-    fn unique_id() -> Result<[u8; 128], LibraryError>;
-    /// Joins the communicator of `id` as `rank` of `size` on `device` (collective).
-    fn join(id: [u8; 128], rank: usize, size: usize, device: usize) -> Result<Self, LibraryError>;
-    /// Combines `buf` across the group; every rank gets the result.
-    fn all_reduce(&self, buf: Host<'_>, op: ReduceOp) -> Result<(), LibraryError>;
-    /// `recv` (n x len) gets every rank's `send` (len) in rank order.
-    fn all_gather(&self, send: Host<'_>, recv: Host<'_>) -> Result<(), LibraryError>;
-    /// `recv` (len / n) gets this rank's chunk of the combined `send`.
-    fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), LibraryError>;
-    /// Replaces `buf` with `root`'s.
-    fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), LibraryError>;
-}
+mod library;
+use library::host;
+pub use library::{GpuLibrary, Host, LibraryError};
 
 /// A rank's communicator on a GPU collective library, with MPI beside it for ids,
 /// point-to-point messages and barriers.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
 
-use super::{GpuLibrary, Host, LibraryError};
+use super::library::{GpuLibrary, Host, LibraryError};
 use crate::collective::ReduceOp;
 
 /// NCCL's communicator and the CUDA stream its calls run on.

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use libloading::Library;
 
-use super::{GpuLibrary, Host, LibraryError};
+use super::library::{GpuLibrary, Host, LibraryError};
 use crate::collective::ReduceOp;
 
 /// NCCL's reduction operator codes (`ncclRedOp_t`), which RCCL shares.

@@ -12,7 +12,8 @@ use burn::train::metric::{
     Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry, SerializedEntry,
 };
 
-use super::{CopusBatching, Snapshot};
+use super::handle::CopusBatching;
+use super::state::Snapshot;
 
 macro_rules! snapshot_metric {
     ($(#[$doc:meta])* $name:ident, $label:expr, $unit:expr, $precision:expr, $higher:expr, $read:expr) => {
@@ -116,3 +117,20 @@ snapshot_metric!(
     true,
     |s| s.efficiency
 );
+
+impl CopusBatching {
+    /// Burn metric: the smoothed noise scale `B_simple`.
+    pub fn noise_scale_metric(&self) -> NoiseScaleMetric {
+        NoiseScaleMetric::new(self.clone())
+    }
+
+    /// Burn metric: samples per optimizer step.
+    pub fn batch_size_metric(&self) -> BatchSizeMetric {
+        BatchSizeMetric::new(self.clone())
+    }
+
+    /// Burn metric: statistical efficiency of the current batch against `B0`.
+    pub fn efficiency_metric(&self) -> EfficiencyMetric {
+        EfficiencyMetric::new(self.clone())
+    }
+}

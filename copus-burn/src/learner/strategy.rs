@@ -1,5 +1,6 @@
 //! The training loop: micro-batches, the noise probe, accumulation by the current plan.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::data::dataloader::Progress;
@@ -9,12 +10,14 @@ use burn::tensor::Device;
 use burn::train::train::{MultiDevicesTrainStep, WorkerFailure};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
 };
 
 use copus_core::accumulation::Plan;
 
-use super::{CopusBatching, StepMeasure};
+use super::config::{CopusLearnerError, bad};
+use super::handle::CopusBatching;
+use super::state::StepMeasure;
 use crate::closing::ProbeMemory;
 use crate::grads;
 
@@ -420,5 +423,34 @@ fn valid_epoch<M: LearnerModel>(
         if interrupter.should_stop() {
             break;
         }
+    }
+}
+
+impl CopusBatching {
+    /// The burn-train training strategy on `device` (an autodiff device is made from it).
+    pub fn training_strategy<M: LearnerModel>(&self, device: Device) -> TrainingStrategy<M> {
+        self.shared.lock().devices = 1;
+        TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), vec![device])))
+    }
+
+    /// The strategy on several devices through burn-train's multi-device step: each round runs
+    /// one micro-batch per device (the loader split across them, as Burn's own multi-device
+    /// strategy does), gradients are gathered on the first device, and accumulation counts are
+    /// multiples of the device count, so a bigger batch costs more rounds only every
+    /// `devices` micro-batches.
+    pub fn training_strategy_multi<M: LearnerModel>(&self, devices: Vec<Device>) -> Result<TrainingStrategy<M>, CopusLearnerError> {
+        let n = devices.len();
+        let cfg = &self.shared.config;
+        if n == 0 {
+            return Err(bad("devices", "one or more", n));
+        }
+        if !cfg.initial_accumulation.is_multiple_of(n) {
+            return Err(bad("initial_accumulation", format!("a multiple of the {n} devices"), cfg.initial_accumulation));
+        }
+        if cfg.max_accumulation < n {
+            return Err(bad("max_accumulation", format!("at least the {n} devices"), cfg.max_accumulation));
+        }
+        self.shared.lock().devices = n;
+        Ok(TrainingStrategy::Custom(Arc::new(CopusStrategy::new(self.clone(), devices))))
     }
 }

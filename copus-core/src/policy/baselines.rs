@@ -1,7 +1,10 @@
 //! The baseline policies copus is compared with: [`Static`], [`CbsFixedLayout`],
 //! [`MerrillWarmup`] and [`DpOnlyGoodput`]. None of them changes the layout.
 
-use super::{Decision, Policy, PolicyError, Scorer, StepObservation, SwitchRule, check};
+use super::copus::SwitchRule;
+use super::error::{PolicyError, check};
+use super::interface::{Decision, Policy, StepObservation};
+use super::scorer::Scorer;
 use crate::layout::ParallelDims;
 
 /// Never changes anything.

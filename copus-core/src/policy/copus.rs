@@ -3,7 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Decision, Policy, PolicyError, PolicyState, Scorer, StepObservation, check, learned_by_scorer, restore_scorer};
+use super::error::{PolicyError, check};
+use super::interface::{Decision, Policy, PolicyState, StepObservation, learned_by_scorer, restore_scorer};
+use super::scorer::Scorer;
 use crate::candidates::Candidate;
 use crate::layout::ParallelDims;
 
@@ -34,13 +36,13 @@ pub struct SwitchRule {
     /// so a change that only wins during one excursion is not made.
     #[serde(default = "default_confirm")]
     pub confirm_steps: u64,
-    /// Exploration: the natural log of the optimism granted to a candidate the run has not
-    /// measured (its predicted samples/s times `exp(explore)`, an upper confidence bound on a
-    /// prior whose error is about this size; once two candidates are measured, their spread
-    /// about the prior takes over, see [`Copus`]). A candidate whose optimistic Goodput beats
-    /// the best measured one by the switch threshold is tried for `trial_steps` steps (only
-    /// candidates of the running B_g during the dwell or without a noise estimate); 0 turns
-    /// exploration off.
+    /// Exploration: the log standard deviation assumed for the prior's error on a candidate
+    /// the run has not measured, until two candidates are measured (then their spread about
+    /// the prior takes over, see [`Copus`]). A candidate whose expected improvement over the
+    /// best measured one, under that error, is at least the switch threshold (and, for a
+    /// layout, repays two layout changes over the horizon) is tried for `trial_steps` steps
+    /// (only candidates of the running B_g during the dwell or without a noise estimate); 0
+    /// turns exploration off.
     #[serde(default = "default_explore")]
     pub explore: f64,
     /// Steps of a trial before it is judged on its measurement (longer if none of them was
@@ -54,7 +56,7 @@ fn default_explore() -> f64 {
 }
 
 fn default_trial_steps() -> u64 {
-    4
+    8
 }
 
 fn default_confirm() -> u64 {
@@ -117,16 +119,19 @@ impl SwitchRule {
 /// from each measured layout change.
 ///
 /// Throughput is learned by trying: once a configuration has run more than `trial_steps`
-/// steps and no change is pending, the most promising candidate the run has not measured is tried when its
-/// optimistic Goodput (prior throughput, rescaled by the measurements, times `exp(explore)`, at
-/// the point estimate of B_simple; throughput alone, within the running B_g, before there is
-/// an estimate) beats the best measured one by the switch threshold (and, for a layout,
-/// repays its cost). After `trial_steps` measured steps the run keeps the trial or goes at
-/// once to the best measured candidate of the trial's B_g or back where it came from; the
-/// trial does not count as a change to come back from (the hysteresis from before it is put
-/// back). Every candidate is tried at most once (also when the driver refuses the trial),
-/// so a prior that ranks candidates wrongly is corrected within (candidates) x `trial_steps`
-/// steps, and only candidates that could win are tried.
+/// steps and no change is pending, a candidate the run has not measured is tried when its
+/// expected improvement over the best measured candidate is worth it. Its value (Goodput at the
+/// point estimate of B_simple; throughput alone, within the running B_g, before there is an
+/// estimate) is taken as log-normal about the prediction (prior throughput rescaled by the
+/// measurements) with the prior's log-error; the expected improvement must reach the switch
+/// threshold and, for a layout, earn over the horizon more than the two layout changes a trial
+/// may cost (there and back). After `trial_steps` measured steps (judged on their mean) the run
+/// keeps the trial or goes at once to the best measured candidate of the trial's B_g or back
+/// where it came from; the trial does not count as a change to come back from (the hysteresis
+/// from before it is put back). Every candidate is tried at most once (also when the driver
+/// refuses the trial), so a prior that ranks candidates wrongly is corrected within
+/// (candidates) x `trial_steps` steps, and only candidates that could win enough to pay for
+/// the trial are tried.
 ///
 /// Its [`Policy::learned`] saves the scorer's measurements, the layout-cost estimate and the
 /// dwell, hysteresis and confirmation state, so a resumed run decides as the original would.
@@ -221,45 +226,48 @@ impl Copus {
         phi.map_or(samples_per_sec, |p| self.scorer.goodput(samples_per_sec, c.global_batch, p))
     }
 
-    /// A trial of the most promising candidate the run has not measured, when `cur` has run
-    /// more than `trial_steps` steps (`ran`), no change is pending, and the candidate's
-    /// optimistic value (its predicted throughput times `exp(explore)`, as Goodput at the
-    /// point estimate `phi`) beats the best measured candidate's by the switch threshold and,
-    /// for a layout, repays the layout's cost within the horizon; `Keep` otherwise. Without a
-    /// noise estimate only candidates of the running B_g compete, on throughput.
+    /// A trial of the candidate the run has not measured whose trial is worth most, when `cur`
+    /// has run more than `trial_steps` steps (`ran`) and no change is pending. Its value (Goodput
+    /// at the point estimate `phi`; throughput, within the running B_g, without an estimate)
+    /// is taken as log-normal about the prediction with the prior's log-error
+    /// ([`Copus::optimism`]); the trial's worth is its expected improvement over the best
+    /// measured candidate. It is made when that improvement is at least the switch threshold
+    /// (of the best measured value) and, for a layout, when the improvement earned over the
+    /// horizon pays for the two layout changes a trial may cost (there and back). Among those,
+    /// the candidate with the largest net worth is tried; `Keep` if there is none.
     fn explore(&mut self, step: u64, cur: &Candidate, ran: u64, phi: Option<f64>) -> Decision {
         let r = self.rule;
         if r.explore <= 0.0 || self.winning.is_some() || ran <= r.trial_steps {
             return Decision::Keep;
         }
         let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
-        let optimism = self.optimism().exp();
-        let (mut best_known, mut next) = (now, None::<(Candidate, f64)>);
+        let eligible = |c: &Candidate| phi.is_some() || c.global_batch == cur.global_batch;
+        let best_known = self
+            .scorer
+            .candidates_measured()
+            .filter(|(c, _, measured)| *measured && eligible(c))
+            .map(|(c, t, _)| self.value(c, t, phi))
+            .fold(now, f64::max);
+        let s = self.optimism();
+        let mut next = None::<(Candidate, f64)>;
         for (c, t, measured) in self.scorer.candidates_measured() {
-            if !(phi.is_some() || c.global_batch == cur.global_batch) {
+            if measured || !eligible(c) || c == cur || self.tried.contains(c) {
                 continue;
             }
-            if measured {
-                best_known = best_known.max(self.value(c, t, phi));
-            } else if c != cur && !self.tried.contains(c) {
-                let v = self.value(c, t * optimism, phi);
-                if next.is_none_or(|(_, best)| v > best) {
-                    next = Some((*c, v));
-                }
+            let layout = c.layout_differs(cur);
+            let (th, cost) = if layout { (r.layout_threshold, 2.0 * r.layout_cost) } else { (r.batch_threshold, 0.0) };
+            let gain = expected_improvement(self.value(c, t, phi), best_known, s);
+            // Progress-seconds: the gain over the horizon against the time the changes take.
+            let worth = gain * r.horizon - best_known * cost;
+            if gain >= th * best_known && worth > 0.0 && next.is_none_or(|(_, w)| worth > w) {
+                next = Some((*c, worth));
             }
         }
-        let Some((next, optimistic)) = next else { return Decision::Keep };
-        let layout = next.layout_differs(cur);
-        let th = if layout { r.layout_threshold } else { r.batch_threshold };
-        let repays = !layout || optimistic * (r.horizon - r.layout_cost).max(0.0) > now * r.horizon;
-        if optimistic > best_known * (1.0 + th) && repays {
-            self.trial = Some((next, step));
-            self.before_trial = Some((self.left, self.left_layout));
-            self.tried.push(next);
-            Decision::to(cur, next)
-        } else {
-            Decision::Keep
-        }
+        let Some((next, _)) = next else { return Decision::Keep };
+        self.trial = Some((next, step));
+        self.before_trial = Some((self.left, self.left_layout));
+        self.tried.push(next);
+        Decision::to(cur, next)
     }
 
     /// The end of a trial: the best measured candidate among the trial's B_g and the
@@ -288,6 +296,21 @@ impl Copus {
     pub fn layout_cost(&self) -> f64 {
         self.rule.layout_cost
     }
+}
+
+/// `E[max(V - best, 0)]` for `V` log-normal with median `median` and log standard deviation
+/// `s` (the call price at zero rate): `median e^(s^2/2) Phi(d + s) - best Phi(d)`, with
+/// `d = ln(median / best) / s`; `max(median - best, 0)` when `s` is 0.
+pub(crate) fn expected_improvement(median: f64, best: f64, s: f64) -> f64 {
+    if !(median > 0.0 && best > 0.0) {
+        return 0.0;
+    }
+    if s <= 0.0 {
+        return (median - best).max(0.0);
+    }
+    let cdf = |x: f64| 0.5 * libm::erfc(-x / std::f64::consts::SQRT_2);
+    let d = (median / best).ln() / s;
+    (median * (0.5 * s * s).exp() * cdf(d + s) - best * cdf(d)).max(0.0)
 }
 
 impl Policy for Copus {
@@ -704,5 +727,54 @@ mod tests {
         q.observe_throughput(&a, s.throughput(&a).unwrap() * 0.5f64.exp());
         q.observe_throughput(&b, s.throughput(&b).unwrap() * (-0.5f64).exp());
         assert!((q.optimism() - (1.09f64 / 3.0).sqrt()).abs() < 1e-12, "{}", q.optimism());
+    }
+
+    /// The closed form against its integral over the log-normal (midpoint rule on +-12
+    /// standard deviations), and by hand: at median = best, `e^(s^2/2) Phi(s) - 1/2`, 0.146352
+    /// for s = 0.3; without spread, the plain difference.
+    #[test]
+    fn expected_improvement_matches_its_integral() {
+        for (median, best, s) in [(1.0, 1.0, 0.3), (0.7, 1.0, 0.25), (15.4, 6.7, 0.3), (2.0, 5.0, 0.1), (3.0, 1.0, 1.0)] {
+            let n = 200_000;
+            let h = 24.0 / n as f64;
+            let integral: f64 = (0..n)
+                .map(|i| {
+                    let z = -12.0 + (i as f64 + 0.5) * h;
+                    let density = (-0.5 * z * z).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                    (median * (s * z).exp() - best).max(0.0) * density * h
+                })
+                .sum();
+            let closed = expected_improvement(median, best, s);
+            assert!((closed - integral).abs() <= 1e-7 * best.max(median), "{median} {best} {s}: {closed} vs {integral}");
+        }
+        assert!((expected_improvement(1.0, 1.0, 0.3) - 0.146352).abs() < 1e-6);
+        assert_eq!(expected_improvement(3.0, 1.0, 0.0), 2.0);
+        assert_eq!(expected_improvement(1.0, 3.0, 0.0), 0.0);
+    }
+
+    /// A layout trial is charged both changes it may cost (there and back): with tp2's
+    /// expected gain `g` over dp4 (samples/s) and the horizon `H`, it is tried when the layout
+    /// cost is just under `g H / (2 dp4)` and not when it is just over (a trial charged one
+    /// change would still be made there).
+    #[test]
+    fn a_layout_trial_must_pay_for_going_there_and_back() {
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let (t_dp4, t_tp2) = (s.throughput(&dp4).unwrap(), s.throughput(&tp2).unwrap());
+        let gain = expected_improvement(t_tp2, t_dp4, 0.3);
+        let horizon = 600.0;
+        let break_even = gain * horizon / (2.0 * t_dp4);
+        for (cost, tried) in [(0.99 * break_even, true), (1.01 * break_even, false)] {
+            let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: cost, horizon, ..no_dwell() };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            let mut decisions = Vec::new();
+            for step in 1..=3 {
+                p.observe_throughput(&dp4, t_dp4);
+                decisions.push(p.decide(&StepObservation { step, current: dp4, noise: None }));
+            }
+            let want = if tried { Decision::ChangeLayout(tp2) } else { Decision::Keep };
+            assert_eq!(decisions, vec![Decision::Keep, Decision::Keep, want], "layout cost {cost:.1} s (break-even {break_even:.1} s)");
+        }
     }
 }

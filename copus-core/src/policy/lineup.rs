@@ -1,10 +1,11 @@
 //! The policy line-up of a comparison: every baseline and Copus, each with the configuration it
 //! starts from, built from one scorer; and [`Named`], a policy under another name.
 
-use super::{
-    CbsFixedLayout, Copus, Decision, DpOnlyGoodput, MerrillWarmup, Policy, PolicyError, PolicyState, Scorer, Static, StepObservation,
-    SwitchRule,
-};
+use super::baselines::{CbsFixedLayout, DpOnlyGoodput, MerrillWarmup, Static};
+use super::copus::{Copus, SwitchRule};
+use super::error::PolicyError;
+use super::interface::{Decision, Policy, PolicyState, StepObservation};
+use super::scorer::Scorer;
 use crate::candidates::Candidate;
 use crate::layout::ParallelDims;
 

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::Scorer;
 use super::error::{PolicyError, check};
+use super::scorer::Scorer;
 use crate::candidates::Candidate;
 use crate::layout::ParallelDims;
 

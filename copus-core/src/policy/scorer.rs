@@ -21,6 +21,8 @@ pub struct Scorer {
     prior: Vec<f64>,
     /// Smoothed measured samples/s of each entry the run has run.
     measured: Vec<Option<f64>>,
+    /// Measurements taken per candidate (capped; restored measurements count as settled).
+    counts: Vec<u32>,
     /// [`Scorer::prior_log_error`], kept by [`Scorer::rescale`].
     log_error: Option<(f64, usize)>,
     /// Reference batch B0 of statistical efficiency.
@@ -64,7 +66,8 @@ impl Scorer {
         }
         let prior = entries.iter().map(|e| e.1).collect();
         let measured = vec![None; entries.len()];
-        Ok(Self { entries, prior, measured, log_error: None, b0, objective })
+        let counts = vec![0; entries.len()];
+        Ok(Self { entries, prior, measured, counts, log_error: None, b0, objective })
     }
 
     /// Plain Goodput with reference batch `b0`.
@@ -73,9 +76,9 @@ impl Scorer {
     }
 
     /// Learns throughput online from a step of `c` that ran at `samples_per_sec`. A candidate
-    /// the run has run is scored by its own measurements (an EMA with weight
-    /// [`Self::THROUGHPUT_SMOOTHING`] on the newest); every other candidate by its prior times
-    /// the geometric mean of measured / prior over the run ones, so a prior that is off by a
+    /// the run has run is scored by its own measurements (their mean over the first ten, then
+    /// an EMA with weight [`Self::THROUGHPUT_SMOOTHING`] on the newest); every other candidate
+    /// by its prior times the geometric mean of measured / prior over the run ones, so a prior that is off by a
     /// constant factor (another machine, the analytic model) is corrected from the first
     /// measurement. Non-positive or non-finite measurements and non-candidates are ignored.
     pub fn observe_throughput(&mut self, c: &Candidate, samples_per_sec: f64) {
@@ -83,7 +86,8 @@ impl Scorer {
             return;
         }
         let Some(i) = self.entries.iter().position(|(d, _)| d == c) else { return };
-        let w = Self::THROUGHPUT_SMOOTHING;
+        self.counts[i] = self.counts[i].saturating_add(1);
+        let w = (1.0 / self.counts[i] as f64).max(Self::THROUGHPUT_SMOOTHING);
         self.measured[i] = Some(self.measured[i].map_or(samples_per_sec, |m| (1.0 - w) * m + w * samples_per_sec));
         self.rescale();
     }
@@ -93,16 +97,40 @@ impl Scorer {
         self.entries.iter().zip(&self.measured).filter_map(|((c, _), m)| m.map(|m| (*c, m))).collect()
     }
 
+    /// How many measurements each measured candidate's value averages, counted up to the ten
+    /// after which the newest weighs [`Self::THROUGHPUT_SMOOTHING`]; saved beside
+    /// [`Self::measured`] so a restored scorer smooths its next measurements as the original
+    /// would.
+    pub fn measurement_counts(&self) -> Vec<(Candidate, u32)> {
+        let measured = self.entries.iter().zip(&self.measured).zip(&self.counts);
+        measured.filter(|((_, m), _)| m.is_some()).map(|(((c, _), _), n)| (*c, (*n).min(Self::SETTLED))).collect()
+    }
+
+    /// Restores [`Self::measurement_counts`] after [`Self::set_measured`] (which counts every
+    /// restored measurement as settled); counts of candidates without a measurement are
+    /// ignored.
+    pub fn set_measurement_counts(&mut self, counts: &[(Candidate, u32)]) {
+        for (c, n) in counts {
+            if let Some(i) = self.entries.iter().position(|(d, _)| d == c)
+                && self.measured[i].is_some()
+            {
+                self.counts[i] = (*n).clamp(1, Self::SETTLED);
+            }
+        }
+    }
+
     /// Replaces the measurements by `measured` (from [`Self::measured`]) and rescales the rest,
     /// as if they had been observed; entries that are not candidates are ignored.
     pub fn set_measured(&mut self, measured: &[(Candidate, f64)]) {
         self.measured = vec![None; self.entries.len()];
+        self.counts = vec![0; self.entries.len()];
         for (c, m) in measured {
             if let Some(i) = self.entries.iter().position(|(d, _)| d == c)
                 && m.is_finite()
                 && *m > 0.0
             {
                 self.measured[i] = Some(*m);
+                self.counts[i] = Self::SETTLED;
             }
         }
         self.rescale();
@@ -141,8 +169,13 @@ impl Scorer {
         Self::from_prior(entries, self.b0, self.objective.clone())
     }
 
-    /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA.
-    pub const THROUGHPUT_SMOOTHING: f64 = 0.5;
+    /// Weight of the newest measurement in [`Self::observe_throughput`]'s EMA once a candidate
+    /// has 10 measurements; before that, each is weighted equally (the running mean), so a
+    /// short trial is judged on the mean of its steps rather than on its last two.
+    pub const THROUGHPUT_SMOOTHING: f64 = 0.1;
+
+    /// The count from which the EMA's weight is [`Self::THROUGHPUT_SMOOTHING`].
+    const SETTLED: u32 = 10;
 
     /// The candidates with throughputs.
     pub fn candidates(&self) -> impl Iterator<Item = &(Candidate, f64)> {
@@ -207,7 +240,15 @@ impl Scorer {
     /// A scorer without candidates, which [`Scorer::new`] refuses: for tests of code that must
     /// not panic on one.
     pub(crate) fn empty_for_tests() -> Self {
-        Self { entries: Vec::new(), prior: Vec::new(), measured: Vec::new(), log_error: None, b0: 1.0, objective: Arc::new(PlainGoodput) }
+        Self {
+            entries: Vec::new(),
+            prior: Vec::new(),
+            measured: Vec::new(),
+            counts: Vec::new(),
+            log_error: None,
+            b0: 1.0,
+            objective: Arc::new(PlainGoodput),
+        }
     }
 }
 
@@ -232,7 +273,7 @@ mod tests {
         s.observe_throughput(&b, 4.0 * pb);
         assert_eq!(s.throughput(&b), Some(4.0 * pb));
         assert!((s.throughput(&c).unwrap() - pc * 2f64.sqrt()).abs() < 1e-12 * pc);
-        // A repeated measurement is smoothed: EMA with weight 0.5 on the newest.
+        // A repeated measurement is averaged: the running mean of the first ten.
         s.observe_throughput(&a, pa);
         assert!((s.throughput(&a).unwrap() - 0.75 * pa).abs() < 1e-12 * pa);
         // Junk and non-candidates change nothing.
@@ -241,6 +282,39 @@ mod tests {
         s.observe_throughput(&a, -1.0);
         s.observe_throughput(&Candidate::new(d(1, 4, 1), 4, 1).unwrap(), 10.0);
         assert_eq!(before, s.candidates().map(|x| x.1).collect::<Vec<f64>>());
+    }
+
+    /// The running mean of the first ten measurements, then an EMA of weight 0.1; a scorer
+    /// restored with the counts smooths the next measurement as the original does, one
+    /// restored without them (an older checkpoint) as a settled one.
+    #[test]
+    fn smoothing_counts_survive_a_restore() {
+        let (mut s, _) = toy();
+        let a = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        for x in [1.0, 2.0, 3.0] {
+            s.observe_throughput(&a, x);
+        }
+        assert!((s.throughput(&a).unwrap() - 2.0).abs() < 1e-12);
+        assert_eq!(s.measurement_counts(), vec![(a, 3)]);
+        let mut with = toy().0;
+        with.set_measured(&s.measured());
+        with.set_measurement_counts(&s.measurement_counts());
+        let mut without = toy().0;
+        without.set_measured(&s.measured());
+        for t in [&mut s, &mut with, &mut without] {
+            t.observe_throughput(&a, 6.0);
+        }
+        // By hand: (1 + 2 + 3 + 6) / 4 = 3; settled: 0.9 * 2 + 0.1 * 6 = 2.4.
+        assert!((s.throughput(&a).unwrap() - 3.0).abs() < 1e-12);
+        assert_eq!(with.throughput(&a), s.throughput(&a));
+        assert!((without.throughput(&a).unwrap() - 2.4).abs() < 1e-12);
+        // Past ten, the newest weighs 0.1.
+        for _ in 0..6 {
+            s.observe_throughput(&a, 3.0);
+        }
+        assert_eq!(s.measurement_counts(), vec![(a, 10)]);
+        s.observe_throughput(&a, 13.0);
+        assert!((s.throughput(&a).unwrap() - 4.0).abs() < 1e-12);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Test helpers shared by the policy files: a toy two-layout scorer and observations.
 
-use super::{Scorer, StepObservation, SwitchRule};
+use super::copus::SwitchRule;
+use super::interface::StepObservation;
+use super::scorer::Scorer;
 use crate::candidates::Candidate;
 use crate::gns::NoiseEstimate;
 use crate::layout::ParallelDims;
