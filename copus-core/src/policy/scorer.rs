@@ -21,7 +21,8 @@ pub struct Scorer {
     prior: Vec<f64>,
     /// Smoothed measured samples/s of each entry the run has run.
     measured: Vec<Option<f64>>,
-    /// Measurements taken per candidate (capped; restored measurements count as settled).
+    /// Measurements taken per candidate, up to [`Self::SETTLED`] (restored measurements without
+    /// a count count as settled).
     counts: Vec<u32>,
     /// [`Scorer::prior_log_error`], kept by [`Scorer::rescale`].
     log_error: Option<(f64, usize)>,
@@ -86,7 +87,7 @@ impl Scorer {
             return;
         }
         let Some(i) = self.entries.iter().position(|(d, _)| d == c) else { return };
-        self.counts[i] = self.counts[i].saturating_add(1);
+        self.counts[i] = (self.counts[i] + 1).min(Self::SETTLED);
         let w = (1.0 / self.counts[i] as f64).max(Self::THROUGHPUT_SMOOTHING);
         self.measured[i] = Some(self.measured[i].map_or(samples_per_sec, |m| (1.0 - w) * m + w * samples_per_sec));
         self.rescale();
@@ -103,7 +104,7 @@ impl Scorer {
     /// would.
     pub fn measurement_counts(&self) -> Vec<(Candidate, u32)> {
         let measured = self.entries.iter().zip(&self.measured).zip(&self.counts);
-        measured.filter(|((_, m), _)| m.is_some()).map(|(((c, _), _), n)| (*c, (*n).min(Self::SETTLED))).collect()
+        measured.filter(|((_, m), _)| m.is_some()).map(|(((c, _), _), n)| (*c, *n)).collect()
     }
 
     /// Restores [`Self::measurement_counts`] after [`Self::set_measured`] (which counts every
