@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::{Context, anyhow};
 use copus_core::goodput::ObjectiveKind;
-use copus_core::policy::{SwitchCosts, SwitchRule, hindsight_oracle};
+use copus_core::policy::{SwitchCosts, SwitchRule, hindsight_oracle, schedule_time};
 use serde::{Deserialize, Serialize};
 
 use crate::experiments::compare::schema::{Synthetic, default_rule, read_ron};
@@ -116,6 +116,22 @@ pub struct SeedResult {
     pub best_layout: f64,
     /// The oracle's seconds.
     pub oracle: f64,
+    /// Seconds, on the truth, of the schedule the oracle would pick if it trusted the prior's
+    /// throughput (it knows the trajectory and the true progress model, not the seed's
+    /// throughput errors): what the throughput errors alone cost a planner that does not
+    /// measure.
+    pub prior_oracle: f64,
+    /// Seconds, on the truth, of the schedule the oracle would pick if it knew the true
+    /// throughput but planned with the policies' objective: about what that objective costs a
+    /// policy optimising it (a reference, not a strict bound; the oracle's time when the
+    /// objective is the truth's).
+    pub objective_oracle: f64,
+    /// Seconds Copus spent in switches.
+    pub switching: f64,
+    /// Seconds Copus lost against running, at every step, the truly best candidate for the
+    /// step's noise scale: (on a global batch other than the best's, on another layout or
+    /// micro-batch than the best of its global batch); see [`lost_time`].
+    pub lost: (f64, f64),
     /// Copus's layout and batch-only switches.
     pub switches: (usize, usize),
     /// The oracle's layout switches.
@@ -162,6 +178,14 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
             let baselines: Vec<(f64, String)> = sim.runs.iter().filter(|r| r.1).map(|r| (time(&r.0), r.0.policy.clone())).collect();
             let per_layout: Vec<(f64, String)> = sim.per_layout.iter().map(|r| (time(r), r.policy.clone())).collect();
             let oracle = hindsight_oracle(&sim.trajectory, &sim.truth, sc.costs, Some(sim.start));
+            let planned = hindsight_oracle(&sim.trajectory, &sim.prior, sc.costs, Some(sim.start));
+            let prior_oracle = schedule_time(&sim.trajectory, &planned.per_segment, &sim.truth, sc.costs, Some(sim.start))
+                .context("the prior's schedule runs on the truth")?;
+            let believed = hindsight_oracle(&sim.trajectory, &sim.truth_under_objective, sc.costs, Some(sim.start));
+            let objective_oracle = schedule_time(&sim.trajectory, &believed.per_segment, &sim.truth, sc.costs, Some(sim.start))
+                .context("the objective's schedule runs on the truth")?;
+            let switching: f64 = copus.0.switches.iter().map(|w| w.cost).sum();
+            let lost = lost_time(&copus.0, &sim.truth);
             let oracle_layout_switches = std::iter::once(sim.start)
                 .chain(oracle.per_segment.iter().copied())
                 .collect::<Vec<_>>()
@@ -169,7 +193,15 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
                 .filter(|w| w[0].dims != w[1].dims)
                 .count();
             let switches = (layout, copus.0.switches.len() - layout);
-            light.push((seed, time(&copus.0), switches, baselines, per_layout, oracle.time, oracle_layout_switches));
+            light.push((
+                seed,
+                time(&copus.0),
+                switches,
+                baselines,
+                per_layout,
+                (oracle.time, prior_oracle, objective_oracle, switching, lost),
+                oracle_layout_switches,
+            ));
             bar.inc(1);
         }
         // Goodput on the layout that is best in hindsight for the scenario: the smallest mean
@@ -178,14 +210,35 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
         let mean_of = |i: usize| light.iter().map(|s| s.4[i].0).sum::<f64>() / light.len() as f64;
         let best = (0..layouts).min_by(|a, b| mean_of(*a).total_cmp(&mean_of(*b))).context("a layout")?;
         let mut rows = Vec::new();
-        for (seed, copus, switches, baselines, per_layout, oracle, oracle_layout_switches) in light {
+        for (
+            seed,
+            copus,
+            switches,
+            baselines,
+            per_layout,
+            (oracle, prior_oracle, objective_oracle, switching, lost),
+            oracle_layout_switches,
+        ) in light
+        {
             let best_layout = per_layout[best].clone();
             let fastest = baselines
                 .into_iter()
                 .chain(std::iter::once(best_layout.clone()))
                 .min_by(|a, b| a.0.total_cmp(&b.0))
                 .context("baselines")?;
-            rows.push(SeedResult { seed, copus, fastest, best_layout: best_layout.0, oracle, switches, oracle_layout_switches });
+            rows.push(SeedResult {
+                seed,
+                copus,
+                fastest,
+                best_layout: best_layout.0,
+                oracle,
+                prior_oracle,
+                objective_oracle,
+                switching,
+                lost,
+                switches,
+                oracle_layout_switches,
+            });
         }
         results.push((sc.name.clone(), rows));
     }
@@ -210,6 +263,46 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
     Ok((folder, table))
 }
 
+/// Where a run's time went against the truth: for each step, the share of its seconds it would
+/// have saved on the candidate with the highest true Goodput at the step's noise scale, split
+/// into the part a better global batch would have saved (`1 - G_b / G_best`, `G_b` the best
+/// true Goodput at the step's global batch) and the part a better layout or micro-batch at
+/// that global batch would have (`(G_b - G) / G_best`); summed over steps, seconds. Needs the
+/// run's recorded steps.
+pub fn lost_time(run: &copus_core::sim::SimRun, truth: &copus_core::policy::Scorer) -> (f64, f64) {
+    use std::collections::HashMap;
+    // Best true Goodput overall and per global batch, per noise scale (piecewise constant).
+    let mut best: HashMap<u64, (f64, HashMap<usize, f64>)> = HashMap::new();
+    let (mut on_batch, mut on_layout) = (0.0, 0.0);
+    let mut previous = 0.0;
+    let mut switches = run.switches.iter().peekable();
+    for s in &run.steps {
+        // The step's own seconds: its end minus the previous end, less a switch before it.
+        let mut secs = s.time - previous;
+        while let Some(w) = switches.next_if(|w| w.step < s.step) {
+            secs -= w.cost;
+        }
+        previous = s.time;
+        let (overall, per_batch) = best.entry(s.b_simple.to_bits()).or_insert_with(|| {
+            let mut per_batch: HashMap<usize, f64> = HashMap::new();
+            for (c, t) in truth.candidates() {
+                let g = truth.goodput(*t, c.global_batch, s.b_simple);
+                let e = per_batch.entry(c.global_batch).or_insert(0.0);
+                *e = e.max(g);
+            }
+            (per_batch.values().copied().fold(0.0, f64::max), per_batch)
+        });
+        let Some(t) = truth.throughput(&s.candidate) else { continue };
+        let g = truth.goodput(t, s.candidate.global_batch, s.b_simple);
+        let g_b = per_batch.get(&s.candidate.global_batch).copied().unwrap_or(g);
+        if *overall > 0.0 && secs > 0.0 {
+            on_batch += secs * (1.0 - g_b / *overall);
+            on_layout += secs * (g_b - g) / *overall;
+        }
+    }
+    (on_batch, on_layout)
+}
+
 fn stats(x: impl Iterator<Item = f64>) -> (f64, f64, f64) {
     let v: Vec<f64> = x.collect();
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -225,14 +318,25 @@ fn table(suite: &Suite, results: &[(String, Vec<SeedResult>)]) -> String {
     let mut md = format!(
         "# {}\n\nSimulated clock (analytic cluster models); the policies see the real estimator's output on simulated gradient \
          statistics. {} seeds per scenario; mean [min, max] over seeds. Time columns: Copus's time relative to the other's \
-         (negative: Copus sooner).\n\n",
+         (negative: Copus sooner). The oracle trusting the prior knows the trajectory and the true progress model but plans \
+         with the analytic throughput, not the seed's errors; its regret is what those errors cost a planner that does not \
+         measure. The oracle planning with the policies' objective knows the true throughput but plans with the \
+         objective the policies optimise; its regret (0 where the objective is the truth's) is about what that objective costs any policy \
+         optimising that objective. Copus's time is split into switches, steps on a global batch worse than the best \
+         for the step's noise scale, and steps on a layout or micro-batch worse than the best at its global batch \
+         (each step's seconds times its shortfall of true Goodput against the best).\n\n",
         suite.name,
         suite.seeds.len()
     );
-    md.push_str("| scenario | vs fastest baseline | vs goodput on best layout | regret vs oracle | captured of oracle's gain | layout switches (oracle) | batch switches | goals |\n|---|---:|---:|---:|---:|---:|---:|---|\n");
+    md.push_str("| scenario | vs fastest baseline | vs goodput on best layout | regret vs oracle | oracle trusting the prior: regret | oracle planning with the policies' objective: regret | Copus's time: switching / on a worse B_g / on a worse layout at its B_g | captured of oracle's gain | layout switches (oracle) | batch switches | goals |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     let mut missed = Vec::new();
     for (name, rows) in results {
         let regret = stats(rows.iter().map(SeedResult::regret));
+        let prior_regret = stats(rows.iter().map(|r| r.prior_oracle / r.oracle - 1.0));
+        let objective_regret = stats(rows.iter().map(|r| r.objective_oracle / r.oracle - 1.0));
+        let switching = stats(rows.iter().map(|r| r.switching / r.copus));
+        let lost_batch = stats(rows.iter().map(|r| r.lost.0 / r.copus));
+        let lost_layout = stats(rows.iter().map(|r| r.lost.1 / r.copus));
         let fastest = stats(rows.iter().map(SeedResult::vs_fastest));
         let best_layout = stats(rows.iter().map(SeedResult::vs_best_layout));
         let oracle_gain = stats(rows.iter().map(|r| r.fastest.0 / r.oracle - 1.0)).0;
@@ -260,10 +364,15 @@ fn table(suite: &Suite, results: &[(String, Vec<SeedResult>)]) -> String {
         }
         let _ = writeln!(
             md,
-            "| {name} | {} | {} | {} | {} | {:.1} [{:.0}, {:.0}] ({oracle_layout:.0}) | {:.1} [{:.0}, {:.0}] | {verdict} |",
+            "| {name} | {} | {} | {} | {} | {} | {:.1}% / {:.1}% / {:.1}% | {} | {:.1} [{:.0}, {:.0}] ({oracle_layout:.0}) | {:.1} [{:.0}, {:.0}] | {verdict} |",
             pct(fastest),
             pct(best_layout),
             pct(regret),
+            pct(prior_regret),
+            pct(objective_regret),
+            100.0 * switching.0,
+            100.0 * lost_batch.0,
+            100.0 * lost_layout.0,
             captured_mean.map_or(format!("- (oracle +{:.1}%)", 100.0 * oracle_gain), |c| format!(
                 "{:.0}% (oracle +{:.1}%)",
                 100.0 * c,
@@ -357,9 +466,66 @@ mod tests {
                 // The oracle bounds every run from below (within the step discretisation).
                 let (copus, oracle) = (s["copus"].as_f64().unwrap(), s["oracle"].as_f64().unwrap());
                 assert!(oracle <= copus * 1.001, "oracle {oracle} vs copus {copus}");
+                // Any schedule timed on the truth takes at least the oracle's time; planning with
+                // the truth's own objective is the oracle.
+                let (prior, objective) = (s["prior_oracle"].as_f64().unwrap(), s["objective_oracle"].as_f64().unwrap());
+                assert!(prior >= oracle * (1.0 - 1e-12) && objective >= oracle * (1.0 - 1e-12), "{prior} {objective} {oracle}");
+                if r[0].as_str() == Some("3b flat, LR-aware truth") {
+                    assert!((objective / oracle - 1.0).abs() < 1e-12, "matched objective: {objective} vs {oracle}");
+                }
+                // The time lost on worse candidates and in switches is part of Copus's time.
+                let lost = s["lost"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).sum::<f64>();
+                assert!(lost >= 0.0 && lost + s["switching"].as_f64().unwrap() <= copus, "{lost} of {copus}");
                 assert!(s["best_layout"].as_f64().unwrap().is_finite());
             }
         }
+    }
+
+    /// The breakdown of a run's time against hand-computed values: three candidates (true
+    /// Goodput 40 and 80 at B_g 4, 133.3 at B_g 8, plain efficiency with B0 = B_simple = 4),
+    /// one step on each, switches between them.
+    #[test]
+    fn lost_time_splits_a_runs_shortfall_by_batch_and_layout() {
+        use copus_core::candidates::Candidate;
+        use copus_core::layout::ParallelDims;
+        use copus_core::policy::Scorer;
+        use copus_core::sim::{SimRun, SimStep, SimSwitch};
+        use copus_core::throughput::ThroughputModel;
+        struct Table(Vec<(Candidate, f64)>);
+        impl ThroughputModel for Table {
+            fn samples_per_sec(&self, c: &Candidate) -> Option<f64> {
+                self.0.iter().find(|(k, _)| k == c).map(|(_, t)| *t)
+            }
+        }
+        let cand = |dp, tp, b| Candidate::new(ParallelDims::new(dp, tp, 1, 2).unwrap(), b, 1).unwrap();
+        let (a, b, c) = (cand(2, 1, 4), cand(1, 2, 4), cand(2, 1, 8));
+        let table = Table(vec![(a, 40.0), (b, 80.0), (c, 200.0)]);
+        let truth = Scorer::plain(&[a, b, c], &table, 4.0).unwrap();
+        let step = |step, time, candidate: Candidate, throughput| SimStep {
+            step,
+            time,
+            progress: 0.0,
+            candidate,
+            throughput,
+            efficiency: 1.0,
+            b_simple: 4.0,
+        };
+        // Step seconds 0.1 (4 / 40), 0.05 (4 / 80), 0.04 (8 / 200); switches of 2 s and 0.5 s.
+        let run = SimRun {
+            policy: "hand".into(),
+            steps: vec![step(1, 0.1, a, 40.0), step(2, 2.15, b, 80.0), step(3, 2.69, c, 200.0)],
+            switches: vec![
+                SimSwitch { step: 1, time: 0.1, from: a, to: b, cost: 2.0 },
+                SimSwitch { step: 2, time: 2.15, from: b, to: c, cost: 0.5 },
+            ],
+            time_to_target: Some(2.69),
+            refused: 0,
+        };
+        // Best 200 x 8 / 12 = 133.3. Step 1: 0.1 x (1 - 80 / 133.3) = 0.04 on the batch,
+        // 0.1 x (80 - 40) / 133.3 = 0.03 on the layout; step 2: 0.05 x 0.4 = 0.02 on the batch.
+        let (on_batch, on_layout) = lost_time(&run, &truth);
+        assert!((on_batch - 0.06).abs() < 1e-9, "{on_batch}");
+        assert!((on_layout - 0.03).abs() < 1e-9, "{on_layout}");
     }
 
     #[test]

@@ -116,7 +116,7 @@ mod tests {
         // A shorter run of the same shape, so the test stays quick.
         s.trajectory = vec![(0.0, 2.0), (1.0e4, 16.0), (2.0e4, 128.0)];
         s.end = 3.0e4;
-        let (scorer, truth, traj, _) = synthetic_setup(&s, ObjectiveKind::Plain, 3).unwrap();
+        let (scorer, _, truth, traj, _) = synthetic_setup(&s, ObjectiveKind::Plain, 3).unwrap();
         let cfg = s.sim_config(r.costs, 3);
         let rule = r.rule();
         let per_layout = goodput_per_layout(&scorer, &truth, &traj, &cfg, rule).unwrap();

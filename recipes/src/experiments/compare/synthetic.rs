@@ -72,14 +72,20 @@ pub(crate) fn fastest_run(runs: &[SimRun]) -> Option<&SimRun> {
         .min_by(|a, b| a.time_to_target.unwrap_or(f64::INFINITY).total_cmp(&b.time_to_target.unwrap_or(f64::INFINITY)))
 }
 
-/// The policies' scorer, the truth of seed `seed` (the analytic throughput times the seed's
-/// per-candidate error, and the scenario's progress model) and the trajectory of a synthetic
-/// scenario.
-pub(crate) fn synthetic_setup(s: &Synthetic, objective: ObjectiveKind, seed: u64) -> anyhow::Result<(Scorer, Scorer, Trajectory, usize)> {
+/// A synthetic scenario's scorer for the policies; the prior under the truth's progress model
+/// (the analytic throughput without the seed's error: what an oracle that knows the progress
+/// model but not the throughput errors would plan with); the truth of seed `seed` (the
+/// analytic throughput times the seed's per-candidate error, and the scenario's progress
+/// model); the trajectory; the cluster's ranks.
+pub(crate) fn synthetic_setup(
+    s: &Synthetic,
+    objective: ObjectiveKind,
+    seed: u64,
+) -> anyhow::Result<(Scorer, Scorer, Scorer, Trajectory, usize)> {
     let (scorer, world) = synthetic_scorer(s, objective)?;
     let (model, _) = synthetic_scorer(s, s.truth)?;
     let truth = perturbed(&model, s.throughput_error, seed)?;
-    Ok((scorer, truth, Trajectory::new(s.trajectory.clone(), s.end)?, world))
+    Ok((scorer, model, truth, Trajectory::new(s.trajectory.clone(), s.end)?, world))
 }
 
 /// One seed of a synthetic scenario: every policy of the line-up as (run, whether a
@@ -90,6 +96,11 @@ pub(crate) struct Simulated {
     pub(crate) start: Candidate,
     /// The seed's truth and the trajectory the runs were timed on (for the oracle).
     pub(crate) truth: Scorer,
+    /// The analytic throughput without the seed's error, under the truth's progress model.
+    pub(crate) prior: Scorer,
+    /// The seed's true throughput under the policies' objective (what an oracle that measured
+    /// every candidate but believes the policies' progress model would plan with).
+    pub(crate) truth_under_objective: Scorer,
     pub(crate) trajectory: Trajectory,
     /// Ranks of the scenario's cluster.
     pub(crate) world: usize,
@@ -104,20 +115,23 @@ pub(crate) fn simulate_lineup(
     seed: u64,
     record_steps: bool,
 ) -> anyhow::Result<Simulated> {
-    let (scorer, truth, trajectory, world) = synthetic_setup(s, objective, seed)?;
+    let (scorer, prior, truth, trajectory, world) = synthetic_setup(s, objective, seed)?;
     let cfg = SimConfig { record_steps, ..s.sim_config(costs, seed) };
+    let truth_under_objective = perturbed(&scorer, s.throughput_error, seed)?;
     let lineup = lineup(&scorer, rule, cbs_c)?;
     let mut runs = Vec::new();
     for Entry { mut policy, start, baseline } in lineup.entries {
+        // Copus's steps are always kept (the suite's breakdown of its time reads them).
+        let cfg = SimConfig { record_steps: record_steps || !baseline, ..cfg.clone() };
         runs.push((simulate(policy.as_mut(), &truth, &trajectory, start, &cfg)?, baseline));
     }
     let per_layout = goodput_per_layout(&scorer, &truth, &trajectory, &cfg, rule)?;
-    Ok(Simulated { runs, per_layout, start: lineup.copus_start, truth, trajectory, world })
+    Ok(Simulated { runs, per_layout, start: lineup.copus_start, truth, prior, truth_under_objective, trajectory, world })
 }
 
 pub(super) fn synthetic(recipe: &CompareRecipe, s: &Synthetic) -> anyhow::Result<Compared> {
     let cfg = s.sim_config(recipe.costs, s.seed);
-    let Simulated { runs: mut sims, per_layout, start: copus_start, truth, trajectory, world } =
+    let Simulated { runs: mut sims, per_layout, start: copus_start, truth, trajectory, world, .. } =
         simulate_lineup(s, recipe.objective, recipe.costs, recipe.rule(), recipe.cbs_c, s.seed, true)?;
     if let Some(best) = fastest_run(&per_layout) {
         // Next to the other baselines, before Copus.
