@@ -8,6 +8,8 @@ use burn::tensor::DType;
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 
+use crate::traffic::{self, Kind};
+
 /// Sum over parameters of `|grad|^2`, in f64 (see [`host_sq`]).
 pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
     struct V<'a> {
@@ -31,18 +33,20 @@ pub fn sq_norm<M: Module>(module: &M, grads: &GradientsParams) -> f64 {
 /// A tensor in host memory is read in place, in the order it is stored (see `stored`).
 pub fn host_sq<const D: usize>(t: Tensor<D>) -> f64 {
     let t = t.inner();
+    traffic::count(Kind::Probe, 4 * t.shape().num_elements());
     if let Ok(p) = t.clone().try_into_primitive::<Flex>()
         && let Some((values, _)) = stored(&p)
     {
         return sum_sq(values);
     }
-    with_values(&t, sum_sq)
+    values(&t, sum_sq)
 }
 
 /// `|a - b|^2` of two tensors of one shape, in f64 on the host, without a difference tensor
 /// and, for tensors in host memory stored alike, without a copy.
 pub fn host_diff_sq<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
     let (a, b) = (a.inner(), b.inner());
+    traffic::count(Kind::Probe, 4 * (a.shape().num_elements() + b.shape().num_elements()));
     if a.dims() == b.dims()
         && let (Ok(pa), Ok(pb)) = (a.clone().try_into_primitive::<Flex>(), b.clone().try_into_primitive::<Flex>())
         && let (Some((x, sx)), Some((y, sy))) = (stored(&pa), stored(&pb))
@@ -50,7 +54,7 @@ pub fn host_diff_sq<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> f64 {
     {
         return diff_sum_sq(x, y);
     }
-    with_values(&a, |x| with_values(&b, |y| diff_sum_sq(x, y)))
+    values(&a, |x| values(&b, |y| diff_sum_sq(x, y)))
 }
 
 /// The values of a Flex f32 tensor in the order they are stored, with its strides, when they
@@ -77,9 +81,21 @@ fn stored(p: &FlexTensor) -> Option<(&[f32], &[isize])> {
     Some((values, layout.strides()))
 }
 
+/// Whether the tensor lives in host memory (Flex), where its values are read in place.
+pub(crate) fn in_host_memory<const D: usize>(t: &Tensor<D>) -> bool {
+    t.device().inner() == burn::tensor::Device::flex()
+}
+
 /// Calls `f` with the tensor's values as f32, in logical order. A contiguous f32 tensor on Flex
-/// (host memory) is read in place, shared, without a copy; any other is read back first.
-pub fn with_values<const D: usize, R>(t: &Tensor<D>, f: impl FnOnce(&[f32]) -> R) -> R {
+/// (host memory) is read in place, shared, without a copy; any other is read back first. The
+/// host-traffic meter counts its bytes as `kind` either way (what a device backend moves).
+pub fn with_values<const D: usize, R>(t: &Tensor<D>, kind: Kind, f: impl FnOnce(&[f32]) -> R) -> R {
+    traffic::count(kind, 4 * t.shape().num_elements());
+    values(t, f)
+}
+
+/// [`with_values`] without counting (the caller has).
+fn values<const D: usize, R>(t: &Tensor<D>, f: impl FnOnce(&[f32]) -> R) -> R {
     let t = t.clone().inner();
     if let Ok(p) = t.clone().try_into_primitive::<Flex>()
         && let Some(values) = p.as_slice::<f32>()
@@ -175,11 +191,11 @@ pub fn diff_sq_norm_on_device<M: Module>(module: &M, a: &GradientsParams, b: &Gr
 }
 
 /// One readback of the per-parameter sums, added in f64.
-fn read_sum(parts: Vec<Tensor<1>>) -> f64 {
+pub(crate) fn read_sum(parts: Vec<Tensor<1>>) -> f64 {
     if parts.is_empty() {
         return 0.0;
     }
-    Tensor::cat(parts, 0).into_data().iter::<f32>().map(f64::from).sum()
+    traffic::read(Tensor::cat(parts, 0), Kind::Probe).iter::<f32>().map(f64::from).sum()
 }
 
 /// `|a - b|^2` over parameters present in both, in f64.
@@ -361,7 +377,7 @@ mod tests {
         ];
         for (k, t) in views.into_iter().enumerate() {
             let expected = t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
-            assert_eq!(with_values(&t, |v| v.to_vec()), expected, "view {k}");
+            assert_eq!(with_values(&t, Kind::State, |v| v.to_vec()), expected, "view {k}");
         }
     }
 

@@ -67,6 +67,7 @@ pub mod parallel;
 pub mod reconfig;
 pub mod run_dir;
 pub mod state;
+pub mod traffic;
 pub mod trainer;
 mod wire;
 

@@ -198,7 +198,7 @@ impl ShardSource {
         if data.shape().len() != D {
             return Err(ShardError::Shape { name: name.into(), got: data.shape().to_vec(), expected: vec![0; D] });
         }
-        Ok(Param::initialized(param_id(name), Tensor::from_data(data, device)).set_require_grad(true))
+        Ok(Param::initialized(param_id(name), crate::traffic::upload(data, device, crate::traffic::Kind::State)).set_require_grad(true))
     }
 
     /// Looks at a shard without taking it.
@@ -333,11 +333,17 @@ pub fn flat_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, T
     v.out
 }
 
-/// Every float parameter of a module with its path, id, shape and host values.
+/// Every float parameter of a module with its path, id, shape and host values (the reads
+/// counted as state traffic).
 pub fn named_params<M: Module>(module: &M) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
+    named_params_as(module, crate::traffic::Kind::State)
+}
+
+/// [`named_params`], the reads counted as `kind`.
+pub fn named_params_as<M: Module>(module: &M, kind: crate::traffic::Kind) -> Vec<(String, ParamId, Vec<usize>, Vec<f32>)> {
     flat_params(module)
         .into_iter()
-        .map(|(path, id, shape, t)| (path, id, shape, t.into_data().try_to_vec::<f32>().expect("f32 parameter")))
+        .map(|(path, id, shape, t)| (path, id, shape, crate::traffic::read(t, kind).try_to_vec::<f32>().expect("f32 parameter")))
         .collect()
 }
 

@@ -64,8 +64,8 @@ impl MicroBatch {
         let targets: Vec<i64> = windows.iter().flat_map(|w| w[1..].iter().map(|&t| t.into())).collect();
         let shape = [windows.len(), seq];
         Self {
-            inputs: Tensor::from_data(burn::tensor::TensorData::new(inputs, shape), device),
-            targets: Tensor::from_data(burn::tensor::TensorData::new(targets, shape), device),
+            inputs: crate::traffic::upload(burn::tensor::TensorData::new(inputs, shape), device, crate::traffic::Kind::Batch),
+            targets: crate::traffic::upload(burn::tensor::TensorData::new(targets, shape), device, crate::traffic::Kind::Batch),
         }
     }
 }

@@ -365,7 +365,15 @@ fn train(
         writeln!(
             logs.metrics,
             "{}",
-            serde_json::json!({"train_secs": st.step_clock_secs, "layout": c.dims.to_string(), "skipped": st.step.skipped, "metrics": m, "point": point})
+            serde_json::json!({
+                "train_secs": st.step_clock_secs,
+                "layout": c.dims.to_string(),
+                "skipped": st.step.skipped,
+                "metrics": m,
+                "point": point,
+                "host_traffic": st.step.host,
+                "host_traffic_rank_max": st.step.host_rank_max,
+            })
         )?;
         if let Some(d) = &st.decision {
             let goodput = |c: &Candidate| {

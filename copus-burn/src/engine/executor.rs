@@ -148,7 +148,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             // counters stay as they were (every rank sees the same reduced loss and norm).
             let lr = self.cfg.optim.lr_at(self.step, self.samples_seen(), self.cfg.global_batch, self.closer.gns().b_simple());
             let metrics = self.metrics(loss, lr, stats.grad_sq_norm.sqrt(), None, start);
-            return Ok(EngineStep { metrics, stats, skipped: true });
+            let host = crate::traffic::take();
+            return Ok(EngineStep { metrics, stats, skipped: true, host, host_rank_max: host.total() });
         }
         let stage = self.stage.take().expect("stage present");
         let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.samples_seen(), self.cfg.global_batch, &stats, acc) {
@@ -162,7 +163,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.step += 1;
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
         let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);
-        Ok(EngineStep { metrics, stats, skipped: false })
+        let host = crate::traffic::take();
+        Ok(EngineStep { metrics, stats, skipped: false, host, host_rank_max: host.total() })
     }
 
     /// Sequences trained on so far (the schedule's clock).

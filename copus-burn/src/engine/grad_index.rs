@@ -1,6 +1,8 @@
 //! What each parameter of a rank's stage is to the engine (tensor-sharded or replicated over tp,
 //! a tied embedding's mirror or owner), and gradients by a selection of parameters: flattened to
-//! one host buffer for a collective, written back, and squared norms summed on the host in f64.
+//! one host buffer for a collective, written back, and squared norms: read in place and summed
+//! in f64 where the gradients are in host memory, reduced on the device (one small read) where
+//! they are not.
 
 use std::collections::HashSet;
 
@@ -8,7 +10,8 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::grads::{host_diff_sq, host_sq};
+use crate::grads::{host_diff_sq, host_sq, in_host_memory, read_sum};
+use crate::traffic::{self, Kind};
 
 /// How a parameter's gradient is counted and reduced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,7 +73,7 @@ impl GradIndex {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
                 if self.wanted.contains(&p.id) {
                     match self.g.get::<D>(p.id) {
-                        Some(t) => self.out.extend(t.into_data().iter::<f32>()),
+                        Some(t) => self.out.extend(traffic::read(t, Kind::Collective).iter::<f32>()),
                         None => self.out.extend(std::iter::repeat_n(0f32, p.val().shape().num_elements())),
                     }
                 }
@@ -97,7 +100,7 @@ impl GradIndex {
                     let n = shape.num_elements();
                     let device = self.g.remove::<D>(p.id).map_or_else(|| self.device.clone(), |t| t.device());
                     let data = TensorData::new(self.values[self.at..self.at + n].to_vec(), shape);
-                    self.g.register::<D>(p.id, Tensor::from_data(data, &device));
+                    self.g.register::<D>(p.id, traffic::upload(data, &device, Kind::Collective));
                     self.at += n;
                 }
             }
@@ -106,7 +109,9 @@ impl GradIndex {
         stage.visit(&mut V { g, wanted: self.ids(select), values, at: 0, device: &device });
     }
 
-    /// Sum of squares of the selected parameters' gradients (of `a - b` when `b` is given).
+    /// Sum of squares of the selected parameters' gradients (of `a - b` when `b` is given). In
+    /// host memory each tensor is read in place and summed in f64; on a device each tensor's
+    /// sum is reduced where it lies (in f32) and the sums are read back together, added in f64.
     pub(super) fn sq_norm<S: Module>(
         &self,
         stage: &S,
@@ -119,6 +124,7 @@ impl GradIndex {
             b: Option<&'a GradientsParams>,
             wanted: HashSet<ParamId>,
             acc: f64,
+            on_device: Vec<Tensor<1>>,
         }
         impl ModuleVisitor for V<'_> {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
@@ -127,17 +133,21 @@ impl GradIndex {
                 }
                 let x = self.a.get::<D>(p.id);
                 let y = self.b.and_then(|b| b.get::<D>(p.id));
-                self.acc += match (x, y) {
-                    (Some(x), Some(y)) => host_diff_sq(x, y),
-                    (Some(x), None) => host_sq(x),
-                    (None, Some(y)) if self.b.is_some() => host_sq(y),
-                    _ => 0.0,
-                };
+                let host = x.as_ref().or(y.as_ref()).is_none_or(in_host_memory);
+                match (x, y) {
+                    (Some(x), Some(y)) if host => self.acc += host_diff_sq(x, y),
+                    (Some(x), Some(y)) => self.on_device.push((x - y).square().sum()),
+                    (Some(x), None) if host => self.acc += host_sq(x),
+                    (Some(x), None) => self.on_device.push(x.square().sum()),
+                    (None, Some(y)) if self.b.is_some() && host => self.acc += host_sq(y),
+                    (None, Some(y)) if self.b.is_some() => self.on_device.push(y.square().sum()),
+                    _ => {}
+                }
             }
         }
-        let mut v = V { a, b, wanted: self.ids(select), acc: 0.0 };
+        let mut v = V { a, b, wanted: self.ids(select), acc: 0.0, on_device: Vec::new() };
         stage.visit(&mut v);
-        v.acc
+        v.acc + read_sum(v.on_device)
     }
 }
 
@@ -152,7 +162,7 @@ impl GradIndex {
         impl ModuleVisitor for V<'_> {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
                 let values = match self.g.get::<D>(p.id) {
-                    Some(t) => t.into_data().iter::<f32>().collect(),
+                    Some(t) => traffic::read(t, Kind::State).iter::<f32>().collect(),
                     None => vec![0f32; p.val().shape().num_elements()],
                 };
                 self.out.push((p.id, values));

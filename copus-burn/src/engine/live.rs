@@ -43,6 +43,7 @@ use crate::grads::with_values;
 use crate::optim as adamw;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
 use crate::state::{Checksum, RankResume, checksum};
+use crate::traffic::Kind;
 
 /// The Flex handle of a contiguous f32 tensor (under autodiff, of its value), whose values can
 /// be read in place.
@@ -231,7 +232,7 @@ impl Landed {
         {
             return true;
         }
-        with_values(t, |v| {
+        with_values(t, Kind::State, |v| {
             self.pieces.iter().all(|&(offset, len, sum)| {
                 rows_along(v, &self.shape, self.dim, offset, len).is_ok_and(|rows| {
                     let mut c = Checksum::new();
@@ -283,8 +284,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     handoff.put(piece_tag, Shared { values, shape: shape.clone(), dim: m.dim, offset: m.src_offset, len: m.len });
                     continue;
                 }
-                let (piece, sum) =
-                    with_values(t, |v| slice_along(v, shape, m.dim, m.src_offset, m.len)).map_err(|e| format!("`{name}`: {e}"))?;
+                let (piece, sum) = with_values(t, Kind::State, |v| slice_along(v, shape, m.dim, m.src_offset, m.len))
+                    .map_err(|e| format!("`{name}`: {e}"))?;
                 sums.push((piece_tag, Some(sum)));
                 elements += piece.len() as u64;
                 self.world.send(m.dst_rank, piece_tag, piece).map_err(|e| e.to_string())?;

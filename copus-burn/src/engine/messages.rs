@@ -21,6 +21,7 @@ use super::config::EngineConfig;
 use super::error::ReconfigPhase;
 use super::fault::{Fault, StepFault};
 use crate::state::{OptimScalars, RankExport};
+use crate::traffic::HostTraffic;
 use crate::trainer::StepMetrics;
 
 /// What a step reports.
@@ -33,6 +34,13 @@ pub struct EngineStep {
     /// The loss or the gradient norm was not finite, so the update was skipped: no weight,
     /// optimizer moment, estimator or counter changed.
     pub skipped: bool,
+    /// Bytes moved between host memory and the ranks' tensors since the previous step (the
+    /// step's own, and any evaluation or state transfer between the two), by kind, summed over
+    /// the ranks this process drives: every rank with in-process ranks, this process's under
+    /// mpirun. See [`crate::traffic`].
+    pub host: HostTraffic,
+    /// The largest total of one rank among those in `host`.
+    pub host_rank_max: u64,
 }
 
 /// One rank's parameters as `(global name, shape, values)`.

@@ -231,7 +231,17 @@ impl<L: ParallelLm> Engine<L> {
         #[cfg(not(feature = "fault-injection"))]
         let fault = fault::StepFault;
         let replies = self.broadcast(|| Command::Step(batch.clone(), fault))?;
-        let Some(Reply::Step(step)) = replies.into_iter().next() else { unreachable!("step reply") };
+        // The ranks this process drives answer with their steps (under mpirun the other
+        // processes' placeholders carry none).
+        let mut steps = replies.into_iter().filter_map(|r| match r {
+            Reply::Step(s) => Some(s),
+            _ => None,
+        });
+        let Some(mut step) = steps.next() else { unreachable!("a step reply per rank") };
+        for other in steps {
+            step.host.add(&other.host);
+            step.host_rank_max = step.host_rank_max.max(other.host_rank_max);
+        }
         if step.skipped {
             tracing::warn!(
                 "step {}: loss {} and gradient norm {} are not all finite; the update was skipped",

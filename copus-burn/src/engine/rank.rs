@@ -22,6 +22,7 @@ use crate::grads::with_values;
 use crate::optim::{self as adamw, AdamW, Moments};
 use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
 use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, TrainingState, checksum};
+use crate::traffic::{self, Kind};
 use crate::trainer::TrainError;
 
 /// Why a rank could not do what it was asked.
@@ -253,7 +254,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     && let Some(v) = self.values.take()
                 {
                     let data = TensorData::new(v, p.val().shape());
-                    self.g.register::<D>(p.id, Tensor::from_data(data, &self.device));
+                    self.g.register::<D>(p.id, traffic::upload(data, &self.device, Kind::State));
                 }
             }
         }
@@ -273,7 +274,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 .ok_or_else(|| RankError::Train(TrainError::Batch(format!("optimizer state for an unknown parameter {id}"))))?;
             let m = self.optim.moments(id).expect("listed");
             for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
-                tensors.push((name.clone(), field.to_string(), m.shape.clone(), with_values(t, <[f32]>::to_vec)));
+                tensors.push((name.clone(), field.to_string(), m.shape.clone(), with_values(t, Kind::State, <[f32]>::to_vec)));
             }
             for (field, v) in m.scalars() {
                 scalars.push((name.clone(), field.to_string(), v));
@@ -293,7 +294,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 .ok_or_else(|| EngineError::Rank { rank: self.rank, message: "optimizer state for an unknown parameter".into() })?;
             let m = self.optim.moments(id).expect("listed");
             for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
-                out.push((format!("{name}#{field}"), with_values(t, checksum)));
+                out.push((format!("{name}#{field}"), with_values(t, Kind::State, checksum)));
             }
         }
         Ok(out)
@@ -301,7 +302,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Checksums of this rank's parameters by global name, read where they lie.
     pub(super) fn param_sums(&self) -> Vec<(String, u64)> {
-        self.named_weights().into_iter().map(|(name, t)| (name, with_values(&t, checksum))).collect()
+        self.named_weights().into_iter().map(|(name, t)| (name, with_values(&t, Kind::State, checksum))).collect()
     }
 
     /// This rank's parameters by global name, flat, as they lie.
@@ -349,7 +350,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             gns: self.closer.gns().clone(),
         };
         if self.dp_rank == 0 {
-            out.params = self.params().into_iter().map(|(n, _, v)| (n, v)).collect();
+            out.params = self.params_as(Kind::State).into_iter().map(|(n, _, v)| (n, v)).collect();
             let (tensors, scalars) = self.optim_entries()?;
             out.optim = tensors.into_iter().map(|(n, f, _, v)| (n, f, v)).collect();
             out.scalars = scalars;
@@ -366,9 +367,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.stage.as_ref().expect("stage present between steps")
     }
 
-    /// This rank's parameters by global name.
+    /// This rank's parameters by global name (read for an evaluation or a report).
     pub(super) fn params(&self) -> RankParams {
-        crate::parallel::named_params(self.stage())
+        self.params_as(Kind::Evaluation)
+    }
+
+    /// This rank's parameters by global name, the reads counted as `kind`.
+    fn params_as(&self, kind: Kind) -> RankParams {
+        crate::parallel::named_params_as(self.stage(), kind)
             .into_iter()
             .map(|(path, _, shape, values)| (self.stage().global_name(&path), shape, values))
             .collect()

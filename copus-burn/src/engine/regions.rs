@@ -12,6 +12,7 @@ use crate::collective::{Collective, ReduceOp};
 use crate::fused;
 use crate::grads;
 use crate::parallel::{ParallelLm, StageModel};
+use crate::traffic::{self, Kind};
 
 /// What a micro-batch leaves on a stage between its forward and backward.
 #[derive(Default)]
@@ -26,13 +27,13 @@ pub(super) struct InFlight {
 }
 
 fn host(t: Tensor<3>) -> Vec<f32> {
-    t.into_data().try_to_vec::<f32>().expect("f32 activations")
+    traffic::read(t, Kind::Activations).try_to_vec::<f32>().expect("f32 activations")
 }
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
     fn tokens(&self, batch: &[i64], mb: usize, inputs: bool) -> Tensor<2, Int> {
         let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
-        Tensor::from_data(TensorData::new(self.token_rows(batch, mb, inputs), [bm, s]), &self.device)
+        traffic::upload(TensorData::new(self.token_rows(batch, mb, inputs), [bm, s]), &self.device, Kind::Batch)
     }
 
     /// Micro-batch `mb`'s input (or target) tokens, row-major `[B_m, seq]`.
@@ -50,11 +51,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     fn leaf(&self, v: &[f32]) -> Tensor<3> {
         let shape = [self.cfg.micro_batch, self.cfg.seq_len, self.d_model];
-        Tensor::<3>::from_data(TensorData::new(v.to_vec(), shape), &self.device).require_grad()
+        traffic::upload::<3, _>(TensorData::new(v.to_vec(), shape), &self.device, Kind::Activations).require_grad()
     }
 
     fn constant(&self, v: Vec<f32>, shape: [usize; 3]) -> Tensor<3> {
-        Tensor::<3>::from_data(TensorData::new(v, shape), &self.device)
+        traffic::upload(TensorData::new(v, shape), &self.device, Kind::Activations)
     }
 
     /// Forward of one micro-batch through this stage; returns the loss share (last stage).
@@ -132,7 +133,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let dims = z.dims();
             let seed = self.constant(dz, dims);
             let grads = (z * seed).sum().backward();
-            let dx = x.grad(&grads).map(|t| t.into_data().try_to_vec::<f32>().expect("f32"));
+            let dx = x.grad(&grads).map(host);
             add(GradientsParams::from_grads(grads, stage), &mut acc);
             let mut dx = dx.unwrap_or_else(|| vec![0.0; shape.iter().product()]);
             self.tp.all_reduce(&mut dx, ReduceOp::Sum)?;
@@ -143,7 +144,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         for (x, y) in fl.blocks.drain(..).rev() {
             let seed = self.constant(g.clone(), shape);
             let grads = (y * seed).sum().backward();
-            let dx = x.grad(&grads).map(|t| t.into_data().try_to_vec::<f32>().expect("f32"));
+            let dx = x.grad(&grads).map(host);
             add(GradientsParams::from_grads(grads, stage), &mut acc);
             if let Some(mut dx) = dx {
                 self.tp.all_reduce(&mut dx, ReduceOp::Sum)?;

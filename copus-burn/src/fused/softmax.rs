@@ -1,7 +1,7 @@
 //! Softmax over the last dimension, and causal softmax of scaled attention scores with the
 //! scale and the mask folded in.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::glue::*;
@@ -102,15 +102,21 @@ pub(super) fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: O
 
 /// The additive causal mask of [`causal_softmax`] for scores of `shape`: 0 where a row sees the
 /// key, -1e30 where it does not (finite, so that no `0 * -inf` appears in a backward pass),
-/// broadcast over the leading dimensions.
+/// broadcast over the leading dimensions. Built on `device` from two index ranges (row `r`
+/// sees keys `k <= start + r % s`), so nothing is uploaded per call.
 pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device: &Device) -> Tensor<D> {
     let (rows, keys) = (if D >= 2 { shape[D - 2] } else { 1 }, shape[D - 1]);
-    let mask: Vec<f32> =
-        (0..rows * keys).map(|i| if i % keys < visible(i / keys, rows, keys, Some((s, start))) { 0.0 } else { -1e30 }).collect();
+    let last_seen = Tensor::<1, Int>::arange(0..rows as i64, device)
+        .remainder_scalar(s.max(1) as i64)
+        .add_scalar(start as i64)
+        .reshape([rows, 1])
+        .expand([rows, keys]);
+    let key = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]).expand([rows, keys]);
+    let mask = Tensor::<2>::zeros([rows, keys], device).mask_fill(key.greater(last_seen), -1e30);
     let mut mask_shape = [1; D];
     mask_shape[D - 1] = keys;
     if D >= 2 {
         mask_shape[D - 2] = rows;
     }
-    Tensor::<D>::from_data(TensorData::new(mask, mask_shape), device)
+    mask.reshape(mask_shape)
 }

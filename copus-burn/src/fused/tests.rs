@@ -277,6 +277,22 @@ fn fused_ops_inside_a_graph_with_infinite_masks_match_burns_ops() {
     }
 }
 
+/// The causal mask built on the device is the one written out by hand: row `r` of a block of
+/// `s` rows, `start` keys already cached, sees keys up to `start + r % s`.
+#[test]
+fn the_device_built_causal_mask_matches_the_definition() {
+    for (rows, keys, s, start) in [(4, 4, 4, 0), (6, 5, 3, 2), (8, 3, 4, 0), (1, 7, 1, 6)] {
+        let got: Vec<f32> = causal_mask([2, rows, keys], s, start, &Device::flex()).into_data().try_into_vec::<f32>().unwrap();
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for k in 0..keys {
+                want.push(if k <= start + r % s { 0.0 } else { -1e30 });
+            }
+        }
+        assert_eq!(got, want, "rows {rows} keys {keys} s {s} start {start}");
+    }
+}
+
 #[test]
 fn the_causal_softmax_equals_scaling_masking_and_burns_softmax() {
     // Grouped heads (rows = g * s), a KV cache (keys = start + s), odd sizes; value and

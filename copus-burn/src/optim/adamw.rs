@@ -58,7 +58,7 @@ impl Moments {
         if m1.len() != n || m2.len() != n {
             return Err(format!("moments of {} and {} values for a parameter of shape {shape:?}", m1.len(), m2.len()));
         }
-        let t = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [n]), device);
+        let t = |v: Vec<f32>| crate::traffic::upload::<1, _>(TensorData::new(v, [n]), device, crate::traffic::Kind::State);
         Ok(Self { time, shape, m1: t(m1), m2: t(m2) })
     }
 

@@ -1,11 +1,13 @@
 //! `recipes bench engine`: the in-process all-reduce against a plain memcpy of the same bytes,
-//! and the step time of every layout of 8 ranks against serial training of the same work.
+//! the step time of every layout of 8 ranks against serial training of the same work, and the
+//! host traffic of a steady step by kind on the layouts of 2 and 4 ranks.
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use burn::tensor::Device;
 use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+use copus_burn::traffic::HostTraffic;
 use copus_burn::{Engine, EngineConfig, MicroBatch, OptimConfig, Trainer};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
@@ -52,7 +54,28 @@ pub fn time_memcpy(elems: usize, reps: usize) -> f64 {
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-/// Prints both tables.
+/// The host traffic of a steady step (the third) of tiny-1m (seq 64, B_g 16, B_m 2) on `dims`,
+/// summed over the ranks, and the largest rank's total.
+pub fn steady_step_traffic(dims: ParallelDims) -> (HostTraffic, u64) {
+    let mut spec = ModelSpec::tiny_1m();
+    spec.seq_len = 64;
+    let (b_g, b_m) = (16, 2);
+    let cfg = LlamaConfig::from_spec(&spec);
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let full = full_params(&cfg.init(&device));
+    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+    let ec = EngineConfig::new(dims, b_g, b_m, spec.seq_len, optim);
+    let mut engine = Engine::new(Arc::new(cfg), &full, ec).expect("engine");
+    let mut last = None;
+    for i in 0..3 {
+        last = Some(engine.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, i)).expect("step"));
+    }
+    let step = last.expect("three steps");
+    (step.host, step.host_rank_max)
+}
+
+/// Prints the tables.
 pub fn run(steps: usize) {
     let elems = 1 << 20; // 4 MiB of f32
     let reps = 20;
@@ -104,5 +127,75 @@ pub fn run(steps: usize) {
         }
         let s = t.elapsed().as_secs_f64() / steps as f64;
         println!("| {dims} | {s:.3} | {:.2} |", s / serial);
+    }
+    println!();
+    println!("Host traffic of a steady step of tiny-1m (seq 64, B_g 16, B_m 2), KiB summed over the ranks, by kind");
+    println!(
+        "(on Flex; a device backend moves the same but for the probe, which reads only per-parameter sums there; the goal of a device-resident step: the token ids plus 64 KiB)"
+    );
+    println!(
+        "| layout | token ids | activations | collective staging | probe | constants | state | evaluation | beyond the token ids | largest rank |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let kib = |b: u64| b as f64 / 1024.0;
+    for (dp, tp, pp) in [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)] {
+        let dims = ParallelDims::new(dp, tp, pp, dp * tp * pp).expect("a layout");
+        let (h, max) = steady_step_traffic(dims);
+        println!(
+            "| {dims} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            kib(h.batch),
+            kib(h.activations),
+            kib(h.collective),
+            kib(h.probe),
+            kib(h.constants),
+            kib(h.state),
+            kib(h.evaluation),
+            kib(h.beyond_batch()),
+            kib(max)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The meter against the transfers of a dp2 step of tiny-1m counted by hand from the
+    /// model's shape: the input ids (8 bytes each); per micro-batch, 4 + 4 x (2 per layer)
+    /// residual-stream tensors of B_m x seq x d (each region's input uploaded and output read,
+    /// their backward seed and input gradient) and two of logits (read; the seed uploaded); per
+    /// rank, the whole gradient read and written back for the data-parallel reduction; the
+    /// probe's reads of it, once per micro-batch and once after the reduction. Then an
+    /// evaluation read of every rank's parameters between two steps shows in the next step.
+    #[test]
+    fn the_host_traffic_meter_counts_a_dp2_step_by_hand() {
+        let mut spec = ModelSpec::tiny_1m();
+        spec.seq_len = 64;
+        let (b_g, b_m, dp, ranks) = (16u64, 2u64, 2u64, 2u64);
+        let (s, d, v) = (spec.seq_len as u64, spec.hidden as u64, spec.vocab_size as u64);
+        let p = spec.num_params();
+        let micro_per_rank = b_g / (dp * b_m);
+        let regions = 2 * spec.num_layers as u64;
+        let residual = b_m * s * d * 4;
+        let logits = b_m * s * v * 4;
+        let (h, largest) = steady_step_traffic(ParallelDims::new(2, 1, 1, 2).unwrap());
+        assert_eq!(h.batch, b_g * s * 8);
+        assert_eq!(h.activations, b_g / b_m * ((4 + 4 * regions) * residual + 2 * logits));
+        assert_eq!(h.collective, ranks * 2 * p * 4);
+        assert_eq!(h.probe, ranks * (micro_per_rank + 1) * p * 4);
+        assert_eq!((h.constants, h.state, h.evaluation), (0, 0, 0));
+        assert_eq!(largest, h.total() / 2, "the two replicas move the same");
+
+        let cfg = LlamaConfig::from_spec(&spec);
+        let device = Device::flex().autodiff();
+        device.seed(0);
+        let full = full_params(&cfg.init(&device));
+        let ec = EngineConfig::new(ParallelDims::new(2, 1, 1, 2).unwrap(), 16, 2, spec.seq_len, OptimConfig::default());
+        let mut engine = Engine::new(Arc::new(cfg), &full, ec).unwrap();
+        engine.step(synthetic_batch(16, spec.seq_len, spec.vocab_size, 0)).unwrap();
+        engine.rank_params().unwrap();
+        let next = engine.step(synthetic_batch(16, spec.seq_len, spec.vocab_size, 1)).unwrap();
+        assert_eq!(next.host.evaluation, ranks * p * 4);
+        assert_eq!(next.host.beyond_batch() - next.host.evaluation, h.beyond_batch());
     }
 }
