@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use burn::tensor::Device;
 use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+use copus_burn::parallel::FullParams;
 use copus_burn::traffic::HostTraffic;
 use copus_burn::{Engine, EngineConfig, MicroBatch, OptimConfig, Trainer};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
-use copus_models::{LlamaConfig, full_params};
+use copus_models::{Llama, LlamaConfig, full_params};
 
 use crate::profile::synthetic_batch;
 
@@ -54,18 +55,29 @@ pub fn time_memcpy(elems: usize, reps: usize) -> f64 {
     t.elapsed().as_secs_f64() / reps as f64
 }
 
-/// The host traffic of a steady step (the third) of tiny-1m (seq 64, B_g 16, B_m 2) on `dims`,
-/// summed over the ranks, and the largest rank's total.
-pub fn steady_step_traffic(dims: ParallelDims) -> (HostTraffic, u64) {
+/// The steps of the engine tables: B_g and B_m.
+const B_G: usize = 16;
+const B_M: usize = 2;
+
+/// The benchmark's model: tiny-1m at seq 64, initialised from seed 0 on Flex under autodiff,
+/// with its full parameters and an optimizer without warm-up.
+fn bench_model() -> (ModelSpec, LlamaConfig, Llama, FullParams, OptimConfig) {
     let mut spec = ModelSpec::tiny_1m();
     spec.seq_len = 64;
-    let (b_g, b_m) = (16, 2);
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     device.seed(0);
-    let full = full_params(&cfg.init(&device));
-    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let ec = EngineConfig::new(dims, b_g, b_m, spec.seq_len, optim);
+    let model = cfg.init(&device);
+    let full = full_params(&model);
+    (spec, cfg, model, full, OptimConfig { warmup_steps: 0, ..OptimConfig::default() })
+}
+
+/// The host traffic of a steady step (the third) of tiny-1m (seq 64, B_g 16, B_m 2) on `dims`,
+/// summed over the ranks, and the largest rank's total.
+pub fn steady_step_traffic(dims: ParallelDims) -> (HostTraffic, u64) {
+    let (spec, cfg, _, full, optim) = bench_model();
+    let b_g = B_G;
+    let ec = EngineConfig::new(dims, b_g, B_M, spec.seq_len, optim);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec).expect("engine");
     let mut last = None;
     for i in 0..3 {
@@ -88,17 +100,11 @@ pub fn run(steps: usize) {
         println!("| {world} | {:.2} | {:.2} | {:.2} | {:.2} |", t * 1e3, copy * 1e3, t / copy, (elems * 4) as f64 / t / 1e9);
     }
     println!();
-    let mut spec = ModelSpec::tiny_1m();
-    spec.seq_len = 64;
-    let (b_g, b_m) = (16, 2);
-    let cfg = LlamaConfig::from_spec(&spec);
+    let (spec, cfg, model, full, optim) = bench_model();
+    let (b_g, b_m) = (B_G, B_M);
     let device = Device::flex().autodiff();
-    device.seed(0);
-    let model = cfg.init(&device);
-    let full = full_params(&model);
-    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
     let mut trainer = Trainer::new(model, optim.clone()).expect("settings");
-    let serial_step = |trainer: &mut Trainer<copus_models::Llama>, i: usize| {
+    let serial_step = |trainer: &mut Trainer<Llama>, i: usize| {
         let tokens = synthetic_batch(b_g, spec.seq_len, spec.vocab_size, i);
         let windows: Vec<&[i64]> = tokens.chunks(spec.seq_len + 1).collect();
         let micro: Vec<MicroBatch> = windows.chunks(b_m).map(|w| MicroBatch::from_windows(w, &device)).collect();
@@ -186,11 +192,8 @@ mod tests {
         assert_eq!((h.constants, h.state, h.evaluation), (0, 0, 0));
         assert_eq!(largest, h.total() / 2, "the two replicas move the same");
 
-        let cfg = LlamaConfig::from_spec(&spec);
-        let device = Device::flex().autodiff();
-        device.seed(0);
-        let full = full_params(&cfg.init(&device));
-        let ec = EngineConfig::new(ParallelDims::new(2, 1, 1, 2).unwrap(), 16, 2, spec.seq_len, OptimConfig::default());
+        let (_, cfg, _, full, optim) = bench_model();
+        let ec = EngineConfig::new(ParallelDims::new(2, 1, 1, 2).unwrap(), B_G, B_M, spec.seq_len, optim);
         let mut engine = Engine::new(Arc::new(cfg), &full, ec).unwrap();
         engine.step(synthetic_batch(16, spec.seq_len, spec.vocab_size, 0)).unwrap();
         engine.rank_params().unwrap();
