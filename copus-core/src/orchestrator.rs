@@ -258,6 +258,11 @@ pub struct OrchestratorState {
     pub learned: PolicyState,
     /// The orchestrator's own measured throughput (for reports and the feasibility check).
     pub measured: Vec<(Candidate, f64)>,
+    /// How many measurements each of those holds (while fewer than the scorer's settled count
+    /// it is a mean, see [`Scorer::observe_throughput`]); absent in older states, which then
+    /// count as settled.
+    #[serde(default)]
+    pub measured_counts: Vec<(Candidate, u32)>,
     /// Decisions refused so far because their target was not a feasible candidate.
     pub refused: u64,
 }
@@ -325,6 +330,7 @@ impl Orchestrator {
             policy: self.policy_name(),
             learned: self.policy.learned(),
             measured: self.scorer.measured(),
+            measured_counts: self.scorer.measurement_counts(),
             refused: self.refused,
         }
     }
@@ -336,6 +342,7 @@ impl Orchestrator {
         }
         self.policy.restore_learned(&state.learned);
         self.scorer.set_measured(&state.measured);
+        self.scorer.set_measurement_counts(&state.measured_counts);
         self.refused = state.refused;
         Ok(())
     }
@@ -536,7 +543,12 @@ mod tests {
         for (step, phi) in [(3, 0.5), (4, 2.0), (5, 8.0), (6, 30.0)] {
             let obs = StepObservation { step, current: small, noise: noise(phi) };
             assert_eq!(a.on_step_measured(&obs, 4.5), b.on_step_measured(&obs, 4.5));
+            // The orchestrator's own scorer goes on averaging as the original's does.
+            assert_eq!(b.scorer().throughput(&small), a.scorer().throughput(&small), "step {step}");
         }
+        // After 3, 5 and 4.5 x 4 the mean of six measurements, by hand.
+        let mean = a.scorer().throughput(&small).unwrap();
+        assert!((mean - (3.0 + 5.0 + 4.0 * 4.5) / 6.0).abs() < 1e-12, "{mean}");
         let mut other = Orchestrator::new(Box::new(Static), scorer());
         assert!(other.restore(&saved).unwrap_err().to_string().contains("copus"));
     }
