@@ -148,10 +148,40 @@ def name(module):
     return "::".join(module) or "(crate root)"
 
 
+def self_test():
+    """A two-module crate whose modules import each other must be reported, and one without the
+    loop must not."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "src")
+        os.makedirs(src)
+        with open(os.path.join(src, "lib.rs"), "w") as f:
+            f.write("mod a;\nmod b;\n")
+        with open(os.path.join(src, "a.rs"), "w") as f:
+            f.write("use crate::b::Thing;\npub struct Other;\n")
+        with open(os.path.join(src, "b.rs"), "w") as f:
+            f.write("use crate::a::Other;\npub struct Thing;\n")
+        looped = cycles(edges(modules(src)))
+        with open(os.path.join(src, "b.rs"), "w") as f:
+            f.write("pub struct Thing;\n")
+        one_way = cycles(edges(modules(src)))
+    if len(looped) != 1 or one_way:
+        print(f"self-test failed: loop found {looped}, one-way found {one_way}")
+        sys.exit(1)
+    print("self-test: a loop of two modules is found, a one-way import is not")
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        self_test()
+        return
     bad = 0
     for root in sys.argv[1:] or ["copus-burn/src"]:
         graph = edges(modules(root))
+        if not graph:
+            print(f"{root}: no modules found (no lib.rs or main.rs there?)")
+            bad += 1
+            continue
         for component in cycles(graph):
             bad += 1
             print(f"{root}: modules importing each other: {', '.join(sorted(map(name, component)))}")

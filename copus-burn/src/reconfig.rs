@@ -103,7 +103,8 @@ impl<L: ParallelLm> Engine<L> {
         let fault = self.take_fault();
         // Live between in-process ranks, when no rank has to be added; a larger world starts
         // its ranks from the staged state.
-        if self.can_switch_live() && ranks <= now {
+        // A live change needs the ranks up, as threads of this process or an MPI job's processes.
+        if !self.is_dead() && ranks <= now {
             return match self.switch_live(&target, fault) {
                 Ok(s) => {
                     let r = report(true, true, s.send_secs, s.bytes, s.remote_bytes);

@@ -148,8 +148,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             // counters stay as they were (every rank sees the same reduced loss and norm).
             let lr = self.cfg.optim.lr_at(self.step, self.samples_seen(), self.cfg.global_batch, self.closer.gns().b_simple());
             let metrics = self.metrics(loss, lr, stats.grad_sq_norm.sqrt(), None, start);
-            let host = crate::traffic::take();
-            return Ok(EngineStep { metrics, stats, skipped: true, host, host_rank_max: host.total() });
+            return Ok(finished(metrics, stats, true));
         }
         let stage = self.stage.take().expect("stage present");
         let closed = match self.closer.close(&stage, &self.cfg.optim, self.step, self.samples_seen(), self.cfg.global_batch, &stats, acc) {
@@ -163,8 +162,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.step += 1;
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
         let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);
-        let host = crate::traffic::take();
-        Ok(EngineStep { metrics, stats, skipped: false, host, host_rank_max: host.total() })
+        Ok(finished(metrics, stats, false))
     }
 
     /// Sequences trained on so far (the schedule's clock).
@@ -190,4 +188,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             gns_biased: est.is_some_and(|e| e.biased),
         }
     }
+}
+
+/// A step's reply, with this rank's host traffic since its previous step.
+fn finished(metrics: StepMetrics, stats: StepStats, skipped: bool) -> EngineStep {
+    let host = crate::traffic::take();
+    EngineStep { metrics, stats, skipped, host, host_rank_max: host.total() }
 }

@@ -332,12 +332,6 @@ impl<L: ParallelLm> Engine<L> {
         Ok(())
     }
 
-    /// Whether a layout change can run live: the ranks are up, as threads of this process or as
-    /// the processes of an MPI job.
-    pub(crate) fn can_switch_live(&self) -> bool {
-        self.dead.is_none() && self.cluster.is_some()
-    }
-
     /// Whether every rank is a thread of this process.
     pub(crate) fn runs_locally(&self) -> bool {
         self.dead.is_none() && self.cluster.as_ref().is_some_and(Cluster::is_local)

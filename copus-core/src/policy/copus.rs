@@ -226,6 +226,15 @@ impl Copus {
         phi.map_or(samples_per_sec, |p| self.scorer.goodput(samples_per_sec, c.global_batch, p))
     }
 
+    /// The measured candidate of highest [`Copus::value`] at `phi` among the `eligible` ones.
+    fn best_measured(&self, phi: Option<f64>, eligible: impl Fn(&Candidate) -> bool) -> Option<(Candidate, f64)> {
+        self.scorer
+            .candidates_measured()
+            .filter(|(c, _, measured)| *measured && eligible(c))
+            .map(|(c, t, _)| (*c, self.value(c, t, phi)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
     /// A trial of the candidate the run has not measured whose trial is worth most, when `cur`
     /// has run more than `trial_steps` steps (`ran`) and no change is pending. Its value (Goodput
     /// at the point estimate `phi`; throughput, within the running B_g, without an estimate)
@@ -242,12 +251,7 @@ impl Copus {
         }
         let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
         let eligible = |c: &Candidate| phi.is_some() || c.global_batch == cur.global_batch;
-        let best_known = self
-            .scorer
-            .candidates_measured()
-            .filter(|(c, _, measured)| *measured && eligible(c))
-            .map(|(c, t, _)| self.value(c, t, phi))
-            .fold(now, f64::max);
+        let best_known = self.best_measured(phi, eligible).map_or(now, |(_, v)| v.max(now));
         let s = self.optimism();
         let mut next = None::<(Candidate, f64)>;
         for (c, t, measured) in self.scorer.candidates_measured() {
@@ -277,13 +281,7 @@ impl Copus {
     fn after_trial(&self, cur: &Candidate, origin: Option<Candidate>, phi: Option<f64>) -> Decision {
         let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
         let eligible = |c: &Candidate| c.global_batch == cur.global_batch || (phi.is_some() && origin == Some(*c));
-        let best = self
-            .scorer
-            .candidates_measured()
-            .filter(|(c, _, measured)| *measured && eligible(c))
-            .map(|(c, t, _)| (*c, self.value(c, t, phi)))
-            .max_by(|a, b| a.1.total_cmp(&b.1));
-        match best {
+        match self.best_measured(phi, eligible) {
             Some((c, v)) if c != *cur => {
                 let th = if c.layout_differs(cur) { self.rule.layout_threshold } else { self.rule.batch_threshold };
                 if v > now * (1.0 + th) { Decision::to(cur, c) } else { Decision::Keep }

@@ -274,9 +274,12 @@ mod tests {
         s.observe_throughput(&b, 4.0 * pb);
         assert_eq!(s.throughput(&b), Some(4.0 * pb));
         assert!((s.throughput(&c).unwrap() - pc * 2f64.sqrt()).abs() < 1e-12 * pc);
-        // A repeated measurement is averaged: the running mean of the first ten.
+        // Repeated measurements are averaged: the running mean of the first ten (a third one
+        // tells the mean, (0.5 + 1 + 1) / 3, from an EMA of weight 0.5, which gives 0.875).
         s.observe_throughput(&a, pa);
         assert!((s.throughput(&a).unwrap() - 0.75 * pa).abs() < 1e-12 * pa);
+        s.observe_throughput(&a, pa);
+        assert!((s.throughput(&a).unwrap() - 2.5 / 3.0 * pa).abs() < 1e-12 * pa);
         // Junk and non-candidates change nothing.
         let before: Vec<f64> = s.candidates().map(|x| x.1).collect();
         s.observe_throughput(&a, f64::NAN);

@@ -178,12 +178,14 @@ pub fn run(suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
             let baselines: Vec<(f64, String)> = sim.runs.iter().filter(|r| r.1).map(|r| (time(&r.0), r.0.policy.clone())).collect();
             let per_layout: Vec<(f64, String)> = sim.per_layout.iter().map(|r| (time(r), r.policy.clone())).collect();
             let oracle = hindsight_oracle(&sim.trajectory, &sim.truth, sc.costs, Some(sim.start));
-            let planned = hindsight_oracle(&sim.trajectory, &sim.prior, sc.costs, Some(sim.start));
-            let prior_oracle = schedule_time(&sim.trajectory, &planned.per_segment, &sim.truth, sc.costs, Some(sim.start))
-                .context("the prior's schedule runs on the truth")?;
-            let believed = hindsight_oracle(&sim.trajectory, &sim.truth_under_objective, sc.costs, Some(sim.start));
-            let objective_oracle = schedule_time(&sim.trajectory, &believed.per_segment, &sim.truth, sc.costs, Some(sim.start))
-                .context("the objective's schedule runs on the truth")?;
+            // The oracle's schedule planned on another scorer, timed on the truth.
+            let planned_on = |belief: &copus_core::policy::Scorer, what: &str| {
+                let plan = hindsight_oracle(&sim.trajectory, belief, sc.costs, Some(sim.start));
+                schedule_time(&sim.trajectory, &plan.per_segment, &sim.truth, sc.costs, Some(sim.start))
+                    .with_context(|| format!("the schedule planned on {what} runs on the truth"))
+            };
+            let prior_oracle = planned_on(&sim.prior, "the prior")?;
+            let objective_oracle = planned_on(&sim.truth_under_objective, "the policies' objective")?;
             let switching: f64 = copus.0.switches.iter().map(|w| w.cost).sum();
             let lost = lost_time(&copus.0, &sim.truth);
             let oracle_layout_switches = std::iter::once(sim.start)
