@@ -24,7 +24,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use burn::tensor::{Device, Tensor, TensorData};
 use thiserror::Error;
+
+use crate::traffic;
 
 /// How a reduction combines values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +108,17 @@ pub trait Collective: Send + Sized {
     fn size(&self) -> usize;
     /// Combines `buf` element-wise across the group; every rank gets the result.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError>;
+    /// Combines the tensor `t` element-wise across the group; every rank gets the result on
+    /// `t`'s device. By default through host memory (read, [`Self::all_reduce`], uploaded
+    /// back; counted as collective traffic); an in-process group combines the ranks' tensors
+    /// where they lie, in rank order, so the result is the same as through host memory.
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        let device = t.device();
+        let mut v: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+        self.all_reduce(&mut v, op)?;
+        let n = v.len();
+        Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
+    }
     /// Concatenates every rank's `buf` (equal lengths) in rank order.
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError>;
     /// Combines `buf` (length divisible by the group size) and returns this rank's chunk.
@@ -115,6 +129,18 @@ pub trait Collective: Send + Sized {
     fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError>;
     /// Waits for the next buffer rank `from` sent under `tag`.
     fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError>;
+    /// Queues the tensor `t` for rank `to` under `tag`. By default through host memory (read;
+    /// counted as activations, what the engine sends); an in-process group hands the tensor
+    /// over where it lies.
+    fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
+        self.send(to, tag, traffic::read(t, traffic::Kind::Activations).iter::<f32>().collect())
+    }
+    /// Waits for the next tensor (or buffer) rank `from` sent under `tag`, on `device`.
+    fn recv_tensor(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor<1>, CommError> {
+        let v = self.recv(from, tag)?;
+        let n = v.len();
+        Ok(traffic::upload(TensorData::new(v, [n]), device, traffic::Kind::Activations))
+    }
     /// Waits until every rank of the group arrives.
     fn barrier(&self) -> Result<(), CommError>;
     /// Collective over this group: every rank passes the same partition of the group's ranks
@@ -217,8 +243,14 @@ struct World {
 
 #[derive(Default)]
 struct Mailbox {
-    queue: Mutex<VecDeque<Vec<f32>>>,
+    queue: Mutex<VecDeque<Letter>>,
     cv: Condvar,
+}
+
+/// What one send queues: a host buffer, or a tensor handed over where it lies.
+enum Letter {
+    Host(Vec<f32>),
+    Tensor(Box<Tensor<1>>),
 }
 
 impl World {
@@ -287,6 +319,28 @@ impl ThreadComm {
                 splits: AtomicU64::new(0),
             })
             .collect()
+    }
+
+    /// Waits for the next letter rank `from` sent under `tag`.
+    fn letter(&self, from: usize, tag: u32) -> Result<Letter, CommError> {
+        let src =
+            *self.members.get(from).ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
+        let mb = self.world.mailbox(src, self.world_rank(), tag);
+        let start = Instant::now();
+        let mut q = lock(&mb.queue);
+        loop {
+            if let Some(v) = q.pop_front() {
+                return Ok(v);
+            }
+            self.world.check()?;
+            if start.elapsed() > self.world.timeout {
+                let err = self.timed_out("recv", start, std::iter::once(from));
+                drop(q);
+                self.abort(&err.to_string());
+                return Err(err);
+            }
+            q = mb.cv.wait_timeout(q, POLL).unwrap_or_else(|e| e.into_inner()).0;
+        }
     }
 
     /// This rank's index in the whole world.
@@ -566,6 +620,33 @@ impl Collective for ThreadComm {
         self.all_reduce_in_place(buf, op)
     }
 
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        if self.size() == 1 {
+            return Ok(t);
+        }
+        let (device, dims) = (t.device(), t.dims());
+        let all = self.exchange("all_reduce_tensor", Arc::new(Mutex::new(t)))?;
+        let mut out: Option<Tensor<1>> = None;
+        for (r, p) in all.iter().enumerate() {
+            let t = p
+                .downcast_ref::<Mutex<Tensor<1>>>()
+                .map(|m| lock(m).clone())
+                .ok_or_else(|| CommError::Mismatch { op: "all_reduce_tensor", detail: "ranks passed different kinds of buffer".into() })?;
+            if t.dims() != dims {
+                let detail = format!("rank {r} passed {} elements, this rank {}", t.dims()[0], dims[0]);
+                return Err(CommError::Mismatch { op: "all_reduce_tensor", detail });
+            }
+            let t = t.to_device(&device);
+            out = Some(match (out, op) {
+                (None, _) => t,
+                (Some(acc), ReduceOp::Sum) => acc + t,
+                // As on the host: the later rank's value where it is greater.
+                (Some(acc), ReduceOp::Max) => acc.clone().mask_where(acc.lower(t.clone()), t),
+            });
+        }
+        Ok(out.expect("a group has at least one rank"))
+    }
+
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
         let all = self.exchange_vec("all_gather", buf.to_vec())?;
         Self::check_lengths("all_gather", &all, buf.len())?;
@@ -596,30 +677,35 @@ impl Collective for ThreadComm {
         let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
         self.world.check()?;
         let mb = self.world.mailbox(self.world_rank(), dst, tag);
-        lock(&mb.queue).push_back(buf);
+        lock(&mb.queue).push_back(Letter::Host(buf));
         mb.cv.notify_all();
         Ok(())
     }
 
     fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
-        let src =
-            *self.members.get(from).ok_or_else(|| CommError::Invalid(format!("receive from rank {from} of a group of {}", self.size())))?;
-        let mb = self.world.mailbox(src, self.world_rank(), tag);
-        let start = Instant::now();
-        let mut q = lock(&mb.queue);
-        loop {
-            if let Some(v) = q.pop_front() {
-                return Ok(v);
+        Ok(match self.letter(from, tag)? {
+            Letter::Host(v) => v,
+            Letter::Tensor(t) => traffic::read(*t, traffic::Kind::Activations).iter::<f32>().collect(),
+        })
+    }
+
+    fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
+        let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
+        self.world.check()?;
+        let mb = self.world.mailbox(self.world_rank(), dst, tag);
+        lock(&mb.queue).push_back(Letter::Tensor(Box::new(t)));
+        mb.cv.notify_all();
+        Ok(())
+    }
+
+    fn recv_tensor(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor<1>, CommError> {
+        Ok(match self.letter(from, tag)? {
+            Letter::Tensor(t) => t.to_device(device),
+            Letter::Host(v) => {
+                let n = v.len();
+                traffic::upload(TensorData::new(v, [n]), device, traffic::Kind::Activations)
             }
-            self.world.check()?;
-            if start.elapsed() > self.world.timeout {
-                let err = self.timed_out("recv", start, std::iter::once(from));
-                drop(q);
-                self.abort(&err.to_string());
-                return Err(err);
-            }
-            q = mb.cv.wait_timeout(q, POLL).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -775,6 +861,87 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A group that takes every collective from an in-process one except the tensor
+    /// all-reduce, which it leaves to the trait's default: through host memory.
+    struct ThroughHost(ThreadComm);
+
+    impl Collective for ThroughHost {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+            self.0.all_reduce(buf, op)
+        }
+        fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+            self.0.all_gather(buf)
+        }
+        fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+            self.0.reduce_scatter(buf, op)
+        }
+        fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
+            self.0.broadcast(buf, root)
+        }
+        fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
+            self.0.send(to, tag, buf)
+        }
+        fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
+            self.0.recv(from, tag)
+        }
+        fn barrier(&self) -> Result<(), CommError> {
+            self.0.barrier()
+        }
+        fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
+            self.0.split(groups).map(ThroughHost)
+        }
+        fn abort(&self, message: &str) {
+            self.0.abort(message)
+        }
+        fn aborter(&self) -> Aborter {
+            self.0.aborter()
+        }
+    }
+
+    #[test]
+    fn tensor_all_reduce_matches_the_host_all_reduce_bit_for_bit() {
+        let len = 3 * SMALL + 5;
+        let out = run(3, move |c| {
+            let r = c.rank() as f32;
+            let v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37 + r).sin() * 10f32.powi(i as i32 % 7 - 3)).collect();
+            let tensor = |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [len]), &Default::default());
+            let bits = |t: Tensor<1>| t.into_data().iter::<f32>().map(f32::to_bits).collect::<Vec<_>>();
+            let mut results = Vec::new();
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let mut host = v.clone();
+                c.all_reduce(&mut host, op).unwrap();
+                let device = bits(c.all_reduce_tensor(tensor(&v), op).unwrap());
+                results.push((host.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), device));
+            }
+            // The trait's default, through host memory, counts what it moves.
+            let comm = ThroughHost(c);
+            traffic::take();
+            let through_host = bits(comm.all_reduce_tensor(tensor(&v), ReduceOp::Sum).unwrap());
+            let moved = traffic::take().collective;
+            // Lengths that differ are an error on every rank, not a hang.
+            let short = if comm.rank() == 2 { &v[..len - 1] } else { &v[..] };
+            let n = short.len();
+            let mismatch =
+                comm.0.all_reduce_tensor(Tensor::<1>::from_data(TensorData::new(short.to_vec(), [n]), &Default::default()), ReduceOp::Sum);
+            (results, through_host, moved, mismatch.err().map(|e| e.to_string()))
+        });
+        for (results, through_host, moved, mismatch) in &out {
+            for (host, device) in results {
+                assert_eq!(host, device, "the tensor all-reduce differs from the host one");
+            }
+            assert_eq!(through_host, &results[0].0);
+            assert_eq!(*moved, 2 * 4 * len as u64, "read once and uploaded once");
+            assert!(mismatch.as_deref().is_some_and(|m| m.contains("elements")), "{mismatch:?}");
+        }
+        assert_eq!(out[0].0, out[1].0);
     }
 
     #[test]

@@ -83,7 +83,12 @@ fn stored(p: &FlexTensor) -> Option<(&[f32], &[isize])> {
 
 /// Whether the tensor lives in host memory (Flex), where its values are read in place.
 pub(crate) fn in_host_memory<const D: usize>(t: &Tensor<D>) -> bool {
-    t.device().inner() == burn::tensor::Device::flex()
+    host_device(&t.device())
+}
+
+/// Whether tensors on `device` lie in host memory (Flex, with or without autodiff).
+pub(crate) fn host_device(device: &burn::tensor::Device) -> bool {
+    device.clone().inner() == burn::tensor::Device::flex()
 }
 
 /// Calls `f` with the tensor's values as f32, in logical order. A contiguous f32 tensor on Flex

@@ -26,7 +26,8 @@ pub struct HostTraffic {
     pub batch: u64,
     /// Activations and their gradients at tensor-parallel region and pipeline stage
     /// boundaries: the residual stream read back and uploaded again, the logits read back for
-    /// the cross entropy, backward seeds uploaded, input gradients read back.
+    /// the cross entropy, backward seeds uploaded, input gradients read back; without tensor
+    /// parallelism only the pipeline's boundaries and each micro-batch's loss scalar.
     pub activations: u64,
     /// Gradients staged on the host for a collective (tp-replicated and tied parameters, the
     /// data-parallel reduction) and written back.

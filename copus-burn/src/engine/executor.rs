@@ -10,10 +10,10 @@ use copus_core::gns::{NoiseEstimate, StepStats};
 use copus_core::schedule::{Action, build as build_schedule};
 
 use super::fault::StepFault;
-use super::grad_index::Role;
+use super::grad_index::{ParamInfo, Role};
 use super::messages::EngineStep;
 use super::rank::{RankError, RankState};
-use super::regions::InFlight;
+use super::regions::{Boundary, InFlight};
 use crate::collective::{Collective, ReduceOp};
 use crate::grads;
 use crate::parallel::{ParallelLm, StageModel};
@@ -44,7 +44,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let tp_rank = self.plan.tp_rank;
         for action in my_actions {
             match action {
-                Action::RecvActivation { mb } => flights[mb].activation_in = Some(self.pp.recv(prev, TAG_ACT)?),
+                Action::RecvActivation { mb } => flights[mb].activation_in = Some(self.receive(prev, TAG_ACT)?),
                 Action::Forward { mb } => {
                     let mut fl = std::mem::take(&mut flights[mb]);
                     loss += self.forward(batch, mb, &mut fl, &ctx)?;
@@ -52,33 +52,44 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 }
                 Action::SendActivation { mb } => {
                     let v = flights[mb].activation_out.take().expect("forward before send");
-                    self.pp.send(next, TAG_ACT, v)?;
+                    self.hand_on(next, TAG_ACT, v)?;
                 }
-                Action::RecvGrad { mb } => flights[mb].grad_in = Some(self.pp.recv(next, TAG_GRAD)?),
+                Action::RecvGrad { mb } => flights[mb].grad_in = Some(self.receive(next, TAG_GRAD)?),
                 Action::Backward { mb } => {
                     let mut fl = std::mem::take(&mut flights[mb]);
                     let mut g = self.backward(&mut fl)?;
                     flights[mb].grad_out = fl.grad_out.take();
                     // tp-replicated parameters: sum the partial gradients over tp.
                     if dims.tp > 1 && self.index.any(|p| p.role == Role::TpReplicated) {
-                        let mut rep = self.index.flatten(self.stage(), &g, |p| p.role == Role::TpReplicated);
-                        self.tp.all_reduce(&mut rep, ReduceOp::Sum)?;
-                        self.index.unflatten(self.stage(), &mut g, |p| p.role == Role::TpReplicated, &rep);
+                        let replicated = |p: &ParamInfo| p.role == Role::TpReplicated;
+                        let sum = match self.flat(&g, replicated) {
+                            Boundary::Host(mut rep) => {
+                                self.tp.all_reduce(&mut rep, ReduceOp::Sum)?;
+                                Boundary::Host(rep)
+                            }
+                            Boundary::Device(rep) => Boundary::Device(self.tp.all_reduce_tensor(rep, ReduceOp::Sum)?),
+                        };
+                        self.write_back(&mut g, replicated, sum);
                     }
                     // A tied embedding across stages: the last stage's share goes to the first.
                     if self.index.any(|p| p.mirror) {
-                        let share = self.index.flatten(self.stage(), &g, |p| p.mirror);
-                        let zeros = vec![0.0; share.len()];
-                        self.pp.send(0, TAG_TIED, share)?;
-                        self.index.unflatten(self.stage(), &mut g, |p| p.mirror, &zeros);
+                        let share = self.flat(&g, |p| p.mirror);
+                        let zeros = share.zeros_like();
+                        self.hand_on(0, TAG_TIED, share)?;
+                        self.write_back(&mut g, |p| p.mirror, zeros);
                     }
                     if self.index.any(|p| p.tied_owner) {
-                        let share = self.pp.recv(dims.pp - 1, TAG_TIED)?;
-                        let mut own = self.index.flatten(self.stage(), &g, |p| p.tied_owner);
-                        for (o, s) in own.iter_mut().zip(&share) {
-                            *o += s;
-                        }
-                        self.index.unflatten(self.stage(), &mut g, |p| p.tied_owner, &own);
+                        let sum = match self.flat(&g, |p| p.tied_owner) {
+                            Boundary::Host(mut own) => {
+                                let share = self.pp.recv(dims.pp - 1, TAG_TIED)?;
+                                for (o, s) in own.iter_mut().zip(&share) {
+                                    *o += s;
+                                }
+                                Boundary::Host(own)
+                            }
+                            Boundary::Device(own) => Boundary::Device(own + self.pp.recv_tensor(dims.pp - 1, TAG_TIED, &self.device)?),
+                        };
+                        self.write_back(&mut g, |p| p.tied_owner, sum);
                     }
                     // This micro-batch's gradient is its share of the step mean: its own mean
                     // gradient is n_total times it (equal tokens per micro-batch).
@@ -88,19 +99,23 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 }
                 Action::SendGrad { mb } => {
                     let v = flights[mb].grad_out.take().expect("backward before send");
-                    self.pp.send(prev, TAG_GRAD, v)?;
+                    self.hand_on(prev, TAG_GRAD, v)?;
                 }
             }
         }
         let mut acc = acc.unwrap_or_default();
         // The tied embedding's summed gradient goes back to the mirror.
         if self.index.any(|p| p.tied_owner) {
-            let full = self.index.flatten(self.stage(), &acc, |p| p.tied_owner);
-            self.pp.send(dims.pp - 1, TAG_TIED_SUM, full)?;
+            let full = self.flat(&acc, |p| p.tied_owner);
+            self.hand_on(dims.pp - 1, TAG_TIED_SUM, full)?;
         }
         if self.index.any(|p| p.mirror) {
-            let full = self.pp.recv(0, TAG_TIED_SUM)?;
-            self.index.unflatten(self.stage(), &mut acc, |p| p.mirror, &full);
+            let full = if grads::host_device(&self.device) {
+                Boundary::Host(self.pp.recv(0, TAG_TIED_SUM)?)
+            } else {
+                Boundary::Device(self.pp.recv_tensor(0, TAG_TIED_SUM, &self.device)?)
+            };
+            self.write_back(&mut acc, |p| p.mirror, full);
         }
         // Per-micro-batch norms and the loss, summed over every rank.
         micro_sq[n_total] = if self.plan.is_last() && tp_rank == 0 { loss } else { 0.0 };
@@ -118,13 +133,19 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             g[0] = f32::NAN;
             self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
         }
-        // Data parallel: bucketed all-reduce of the flattened gradients.
+        // Data parallel: the flattened gradients all-reduced where they lie on a device, in
+        // buckets through host buffers where they lie in host memory.
         if dims.dp > 1 {
-            let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
-            for chunk in flat.chunks_mut(self.cfg.bucket_elems) {
-                self.dp.all_reduce(chunk, ReduceOp::Sum)?;
+            if let Some(flat) = self.index.flatten_on_device(self.stage(), &acc, |_| true) {
+                let sum = self.dp.all_reduce_tensor(flat, ReduceOp::Sum)?;
+                self.index.unflatten_on_device(self.stage(), &mut acc, |_| true, sum);
+            } else {
+                let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
+                for chunk in flat.chunks_mut(self.cfg.bucket_elems) {
+                    self.dp.all_reduce(chunk, ReduceOp::Sum)?;
+                }
+                self.index.unflatten(self.stage(), &mut acc, |_| true, &flat);
             }
-            self.index.unflatten(self.stage(), &mut acc, |_| true, &flat);
         }
         // |g|^2 of the reduced gradient and, for a one-micro-batch step, |g - g_prev|^2, each
         // summed over the model-parallel ranks.
@@ -163,6 +184,42 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
         let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);
         Ok(finished(metrics, stats, false))
+    }
+
+    /// The selected gradients as one tensor where they lie on a device, else as a host buffer.
+    fn flat(&self, g: &GradientsParams, select: impl Fn(&ParamInfo) -> bool + Copy) -> Boundary {
+        match self.index.flatten_on_device(self.stage(), g, select) {
+            Some(t) => Boundary::Device(t),
+            None => Boundary::Host(self.index.flatten(self.stage(), g, select)),
+        }
+    }
+
+    /// Writes what [`Self::flat`] laid out back into `g`.
+    fn write_back(&self, g: &mut GradientsParams, select: impl Fn(&ParamInfo) -> bool, b: Boundary) {
+        match b {
+            Boundary::Host(v) => self.index.unflatten(self.stage(), g, select, &v),
+            Boundary::Device(t) => self.index.unflatten_on_device(self.stage(), g, select, t),
+        }
+    }
+
+    /// Sends a stage boundary's values to pipeline rank `to`: a tensor where it lies, a buffer
+    /// from host memory.
+    fn hand_on(&self, to: usize, tag: u32, b: Boundary) -> Result<(), RankError> {
+        match b {
+            Boundary::Host(v) => self.pp.send(to, tag, v)?,
+            Boundary::Device(t) => self.pp.send_tensor(to, tag, t)?,
+        }
+        Ok(())
+    }
+
+    /// Receives a stage boundary's values from pipeline rank `from`: as a tensor on this rank's
+    /// device when a stage runs as one graph (tp = 1), else into host memory.
+    fn receive(&self, from: usize, tag: u32) -> Result<Boundary, RankError> {
+        Ok(if self.cfg.dims.tp == 1 {
+            Boundary::Device(self.pp.recv_tensor(from, tag, &self.device)?)
+        } else {
+            Boundary::Host(self.pp.recv(from, tag)?)
+        })
     }
 
     /// Sequences trained on so far (the schedule's clock).

@@ -1,6 +1,7 @@
 //! What each parameter of a rank's stage is to the engine (tensor-sharded or replicated over tp,
 //! a tied embedding's mirror or owner), and gradients by a selection of parameters: flattened to
-//! one host buffer for a collective, written back, and squared norms: read in place and summed
+//! one host buffer (or, on a device, one tensor there) for a collective, written back, and
+//! squared norms: read in place and summed
 //! in f64 where the gradients are in host memory, reduced on the device (one small read) where
 //! they are not.
 
@@ -10,7 +11,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::grads::{host_diff_sq, host_sq, in_host_memory, read_sum};
+use crate::grads::{host_device, host_diff_sq, host_sq, in_host_memory, read_sum};
 use crate::traffic::{self, Kind};
 
 /// How a parameter's gradient is counted and reduced.
@@ -82,6 +83,70 @@ impl GradIndex {
         let mut v = V { g, wanted: self.ids(select), out: Vec::new() };
         stage.visit(&mut v);
         v.out
+    }
+
+    /// The selected parameters' gradients as one tensor on the rank's device, laid out as
+    /// [`Self::flatten`] (zeros where a parameter has none); `None` when the rank's device is
+    /// host memory, where [`Self::flatten`] reads them without a copy to a device. Decided by the
+    /// device, not by the gradients, so every rank of a group takes the same path.
+    pub(super) fn flatten_on_device<S: Module>(
+        &self,
+        stage: &S,
+        g: &GradientsParams,
+        select: impl Fn(&ParamInfo) -> bool,
+    ) -> Option<Tensor<1>> {
+        struct V<'a> {
+            g: &'a GradientsParams,
+            wanted: HashSet<ParamId>,
+            parts: Vec<Tensor<1>>,
+            device: &'a Device,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if self.wanted.contains(&p.id) {
+                    let n = p.val().shape().num_elements();
+                    self.parts.push(match self.g.get::<D>(p.id) {
+                        Some(t) => t.reshape([n]),
+                        None => Tensor::zeros([n], self.device),
+                    });
+                }
+            }
+        }
+        if host_device(&self.device) {
+            return None;
+        }
+        let device = self.device.clone().inner();
+        let mut v = V { g, wanted: self.ids(select), parts: Vec::new(), device: &device };
+        stage.visit(&mut v);
+        (!v.parts.is_empty()).then(|| Tensor::cat(v.parts, 0))
+    }
+
+    /// Writes `flat` (as laid out by [`Self::flatten_on_device`]) back into `g`, on its device.
+    pub(super) fn unflatten_on_device<S: Module>(
+        &self,
+        stage: &S,
+        g: &mut GradientsParams,
+        select: impl Fn(&ParamInfo) -> bool,
+        flat: Tensor<1>,
+    ) {
+        struct V<'a> {
+            g: &'a mut GradientsParams,
+            wanted: HashSet<ParamId>,
+            flat: Tensor<1>,
+            at: usize,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if self.wanted.contains(&p.id) {
+                    let dims = p.val().dims();
+                    let n: usize = dims.iter().product();
+                    self.g.remove::<D>(p.id);
+                    self.g.register::<D>(p.id, self.flat.clone().narrow(0, self.at, n).reshape(dims));
+                    self.at += n;
+                }
+            }
+        }
+        stage.visit(&mut V { g, wanted: self.ids(select), flat, at: 0 });
     }
 
     /// Writes `values` (as laid out by [`Self::flatten`]) back into `g`.

@@ -5,14 +5,18 @@
 //! - dp replica `d` takes sequences `[d * a * B_m, (d + 1) * a * B_m)` of the step's batch as
 //!   `a = B_g / (dp * B_m)` micro-batches, in order, so global micro-batch `d * a + k` is the
 //!   same data serial training sees as its micro-batch `d * a + k`;
-//! - each stage runs copus-core's pipeline schedule (1F1B or GPipe). A micro-batch goes
-//!   through *regions* whose inputs are detached leaves: the embedding, one region per residual
-//!   branch, and the head. Between regions the engine sums partial outputs over the tp group
-//!   (forward) and partial input gradients over the tp group (backward): Megatron's f/g pair
-//!   without custom autodiff ops. Activations and their gradients cross stages by send/recv;
-//! - the loss is the vocabulary-parallel cross entropy normalised by the step's global number
-//!   of target tokens, so gradients do not depend on how B_g is split;
-//! - after the last micro-batch, gradients are all-reduced over dp in flat buckets;
+//! - each stage runs copus-core's pipeline schedule (1F1B or GPipe). Under tensor parallelism
+//!   a micro-batch goes through *regions* whose inputs are detached leaves: the embedding, one
+//!   region per residual branch, and the head. Between regions the engine sums partial outputs
+//!   over the tp group (forward) and partial input gradients over the tp group (backward):
+//!   Megatron's f/g pair without custom autodiff ops, through host buffers. Without it (tp = 1)
+//!   the stage is one autodiff graph on the rank's device. Activations and their gradients
+//!   cross stages by send/recv (as tensors, where they lie, between stages run as one graph);
+//! - the loss is the vocabulary-parallel cross entropy (at tp = 1, the plain one on the
+//!   device) normalised by the step's global number of target tokens, so gradients do not
+//!   depend on how B_g is split;
+//! - after the last micro-batch, gradients are all-reduced over dp: as one tensor added where
+//!   the ranks' gradients lie on a device, in flat host buckets where they lie in host memory;
 //! - the gradient-noise probe sums each micro-batch's squared gradient norm over the tp and pp
 //!   shards (tp-replicated parameters and a tied embedding counted once) and the norm of the
 //!   reduced gradient over the model-parallel ranks, so copus-core's estimator sees exactly the
@@ -20,8 +24,9 @@
 //!
 //! Files: [`config`] and [`error`]; `messages` (a leaf: commands, replies, a step's report,
 //! the live-change messages, the MPI control header); `cluster` (rank threads, start-up and
-//! verification); `rank` (one rank's state: build, resume, export); `regions` (the
-//! tensor-parallel regions and the vocabulary-parallel loss); `executor` (one step: the
+//! verification); `rank` (one rank's state: build, resume, export); `regions` (a stage's
+//! forward and backward: the tensor-parallel regions and the vocabulary-parallel loss, or one
+//! graph); `executor` (one step: the
 //! pipeline schedule, dp reduction, the probe, the update); `grad_index` (gradients by
 //! parameter selection); `live` (the rank side of live layout changes; the driver side is
 //! `crate::reconfig`); `processes` (feature `mpi`: ranks on other processes, and what a serving

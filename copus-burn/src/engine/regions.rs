@@ -2,7 +2,14 @@
 //! residual branch and the head, each a sub-graph whose input is a detached leaf. Between
 //! regions the partial outputs (forward) and partial input gradients (backward) are summed over
 //! the tp group, and the vocabulary-parallel cross entropy is computed across the tp group's
-//! slices of the logits.
+//! slices of the logits. In host memory (Flex) the sums and the loss run on host buffers, with
+//! the fused passes; on a device they run on tensors where they lie (tensor all-reduces, the
+//! loss's maxima, sums and target logits combined as tensors, one scalar read back).
+//!
+//! Without tensor parallelism (tp = 1) there is nothing to sum: the stage runs as one autodiff
+//! graph from its input (the tokens, or the activation received from the previous stage) to
+//! its output (the loss, or the activation sent on), and only the pipeline's boundaries and
+//! the loss's scalar leave the device.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -19,11 +26,49 @@ use crate::traffic::{self, Kind};
 pub(super) struct InFlight {
     pub(super) embed_out: Option<Tensor<3>>,
     pub(super) blocks: Vec<(Tensor<3>, Tensor<3>)>,
-    pub(super) head: Option<(Tensor<3>, Tensor<3>, Vec<f32>)>,
-    pub(super) activation_in: Option<Vec<f32>>,
-    pub(super) activation_out: Option<Vec<f32>>,
-    pub(super) grad_in: Option<Vec<f32>>,
-    pub(super) grad_out: Option<Vec<f32>>,
+    pub(super) head: Option<(Tensor<3>, Tensor<3>, Boundary)>,
+    pub(super) activation_in: Option<Boundary>,
+    pub(super) activation_out: Option<Boundary>,
+    pub(super) grad_in: Option<Boundary>,
+    pub(super) grad_out: Option<Boundary>,
+    /// tp = 1: the stage's input leaf (after the first stage) and its output, the loss on the
+    /// last stage, one graph.
+    pub(super) whole: Option<(Option<Tensor<3>>, Output)>,
+}
+
+/// An activation or its gradient at a pipeline stage boundary: a host buffer (the tensor-
+/// parallel regions sum them there), or a tensor where it lies (a stage run as one graph).
+// A few per micro-batch, moved rather than copied; boxing the tensor would only add allocations.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Boundary {
+    Host(Vec<f32>),
+    Device(Tensor<1>),
+}
+
+impl Boundary {
+    /// Zeros of the same length, where these values lie.
+    pub(super) fn zeros_like(&self) -> Self {
+        match self {
+            Self::Host(v) => Self::Host(vec![0.0; v.len()]),
+            Self::Device(t) => Self::Device(t.zeros_like()),
+        }
+    }
+
+    /// The values in host memory (read back if on a device).
+    fn into_host(self) -> Vec<f32> {
+        match self {
+            Self::Host(v) => v,
+            Self::Device(t) => traffic::read(t, Kind::Activations).iter::<f32>().collect(),
+        }
+    }
+}
+
+/// The output of a stage run as one graph.
+pub(super) enum Output {
+    /// The last stage's loss share, `[1]`.
+    Loss(Tensor<1>),
+    /// The residual stream handed to the next stage.
+    Activation(Tensor<3>),
 }
 
 fn host(t: Tensor<3>) -> Vec<f32> {
@@ -34,6 +79,21 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     fn tokens(&self, batch: &[i64], mb: usize, inputs: bool) -> Tensor<2, Int> {
         let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
         traffic::upload(TensorData::new(self.token_rows(batch, mb, inputs), [bm, s]), &self.device, Kind::Batch)
+    }
+
+    /// This stage's tokens of micro-batch `mb` on its device: the inputs on the first stage, the
+    /// targets on the last. A stage that is both uploads the `seq + 1` ids of each sequence once
+    /// and takes both as views.
+    fn stage_tokens(&self, batch: &[i64], mb: usize) -> (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>) {
+        let (first, last) = (self.plan.is_first(), self.plan.is_last());
+        if !(first && last) {
+            return (first.then(|| self.tokens(batch, mb, true)), last.then(|| self.tokens(batch, mb, false)));
+        }
+        let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
+        let first_row = (self.dp_rank * self.cfg.num_micro_per_replica() + mb) * bm;
+        let ids = batch[first_row * (s + 1)..(first_row + bm) * (s + 1)].to_vec();
+        let rows: Tensor<2, Int> = traffic::upload(TensorData::new(ids, [bm, s + 1]), &self.device, Kind::Batch);
+        (Some(rows.clone().narrow(1, 0, s)), Some(rows.narrow(1, 1, s)))
     }
 
     /// Micro-batch `mb`'s input (or target) tokens, row-major `[B_m, seq]`.
@@ -49,8 +109,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         v
     }
 
+    /// `[B_m, seq, d]`: the residual stream of one micro-batch.
+    fn residual_shape(&self) -> [usize; 3] {
+        [self.cfg.micro_batch, self.cfg.seq_len, self.d_model]
+    }
+
     fn leaf(&self, v: &[f32]) -> Tensor<3> {
-        let shape = [self.cfg.micro_batch, self.cfg.seq_len, self.d_model];
+        let shape = self.residual_shape();
         traffic::upload::<3, _>(TensorData::new(v.to_vec(), shape), &self.device, Kind::Activations).require_grad()
     }
 
@@ -66,6 +131,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
+        if self.cfg.dims.tp == 1 {
+            return Ok(self.forward_whole(batch, mb, fl, ctx));
+        }
+        if !grads::host_device(&self.device) {
+            return self.forward_regions_on_device(batch, mb, fl, ctx);
+        }
         let stage = self.stage();
         let mut h = if self.plan.is_first() {
             let out = stage.embed(self.tokens(batch, mb, true));
@@ -74,7 +145,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.embed_out = Some(out);
             v
         } else {
-            fl.activation_in.take().expect("activation received before forward")
+            fl.activation_in.take().expect("activation received before forward").into_host()
         };
         for i in 0..stage.num_blocks() {
             let x = self.leaf(&h);
@@ -87,14 +158,177 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.blocks.push((x, y));
         }
         if !self.plan.is_last() {
-            fl.activation_out = Some(h);
+            fl.activation_out = Some(Boundary::Host(h));
             return Ok(0.0);
         }
         let x = self.leaf(&h);
         let z = stage.logits(x.clone());
         let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), batch, mb)?;
-        fl.head = Some((x, z, dz));
+        fl.head = Some((x, z, Boundary::Host(dz)));
         Ok(loss)
+    }
+
+    /// The sum over the tp group of a residual-stream tensor, where it lies.
+    fn sum_over_tp(&self, t: Tensor<3>) -> Result<Tensor<3>, RankError> {
+        let shape = t.dims();
+        Ok(self.tp.all_reduce_tensor(t.reshape([shape.iter().product::<usize>()]), ReduceOp::Sum)?.reshape(shape))
+    }
+
+    /// A boundary's values as a residual-stream tensor on this rank's device.
+    fn residual(&self, b: Boundary, shape: [usize; 3]) -> Tensor<3> {
+        match b {
+            Boundary::Device(t) => t.reshape(shape),
+            Boundary::Host(v) => self.constant(v, shape),
+        }
+    }
+
+    /// [`Self::forward`] under tensor parallelism on a device: the regions as in host memory,
+    /// their sums over the tp group added where the tensors lie.
+    fn forward_regions_on_device(
+        &self,
+        batch: &[i64],
+        mb: usize,
+        fl: &mut InFlight,
+        ctx: &<L::Stage as StageModel>::Ctx,
+    ) -> Result<f64, RankError> {
+        let stage = self.stage();
+        let shape = self.residual_shape();
+        let (inputs, targets) = self.stage_tokens(batch, mb);
+        let mut h = if let Some(inputs) = inputs {
+            let out = stage.embed(inputs);
+            let h = self.sum_over_tp(out.clone().detach())?;
+            fl.embed_out = Some(out);
+            h
+        } else {
+            self.residual(fl.activation_in.take().expect("activation received before forward"), shape)
+        };
+        for i in 0..stage.num_blocks() {
+            let x = h.clone().require_grad();
+            let y = stage.block(i, x.clone(), ctx);
+            h = h + self.sum_over_tp(y.clone().detach())?;
+            fl.blocks.push((x, y));
+        }
+        if !self.plan.is_last() {
+            fl.activation_out = Some(Boundary::Device(h.reshape([shape.iter().product::<usize>()])));
+            return Ok(0.0);
+        }
+        let x = h.require_grad();
+        let z = stage.logits(x.clone());
+        let targets = targets.expect("the last stage has its targets");
+        let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets)?;
+        let n = dz.shape().num_elements();
+        fl.head = Some((x, z, Boundary::Device(dz.reshape([n]))));
+        Ok(loss)
+    }
+
+    /// [`Self::vocab_parallel_cross_entropy`] where the logits lie: the max, the sums of
+    /// exponentials and the target logits combined over the tp group as tensors; one scalar
+    /// (the loss) read back.
+    fn vocab_parallel_cross_entropy_on_device(&self, z: Tensor<3>, targets: Tensor<2, Int>) -> Result<(f64, Tensor<3>), RankError> {
+        let [bm, s, v] = z.dims();
+        let rows = bm * s;
+        let device = z.device();
+        // The target's index in this rank's slice, and whether it falls in the slice.
+        let local = targets.sub_scalar(self.vocab_start as i64);
+        let inside = local.clone().greater_equal_elem(0).bool_and(local.clone().lower_elem(v as i64)).unsqueeze_dim::<3>(2);
+        let index = local.clamp(0, v as i64 - 1).unsqueeze_dim::<3>(2);
+        let max = self.tp.all_reduce_tensor(z.clone().max_dim(2).reshape([rows]), ReduceOp::Max)?.reshape([bm, s, 1]);
+        let exp = (z.clone() - max.clone()).exp();
+        let picked = z.gather(2, index.clone()).mask_fill(inside.clone().bool_not(), 0.0);
+        let both = Tensor::cat(vec![exp.clone().sum_dim(2).reshape([rows]), picked.reshape([rows])], 0);
+        let both = self.tp.all_reduce_tensor(both, ReduceOp::Sum)?;
+        let sum = both.clone().narrow(0, 0, rows).reshape([bm, s, 1]);
+        let picked = both.narrow(0, rows, rows).reshape([bm, s, 1]);
+        let scale = 1.0 / (self.cfg.global_batch * self.cfg.seq_len) as f64;
+        let loss = (sum.clone().log() + max - picked).sum();
+        let loss = traffic::read(loss, Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from) * scale;
+        // d loss / d z = (softmax - onehot(target)) / tokens, the one-hot only where the target
+        // is in this rank's slice.
+        let classes = Tensor::<1, Int>::arange(0..v as i64, &device).reshape([1, 1, v]).expand([bm, s, v]);
+        let onehot = classes.equal(index.expand([bm, s, v])).bool_and(inside.expand([bm, s, v])).float();
+        Ok((loss, (exp / sum - onehot).mul_scalar(scale)))
+    }
+
+    /// [`Self::backward`] of [`Self::forward_regions_on_device`].
+    fn backward_regions_on_device(&self, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
+        let stage = self.stage();
+        let mut acc: Option<GradientsParams> = None;
+        let add = |g: GradientsParams, acc: &mut Option<GradientsParams>| {
+            *acc = Some(grads::add(stage, acc.take(), g));
+        };
+        let shape = self.residual_shape();
+        let zeros = || Tensor::<3>::zeros(shape, &self.device);
+        let mut g = if let Some((x, z, dz)) = fl.head.take() {
+            let seed = self.residual(dz, z.dims());
+            let grads = (z * seed).sum().backward();
+            let dx = x.grad(&grads);
+            add(GradientsParams::from_grads(grads, stage), &mut acc);
+            self.sum_over_tp(dx.unwrap_or_else(zeros))?
+        } else {
+            self.residual(fl.grad_in.take().expect("gradient received before backward"), shape)
+        };
+        for (x, y) in fl.blocks.drain(..).rev() {
+            let grads = (y * g.clone()).sum().backward();
+            let dx = x.grad(&grads);
+            add(GradientsParams::from_grads(grads, stage), &mut acc);
+            g = g + self.sum_over_tp(dx.unwrap_or_else(zeros))?;
+        }
+        if let Some(out) = fl.embed_out.take() {
+            let grads = (out * g).sum().backward();
+            add(GradientsParams::from_grads(grads, stage), &mut acc);
+        } else {
+            fl.grad_out = Some(Boundary::Device(g.reshape([shape.iter().product::<usize>()])));
+        }
+        Ok(acc.unwrap_or_default())
+    }
+
+    /// [`Self::forward`] without tensor parallelism: the stage as one graph.
+    fn forward_whole(&self, batch: &[i64], mb: usize, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> f64 {
+        let stage = self.stage();
+        let (inputs, targets) = self.stage_tokens(batch, mb);
+        let (input, mut h) = if let Some(inputs) = inputs {
+            (None, stage.embed(inputs))
+        } else {
+            let x = match fl.activation_in.take().expect("activation received before forward") {
+                Boundary::Device(t) => t.reshape(self.residual_shape()).require_grad(),
+                Boundary::Host(v) => self.leaf(&v),
+            };
+            (Some(x.clone()), x)
+        };
+        for i in 0..stage.num_blocks() {
+            h = h.clone() + stage.block(i, h, ctx);
+        }
+        if !self.plan.is_last() {
+            let n = h.shape().num_elements();
+            fl.activation_out = Some(Boundary::Device(h.clone().detach().reshape([n])));
+            fl.whole = Some((input, Output::Activation(h)));
+            return 0.0;
+        }
+        let global_tokens = (self.cfg.global_batch * self.cfg.seq_len) as f64;
+        let targets = targets.expect("the last stage has its targets");
+        let loss = fused::cross_entropy_sum(stage.logits(h), targets).mul_scalar(1.0 / global_tokens);
+        let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
+        fl.whole = Some((input, Output::Loss(loss)));
+        value
+    }
+
+    /// [`Self::backward`] of a stage run as one graph.
+    fn backward_whole(&self, input: Option<Tensor<3>>, out: Output, fl: &mut InFlight) -> GradientsParams {
+        let grads = match out {
+            Output::Loss(loss) => loss.backward(),
+            Output::Activation(h) => {
+                let seed = match fl.grad_in.take().expect("gradient received before backward") {
+                    Boundary::Device(t) => t.reshape(h.dims()),
+                    Boundary::Host(v) => self.constant(v, h.dims()),
+                };
+                (h * seed).sum().backward()
+            }
+        };
+        if let Some(x) = input {
+            let n: usize = self.residual_shape().iter().product();
+            fl.grad_out = Some(Boundary::Device(x.grad(&grads).map_or_else(|| Tensor::zeros([n], &self.device), |g| g.reshape([n]))));
+        }
+        GradientsParams::from_grads(grads, self.stage())
     }
 
     /// Loss share of one micro-batch (summed cross entropy over the step's global target
@@ -123,6 +357,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Backward of one micro-batch through this stage; returns its parameter gradients.
     pub(super) fn backward(&self, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
+        if let Some((input, out)) = fl.whole.take() {
+            return Ok(self.backward_whole(input, out, fl));
+        }
+        if !grads::host_device(&self.device) {
+            return self.backward_regions_on_device(fl);
+        }
         let stage = self.stage();
         let mut acc: Option<GradientsParams> = None;
         let add = |g: GradientsParams, acc: &mut Option<GradientsParams>| {
@@ -130,8 +370,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         };
         let shape = [self.cfg.micro_batch, self.cfg.seq_len, self.d_model];
         let mut g: Vec<f32> = if let Some((x, z, dz)) = fl.head.take() {
-            let dims = z.dims();
-            let seed = self.constant(dz, dims);
+            let seed = self.residual(dz, z.dims());
             let grads = (z * seed).sum().backward();
             let dx = x.grad(&grads).map(host);
             add(GradientsParams::from_grads(grads, stage), &mut acc);
@@ -139,7 +378,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.tp.all_reduce(&mut dx, ReduceOp::Sum)?;
             dx
         } else {
-            fl.grad_in.take().expect("gradient received before backward")
+            fl.grad_in.take().expect("gradient received before backward").into_host()
         };
         for (x, y) in fl.blocks.drain(..).rev() {
             let seed = self.constant(g.clone(), shape);
@@ -160,7 +399,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let grads = (out * seed).sum().backward();
             add(GradientsParams::from_grads(grads, stage), &mut acc);
         } else {
-            fl.grad_out = Some(g);
+            fl.grad_out = Some(Boundary::Host(g));
         }
         Ok(acc.unwrap_or_default())
     }

@@ -137,7 +137,7 @@ pub fn run(steps: usize) {
     println!();
     println!("Host traffic of a steady step of tiny-1m (seq 64, B_g 16, B_m 2), KiB summed over the ranks, by kind");
     println!(
-        "(on Flex; a device backend moves the same but for the probe, which reads only per-parameter sums there; the goal of a device-resident step: the token ids plus 64 KiB)"
+        "(on Flex; on a device backend the probe reads only per-parameter sums, and ranks sharing the device add their gradients there, so without tp a step moves its token ids and a few hundred bytes; the goal of a device-resident step: the token ids plus 64 KiB)"
     );
     println!(
         "| layout | token ids | activations | collective staging | probe | constants | state | evaluation | beyond the token ids | largest rank |"
@@ -167,26 +167,23 @@ mod tests {
     use super::*;
 
     /// The meter against the transfers of a dp2 step of tiny-1m counted by hand from the
-    /// model's shape: the input ids (8 bytes each); per micro-batch, 4 + 4 x (2 per layer)
-    /// residual-stream tensors of B_m x seq x d (each region's input uploaded and output read,
-    /// their backward seed and input gradient) and two of logits (read; the seed uploaded); per
-    /// rank, the whole gradient read and written back for the data-parallel reduction; the
-    /// probe's reads of it, once per micro-batch and once after the reduction. Then an
-    /// evaluation read of every rank's parameters between two steps shows in the next step.
+    /// model's shape: the `seq + 1` ids of each sequence (8 bytes each, uploaded once for
+    /// inputs and targets); per micro-batch, the loss's scalar and nothing else of the
+    /// activations (without tensor parallelism a stage is one graph on the device); per rank,
+    /// the whole gradient read and written back for the data-parallel reduction; the probe's
+    /// reads of it, once per micro-batch and once after the reduction. Then an evaluation read
+    /// of every rank's parameters between two steps shows in the next step.
     #[test]
     fn the_host_traffic_meter_counts_a_dp2_step_by_hand() {
         let mut spec = ModelSpec::tiny_1m();
         spec.seq_len = 64;
         let (b_g, b_m, dp, ranks) = (16u64, 2u64, 2u64, 2u64);
-        let (s, d, v) = (spec.seq_len as u64, spec.hidden as u64, spec.vocab_size as u64);
+        let s = spec.seq_len as u64;
         let p = spec.num_params();
         let micro_per_rank = b_g / (dp * b_m);
-        let regions = 2 * spec.num_layers as u64;
-        let residual = b_m * s * d * 4;
-        let logits = b_m * s * v * 4;
         let (h, largest) = steady_step_traffic(ParallelDims::new(2, 1, 1, 2).unwrap());
-        assert_eq!(h.batch, b_g * s * 8);
-        assert_eq!(h.activations, b_g / b_m * ((4 + 4 * regions) * residual + 2 * logits));
+        assert_eq!(h.batch, b_g * (s + 1) * 8);
+        assert_eq!(h.activations, b_g / b_m * 4);
         assert_eq!(h.collective, ranks * 2 * p * 4);
         assert_eq!(h.probe, ranks * (micro_per_rank + 1) * p * 4);
         assert_eq!((h.constants, h.state, h.evaluation), (0, 0, 0));
