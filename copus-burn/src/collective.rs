@@ -119,6 +119,12 @@ pub trait Collective: Send + Sized {
         let n = v.len();
         Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
     }
+    /// Whether [`Self::all_reduce_tensor`] combines the tensors where they lie (an in-process
+    /// group); `false` (the default) when it stages them through host memory in one buffer,
+    /// where a caller that buckets large buffers should keep doing so.
+    fn reduces_tensors_in_place(&self) -> bool {
+        false
+    }
     /// Concatenates every rank's `buf` (equal lengths) in rank order.
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError>;
     /// Combines `buf` (length divisible by the group size) and returns this rank's chunk.
@@ -618,6 +624,10 @@ impl Collective for ThreadComm {
             return Ok(());
         }
         self.all_reduce_in_place(buf, op)
+    }
+
+    fn reduces_tensors_in_place(&self) -> bool {
+        true
     }
 
     fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {

@@ -110,10 +110,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.hand_on(dims.pp - 1, TAG_TIED_SUM, full)?;
         }
         if self.index.any(|p| p.mirror) {
-            let full = if grads::host_device(&self.device) {
-                Boundary::Host(self.pp.recv(0, TAG_TIED_SUM)?)
-            } else {
+            let full = if self.device_resident() {
                 Boundary::Device(self.pp.recv_tensor(0, TAG_TIED_SUM, &self.device)?)
+            } else {
+                Boundary::Host(self.pp.recv(0, TAG_TIED_SUM)?)
             };
             self.write_back(&mut acc, |p| p.mirror, full);
         }
@@ -136,7 +136,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         // Data parallel: the flattened gradients all-reduced where they lie on a device, in
         // buckets through host buffers where they lie in host memory.
         if dims.dp > 1 {
-            if let Some(flat) = self.index.flatten_on_device(self.stage(), &acc, |_| true) {
+            // (Through host memory, MPI ranks keep the buckets: one all-reduce of the whole
+            // gradient would stage dp copies of it.)
+            let in_place = self.device_resident() && self.dp.reduces_tensors_in_place();
+            let on_device = if in_place { self.index.flatten_on_device(self.stage(), &acc, |_| true) } else { None };
+            if let Some(flat) = on_device {
                 let sum = self.dp.all_reduce_tensor(flat, ReduceOp::Sum)?;
                 self.index.unflatten_on_device(self.stage(), &mut acc, |_| true, sum);
             } else {
@@ -186,9 +190,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(finished(metrics, stats, false))
     }
 
-    /// The selected gradients as one tensor where they lie on a device, else as a host buffer.
+    /// The selected gradients as one tensor on the device when the job is device-resident,
+    /// else as a host buffer.
     fn flat(&self, g: &GradientsParams, select: impl Fn(&ParamInfo) -> bool + Copy) -> Boundary {
-        match self.index.flatten_on_device(self.stage(), g, select) {
+        let on_device = if self.device_resident() { self.index.flatten_on_device(self.stage(), g, select) } else { None };
+        match on_device {
             Some(t) => Boundary::Device(t),
             None => Boundary::Host(self.index.flatten(self.stage(), g, select)),
         }

@@ -14,6 +14,7 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use super::config::RankDevice;
 use super::rank::{RankError, RankState};
 use crate::collective::{Collective, ReduceOp};
 use crate::fused;
@@ -109,6 +110,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         v
     }
 
+    /// Whether every rank of the job trains on a device (none in host memory): then a step keeps
+    /// its activations, sums and loss there. Decided for the whole job, not per rank, so the
+    /// ranks of a group always take the same path through their collectives.
+    pub(super) fn device_resident(&self) -> bool {
+        !self.cfg.devices.is_empty() && self.cfg.devices.iter().all(|d| *d != RankDevice::Flex)
+    }
+
     /// `[B_m, seq, d]`: the residual stream of one micro-batch.
     fn residual_shape(&self) -> [usize; 3] {
         [self.cfg.micro_batch, self.cfg.seq_len, self.d_model]
@@ -134,7 +142,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if self.cfg.dims.tp == 1 {
             return Ok(self.forward_whole(batch, mb, fl, ctx));
         }
-        if !grads::host_device(&self.device) {
+        if self.device_resident() {
             return self.forward_regions_on_device(batch, mb, fl, ctx);
         }
         let stage = self.stage();
@@ -360,7 +368,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if let Some((input, out)) = fl.whole.take() {
             return Ok(self.backward_whole(input, out, fl));
         }
-        if !grads::host_device(&self.device) {
+        if self.device_resident() {
             return self.backward_regions_on_device(fl);
         }
         let stage = self.stage();
