@@ -327,6 +327,16 @@ impl ThreadComm {
             .collect()
     }
 
+    /// Queues `letter` for rank `to` under `tag`; never waits for the receive.
+    fn post(&self, to: usize, tag: u32, letter: Letter) -> Result<(), CommError> {
+        let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
+        self.world.check()?;
+        let mb = self.world.mailbox(self.world_rank(), dst, tag);
+        lock(&mb.queue).push_back(letter);
+        mb.cv.notify_all();
+        Ok(())
+    }
+
     /// Waits for the next letter rank `from` sent under `tag`.
     fn letter(&self, from: usize, tag: u32) -> Result<Letter, CommError> {
         let src =
@@ -684,12 +694,7 @@ impl Collective for ThreadComm {
     }
 
     fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
-        let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
-        self.world.check()?;
-        let mb = self.world.mailbox(self.world_rank(), dst, tag);
-        lock(&mb.queue).push_back(Letter::Host(buf));
-        mb.cv.notify_all();
-        Ok(())
+        self.post(to, tag, Letter::Host(buf))
     }
 
     fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
@@ -700,12 +705,7 @@ impl Collective for ThreadComm {
     }
 
     fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
-        let dst = *self.members.get(to).ok_or_else(|| CommError::Invalid(format!("send to rank {to} of a group of {}", self.size())))?;
-        self.world.check()?;
-        let mb = self.world.mailbox(self.world_rank(), dst, tag);
-        lock(&mb.queue).push_back(Letter::Tensor(Box::new(t)));
-        mb.cv.notify_all();
-        Ok(())
+        self.post(to, tag, Letter::Tensor(Box::new(t)))
     }
 
     fn recv_tensor(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor<1>, CommError> {
