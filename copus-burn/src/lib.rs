@@ -45,7 +45,9 @@
 //!   and RCCL and HIP called through libloading;
 //! - `fused::gemm`: the `gemm` crate's raw-pointer products, behind bounds checks of every
 //!   operand;
-//! - `fused::attention`: its output buffer, which its tasks write at disjoint places.
+//! - `fused::attention`: its output buffer, which its tasks write at disjoint places;
+//! - `engine::config` (feature `cuda`): asking whether the CUDA driver library is installed
+//!   before counting its devices.
 
 #![deny(unsafe_code)]
 
@@ -64,6 +66,8 @@ pub mod learner;
 pub mod mpi;
 pub mod optim;
 pub mod parallel;
+#[cfg(feature = "mpi")]
+pub mod process_comm;
 pub mod reconfig;
 pub mod run_dir;
 pub mod state;

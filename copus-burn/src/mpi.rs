@@ -27,6 +27,7 @@
 use std::cell::RefCell;
 use std::sync::Mutex;
 
+use mpi::collective::SystemOperation;
 use mpi::datatype::Equivalence;
 use mpi::ffi;
 use mpi::raw::AsRaw;
@@ -34,7 +35,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
-use crate::engine::config::RankDevice;
+use crate::engine::config::{RankDevice, device_index};
 
 /// Tag of replies from the serving processes to process 0 on the control communicator.
 const REPLY_TAG: i32 = 7;
@@ -146,19 +147,31 @@ fn role_size() -> usize {
     with_mpi(|m| m.size).unwrap_or(1)
 }
 
-/// The device a GPU rank of a multi-process run uses: the GPU of its rank on its node (from
-/// the launcher's environment: Open MPI, MPICH, Slurm), so rank 5 of two 4-GPU nodes takes GPU 1
-/// of the second node. Other devices, and single-process runs, stay as they are.
-pub fn on_this_node(device: RankDevice) -> RankDevice {
+/// The device a GPU rank of a multi-process run uses: from its rank on its node and the number
+/// of ranks there (the launcher's environment: Open MPI, MPICH, Slurm), laid onto the devices
+/// the node shows by [`device_index`] (`ranks_per_device` each when given, else spread evenly),
+/// so with one rank per GPU rank 5 of two 4-GPU nodes takes GPU 1 of the second node, and 8
+/// ranks of a one-GPU node all take GPU 0. Other devices, and single-process runs, stay as they
+/// are.
+pub fn on_this_node(device: RankDevice, ranks_per_device: Option<usize>) -> RankDevice {
     if role() == Role::Single {
         return device;
     }
-    let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok());
+    let first = |keys: &[&str]| {
+        keys.iter().find_map(|k| {
+            let v = std::env::var(k).ok()?;
+            // Slurm writes counts such as `4(x2)`: the leading number is this node's.
+            v.split(|c: char| !c.is_ascii_digit()).next()?.parse::<usize>().ok()
+        })
+    };
+    let local = first(&["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"]);
+    let on_node = first(&["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]);
     match (device, local) {
-        (RankDevice::Cuda(_), Some(l)) => RankDevice::Cuda(l),
-        (RankDevice::Rocm(_), Some(l)) => RankDevice::Rocm(l),
+        (RankDevice::Cuda(_) | RankDevice::Rocm(_), Some(l)) => {
+            // Without the node's rank count, one rank per device.
+            let visible = on_node.and(device.visible());
+            device.with_index(device_index(l, on_node.unwrap_or(l + 1), visible, ranks_per_device))
+        }
         (d, _) => d,
     }
 }
@@ -214,8 +227,15 @@ pub(crate) fn control_receive(from: usize) -> Result<Vec<u8>, String> {
 }
 
 /// One rank's communicator over MPI: the world of a layout, or a group split from it.
+///
+/// Reductions run in one of two modes. Exact (the default of [`MpiComm::world`]): every rank's
+/// buffer is gathered and added in rank order, so results are bit-equal to the in-process
+/// engine's (what the parity tests compare), at about `n / 2` times a ring's traffic. Native
+/// ([`MpiComm::exact`] `false`): `MPI_Allreduce`, the library's ring or tree, equal to the
+/// in-process engine to rounding.
 pub struct MpiComm {
     comm: SimpleCommunicator,
+    exact: bool,
     /// Sends not yet known to be complete, with the buffers they read from.
     pending: RefCell<Vec<(ffi::MPI_Request, Vec<f32>)>>,
 }
@@ -234,7 +254,38 @@ impl MpiComm {
     /// A fresh communicator over all processes (collective: every process calls it).
     pub fn world() -> Result<Self, CommError> {
         let comm = with_mpi(|m| m.control.duplicate()).ok_or_else(|| CommError::Invalid("MPI is not initialised".into()))?;
-        Ok(Self { comm, pending: RefCell::new(Vec::new()) })
+        Ok(Self { comm, exact: true, pending: RefCell::new(Vec::new()) })
+    }
+
+    /// This communicator with exact (`true`) or native (`false`) reductions; groups split from
+    /// it keep the mode.
+    pub fn exact(mut self, exact: bool) -> Self {
+        self.exact = exact;
+        self
+    }
+
+    /// The library's own all-reduce of `buf` (after the lengths are checked to agree).
+    fn native_all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        let n = self.size();
+        let mut lens = vec![0u64; n];
+        self.comm.all_gather_into(&(buf.len() as u64), &mut lens[..]);
+        if let Some((r, l)) = lens.iter().enumerate().find(|(_, l)| **l != buf.len() as u64) {
+            return Err(CommError::Mismatch { op: "all_reduce", detail: format!("rank {r} passed {l} elements, this rank {}", buf.len()) });
+        }
+        fn run<E: Equivalence + Copy>(comm: &SimpleCommunicator, buf: &mut [E], op: ReduceOp) {
+            let send = buf.to_vec();
+            match op {
+                ReduceOp::Sum => comm.all_reduce_into(&send[..], buf, SystemOperation::sum()),
+                ReduceOp::Max => comm.all_reduce_into(&send[..], buf, SystemOperation::max()),
+            }
+        }
+        // `Element` is f32 or f64; the size tells which.
+        if std::mem::size_of::<T>() == 4 {
+            run::<f32>(&self.comm, bytemuck::cast_slice_mut(buf), op);
+        } else {
+            run::<f64>(&self.comm, bytemuck::cast_slice_mut(buf), op);
+        }
+        Ok(())
     }
 
     /// Frees the buffers of sends that completed.
@@ -310,6 +361,9 @@ impl Collective for MpiComm {
             return Ok(());
         }
         self.progress();
+        if !self.exact {
+            return self.native_all_reduce(buf, op);
+        }
         let all = self.gather_all("all_reduce", buf)?;
         let len = buf.len();
         buf.copy_from_slice(&combine_rows(&all, n, len, 0..len, op));
@@ -398,7 +452,7 @@ impl Collective for MpiComm {
             .comm
             .split_by_color_with_key(Color::with_value(color as i32), key as i32)
             .ok_or_else(|| CommError::Invalid("split: MPI returned no communicator".into()))?;
-        Ok(Self { comm, pending: RefCell::new(Vec::new()) })
+        Ok(Self { comm, exact: self.exact, pending: RefCell::new(Vec::new()) })
     }
 
     fn abort(&self, message: &str) {

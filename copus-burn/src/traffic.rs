@@ -41,8 +41,9 @@ pub struct HostTraffic {
     /// Parameters and optimizer state read or written for a checkpoint, an export, a layout
     /// change or loading a state.
     pub state: u64,
-    /// Parameters read for an evaluation or a report (the engine's `rank_params`; an export
-    /// for a checkpoint or a layout change counts as `state`).
+    /// What a held-out evaluation on the ranks moves (its token ids, boundaries and loss
+    /// scalars), and parameters read for a report (the engine's `rank_params`; an export for a
+    /// checkpoint or a layout change counts as `state`). Reported with the next step.
     pub evaluation: u64,
 }
 
@@ -121,6 +122,17 @@ pub fn take() -> HostTraffic {
     COUNTS.with(|c| c.replace(HostTraffic::default()))
 }
 
+/// Runs `f`, counting every byte it moves on this thread as `kind` (an evaluation's token
+/// uploads and activations, say); what was counted before stays as it was.
+pub fn counted_as<T>(kind: Kind, f: impl FnOnce() -> T) -> T {
+    let before = take();
+    let out = f();
+    let during = take();
+    COUNTS.with(|c| c.set(before));
+    count(kind, during.total() as usize);
+    out
+}
+
 /// Reads `t` back to the host, counting its bytes as `kind`.
 pub fn read<const D: usize, K: Basic>(t: Tensor<D, K>, kind: Kind) -> TensorData {
     let data = t.into_data();
@@ -157,5 +169,11 @@ mod tests {
         let mut sum = got;
         sum.add(&got);
         assert_eq!(sum.get(Kind::Batch), 160);
+        // Counted as one kind: what the closure moves lands there, what came before stays.
+        count(Kind::Probe, 4);
+        let ids =
+            counted_as(Kind::Evaluation, || upload::<1, burn::tensor::Int>(TensorData::new(vec![1i64; 3], [3]), &device, Kind::Batch));
+        drop(ids);
+        assert_eq!(take(), HostTraffic { probe: 4, evaluation: 24, ..HostTraffic::default() });
     }
 }

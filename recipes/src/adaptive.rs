@@ -24,7 +24,7 @@ use copus_burn::driver::Clock;
 use copus_burn::driver::{DecisionSource, Scripted};
 use copus_burn::parallel::{ShardPlan, ShardSource};
 use copus_burn::run_dir::RunDir;
-use copus_burn::{Driver, Engine, EngineConfig, ParallelLm, StageModel, cross_entropy_sum};
+use copus_burn::{Driver, Engine, EngineConfig, ParallelLm};
 use copus_core::candidates::{Candidate, Enumeration};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::MemoryModel;
@@ -36,7 +36,6 @@ use copus_models::{LlamaConfig, LlamaStage, full_params};
 use serde::{Deserialize, Serialize};
 
 use crate::data::PackedDataset;
-use crate::eval::heldout_loss;
 use crate::prepare::RunOptions;
 use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
 use crate::recipe::Recipe;
@@ -195,7 +194,9 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
     let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())
         .with_schedule(par.schedule)
-        .with_devices(recipe.backend.rank_devices(par.world_size));
+        .with_devices(recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device))
+        .with_ranks_per_device(recipe.ranks_per_device)
+        .with_exact_reductions(par.exact_reductions);
     let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
     let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
     tracing::info!("starting at {start}");
@@ -208,7 +209,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
     s.tokenizer.save(folder.join("tokenizer.json"), false).map_err(|e| anyhow!("{}: {e}", folder.join("tokenizer.json").display()))?;
     let mut logs = Logs::open(&folder, true)?;
-    let initial_eval = evaluate(&s.cfg, driver.engine_mut().gather()?, &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
+    let initial_eval = evaluate(driver.engine_mut(), &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
     let history = History { points: Vec::new(), initial_eval, last_eval: (0, initial_eval) };
     train(recipe, opts, &mut s, driver, folder, logs, history, stop)
@@ -331,8 +332,7 @@ fn train(
     );
     let (eval_sequences, eval_micro) = (t.eval_sequences, t.micro_batch);
     let eval_now = |driver: &mut Driver<LlamaConfig>, heldout: &PackedDataset| -> anyhow::Result<f64> {
-        let params = driver.engine_mut().gather()?;
-        evaluate(&cfg, params, heldout, eval_sequences, eval_micro)
+        evaluate(driver.engine_mut(), heldout, eval_sequences, eval_micro)
     };
     let History { mut points, initial_eval, mut last_eval } = history;
     let data = TrainSequences(&s.train);
@@ -539,24 +539,10 @@ fn whole_model(cfg: &LlamaConfig, params: HashMap<String, Vec<f32>>) -> anyhow::
     Ok(cfg.build_stage(&plan, &mut ShardSource::new(shards), &Device::flex())?)
 }
 
-/// Mean held-out loss per token over the first `count` held-out sequences, through the regions
-/// the engine runs (embedding, residual branches, head).
-pub(crate) fn evaluate(
-    cfg: &LlamaConfig,
-    params: HashMap<String, Vec<f32>>,
-    heldout: &PackedDataset,
-    count: usize,
-    micro: usize,
-) -> anyhow::Result<f64> {
-    let stage = whole_model(cfg, params)?;
-    let ctx = stage.context(heldout.seq_len());
-    Ok(heldout_loss(heldout, count, micro, &Device::flex(), |b| {
-        let mut h = stage.embed(b.inputs);
-        for i in 0..stage.num_blocks() {
-            h = h.clone() + stage.block(i, h, &ctx);
-        }
-        f64::from(cross_entropy_sum(stage.logits(h), b.targets).into_scalar::<f32>())
-    }))
+/// Mean held-out loss per token over the first `count` held-out sequences, computed by the
+/// engine's running ranks on their own devices and layout (no parameter is gathered).
+pub(crate) fn evaluate(engine: &mut Engine<LlamaConfig>, heldout: &PackedDataset, count: usize, micro: usize) -> anyhow::Result<f64> {
+    Ok(engine.evaluate(crate::eval::windows(heldout, count), micro)?)
 }
 
 /// Writes the final weights under the model's global names.

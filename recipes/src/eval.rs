@@ -15,6 +15,12 @@ pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usi
     heldout_loss(heldout, count, micro, &device, |b| f64::from(eval.loss_sum(b.inputs, b.targets).into_scalar::<f32>()))
 }
 
+/// The first `count` held-out sequences (`seq_len + 1` ids each), row-major: what
+/// [`copus_burn::Engine::evaluate`] takes.
+pub fn windows(heldout: &PackedDataset, count: usize) -> Vec<i64> {
+    (0..count.min(heldout.num_seqs())).flat_map(|i| heldout.sequence(i).iter().map(|&t| i64::from(t))).collect()
+}
+
 /// Mean loss per token over the first `count` held-out sequences in micro-batches of `micro`,
 /// `loss_sum` giving a micro-batch's summed loss.
 pub fn heldout_loss(heldout: &PackedDataset, count: usize, micro: usize, device: &Device, loss_sum: impl Fn(MicroBatch) -> f64) -> f64 {

@@ -25,7 +25,7 @@ pub fn run(recipe: &Recipe, opts: &RunOptions) -> Result<(PathBuf, Summary), Run
     let t = &recipe.train;
     // The one rank trains on the recipe's backend, initialised there with the recipe's seed (or
     // from `init_from`).
-    let device = recipe.backend.rank_device(0).device().map_err(|e| RunError::Device(e.to_string()))?.autodiff();
+    let device = recipe.backend.rank_device().device().map_err(|e| RunError::Device(e.to_string()))?.autodiff();
     let model = match &recipe.init_from {
         Some(dir) => crate::interop::init_from(Path::new(dir), &spec, &device).map_err(|e| RunError::Init(format!("{e:#}")))?,
         None => seeded(&device, t.seed, || LlamaConfig::from_spec(&spec).init(&device)),

@@ -102,7 +102,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    let devices = recipe.backend.rank_devices(par.world_size);
+    let devices = recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device);
     let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &devices)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} ranks on {:?}", par.world_size, recipe.backend);

@@ -172,6 +172,11 @@ pub struct ParallelRecipe {
     /// run. Default: the shipped rule, its payback horizon a quarter of the time budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<SwitchRule>,
+    /// Under mpirun: reductions over MPI bit-equal to in-process ranks (gathered and added in
+    /// rank order; `true`), or MPI's own all-reduce (`false`, the default: faster, equal to
+    /// rounding).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exact_reductions: bool,
 }
 
 /// One switch of [`ParallelRecipe::script`].
@@ -302,6 +307,11 @@ pub struct Recipe {
     /// Flex need `recipes` built with the feature of the same name (`--features wgpu`).
     #[serde(default)]
     pub backend: Backend,
+    /// `Cuda` and `Rocm`: how many ranks share one GPU (8 ranks on one H200: 8). Default: the
+    /// ranks spread evenly over the GPUs the process may use (`CUDA_VISIBLE_DEVICES`, or the
+    /// driver's count), one per GPU where nothing says how many there are.
+    #[serde(default)]
+    pub ranks_per_device: Option<usize>,
 }
 
 /// Burn's backend the ranks train on.
@@ -312,26 +322,28 @@ pub enum Backend {
     Flex,
     /// The default wgpu adapter (Vulkan, Metal, DX12; lavapipe on a CPU).
     Wgpu,
-    /// NVIDIA GPUs: rank `r` on CUDA device `r`.
+    /// NVIDIA GPUs, shared by the ranks as `ranks_per_device` says.
     Cuda,
-    /// AMD GPUs: rank `r` on ROCm device `r`.
+    /// AMD GPUs, shared by the ranks as `ranks_per_device` says.
     Rocm,
 }
 
 impl Backend {
-    /// The device of world rank `rank`.
-    pub fn rank_device(self, rank: usize) -> RankDevice {
+    /// The device of a single-rank run (the first GPU it may use).
+    pub fn rank_device(self) -> RankDevice {
         match self {
             Backend::Flex => RankDevice::Flex,
             Backend::Wgpu => RankDevice::Wgpu,
-            Backend::Cuda => RankDevice::Cuda(rank),
-            Backend::Rocm => RankDevice::Rocm(rank),
+            Backend::Cuda => RankDevice::Cuda(0),
+            Backend::Rocm => RankDevice::Rocm(0),
         }
     }
 
-    /// Every rank's device, for the engine (empty for Flex: its default).
-    pub fn rank_devices(self, world: usize) -> Vec<RankDevice> {
-        if self == Backend::Flex { Vec::new() } else { (0..world).map(|r| self.rank_device(r)).collect() }
+    /// Every rank's device, for the engine (empty for Flex: its default): `world` ranks spread
+    /// over the GPUs this process may use, `ranks_per_device` each when given
+    /// ([`RankDevice::for_ranks`]). Under mpirun each process then takes its own node's GPU.
+    pub fn rank_devices(self, world: usize, ranks_per_device: Option<usize>) -> Vec<RankDevice> {
+        if self == Backend::Flex { Vec::new() } else { self.rank_device().for_ranks(world, ranks_per_device) }
     }
 }
 
@@ -443,13 +455,20 @@ impl Recipe {
         if self.adaptive == Some(true) && self.parallel.is_none() {
             return Err(field("adaptive", true, "false, unless the recipe has a `parallel` section (the candidate space Copus searches)"));
         }
-        if self.backend.rank_device(0).device().is_err() {
+        if !self.backend.rank_device().built() {
             let feature = format!("{:?}", self.backend).to_lowercase();
             return Err(field(
                 "backend",
                 format!("{:?}", self.backend),
                 format!("Flex, or a backend this build has: build with `cargo run --release -p recipes --features {feature} -- ...`"),
             ));
+        }
+        match (self.ranks_per_device, self.backend) {
+            (Some(0), _) => return Err(field("ranks_per_device", 0, "at least 1, or absent (the ranks spread over the visible GPUs)")),
+            (Some(k), Backend::Flex | Backend::Wgpu) => {
+                return Err(field("ranks_per_device", k, "absent: it applies to the `Cuda` and `Rocm` backends only"));
+            }
+            _ => {}
         }
         if self.name.is_empty() || self.name.contains(['/', '\\']) || self.name.starts_with('.') {
             return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));
@@ -559,6 +578,11 @@ mod tests {
         let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Cuda,"), "cuda").unwrap_err().to_string();
         assert!(e.contains("backend") && e.contains("--features cuda"), "{e}");
         assert!(Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Flex,"), "flex").is_ok());
+        // Ranks per GPU: at least 1, and only where there are GPUs.
+        let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", ranks_per_device: Some(2),"), "rpd").unwrap_err().to_string();
+        assert!(e.contains("ranks_per_device") && e.contains("`Cuda` and `Rocm`"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", ranks_per_device: Some(0),"), "rpd").unwrap_err().to_string();
+        assert!(e.contains("ranks_per_device") && e.contains("at least 1"), "{e}");
     }
 
     #[test]

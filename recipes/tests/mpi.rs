@@ -37,6 +37,18 @@ fn direct(args: &[&str]) -> Output {
 /// A tiny-1m recipe on `world` ranks that starts in `start` and switches layout after steps 3
 /// and 6, the second time with a larger B_g.
 fn recipe(dir: &Path, name: &str, world: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) -> PathBuf {
+    recipe_with(dir, name, world, start, then, false)
+}
+
+/// [`recipe`], its MPI reductions exact (gathered, added in rank order) or MPI's own.
+fn recipe_with(
+    dir: &Path,
+    name: &str,
+    world: usize,
+    start: (usize, usize, usize),
+    then: [(usize, usize, usize, usize); 2],
+    exact: bool,
+) -> PathBuf {
     let l = |(dp, tp, pp): (usize, usize, usize)| format!("(dp: {dp}, tp: {tp}, pp: {pp})");
     let [(d1, t1, p1, m1), (d2, t2, p2, m2)] = then;
     let b = 2 * world;
@@ -57,6 +69,7 @@ fn recipe(dir: &Path, name: &str, world: usize, start: (usize, usize, usize), th
                     (after_step: 3, layout: {first}, global_batch: {b}, micro_batch: {m1}),
                     (after_step: 6, layout: {second}, global_batch: {b2}, micro_batch: {m2}),
                 ],
+                exact_reductions: {exact},
             ),
         )"#,
         out = dir.join(name).display(),
@@ -85,10 +98,12 @@ fn results(out: &Path) -> (Vec<(String, f64)>, f64) {
     (steps, summary["final_eval_loss"].as_f64().unwrap())
 }
 
-fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) {
+/// Threads against processes; `exact`: the processes' MPI reductions add in rank order (else
+/// MPI's own all-reduce, equal to rounding, within the same bound).
+fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2], exact: bool) {
     let dir = tempfile::tempdir().unwrap();
     let threads = recipe(dir.path(), "threads", np, start, then);
-    let procs = recipe(dir.path(), "processes", np, start, then);
+    let procs = recipe_with(dir.path(), "processes", np, start, then, exact);
     let t = direct(&["run", threads.to_str().unwrap(), "--quiet"]);
     assert!(t.status.success(), "in-process run failed:\n{}", String::from_utf8_lossy(&t.stderr));
     let p = mpirun(np, &["run", procs.to_str().unwrap(), "--quiet"]);
@@ -115,12 +130,12 @@ fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, u
 
 #[test]
 fn two_processes_train_like_two_threads_through_layout_changes() {
-    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)]);
+    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)], true);
 }
 
 #[test]
 fn four_processes_train_like_four_threads_through_layout_changes() {
-    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)]);
+    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)], false);
 }
 
 #[test]

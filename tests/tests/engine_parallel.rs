@@ -61,6 +61,32 @@ struct Serial {
     grad_sq: Vec<f64>,
     trace: Vec<f64>,
     params: HashMap<String, Vec<f32>>,
+    /// The trained model's mean loss per token on each of [`heldout`]'s sequences.
+    heldout_losses: Vec<f64>,
+}
+
+/// Held-out sequences for the evaluation check: 11 of them, so that micro-batches of 2 leave a
+/// short one and, on 8 replicas, some replicas without any.
+fn heldout(vocab: usize) -> Vec<i64> {
+    structured_batch(1000, vocab, 11)
+}
+
+/// The whole model's mean loss per token on each sequence of `windows`, one at a time (a
+/// grouping unlike the engine's).
+fn whole_model_losses(model: &copus_models::Llama, windows: &[i64]) -> Vec<f64> {
+    let device = Device::flex();
+    let model = model.valid();
+    windows
+        .chunks(SEQ + 1)
+        .map(|w| {
+            let b = MicroBatch::from_windows(&[w], &device);
+            f64::from(model.loss_sum(b.inputs, b.targets).into_scalar::<f32>()) / SEQ as f64
+        })
+        .collect()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
 }
 
 fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
@@ -80,7 +106,8 @@ fn serial(initial: &copus_models::Llama, setup: &Setup) -> Serial {
         trace.push(m.trace.unwrap_or(f64::NAN));
     }
     let params = full_params(trainer.model()).into_iter().map(|(k, v)| (k, v.try_to_vec::<f32>().unwrap())).collect();
-    Serial { stats, losses, grad_sq, trace, params }
+    let heldout_losses = whole_model_losses(trainer.model(), &heldout(vocab));
+    Serial { stats, losses, grad_sq, trace, params, heldout_losses }
 }
 
 fn initial_model() -> copus_models::Llama {
@@ -151,6 +178,18 @@ fn check_against_serial(setup: &Setup, layouts: &[(usize, usize, usize)]) {
                 assert!(rel(t, reference.trace[step]) < 1e-4, "{name} step {step}: tr(Sigma) {t} vs serial {}", reference.trace[step]);
                 assert_eq!(out.stats.num_micro, setup.global_batch / setup.micro_batch);
             }
+            // The held-out loss on the ranks (forward only, each replica its share, no parameter
+            // gathered) against the serially trained whole model.
+            // All 11 sequences in micro-batches of 2, then the first 5 in micro-batches of 3.
+            let windows = heldout(setup.config.shape.vocab_size);
+            for (count, micro) in [(11, 2), (5, 3)] {
+                let got = engine.evaluate(windows[..count * (SEQ + 1)].to_vec(), micro).unwrap();
+                let want = mean(&reference.heldout_losses[..count]);
+                assert!(rel(got, want) < 1e-5, "{name}: held-out loss of {count} sequences {got} vs serial {want}");
+            }
+            let (all, part) = (mean(&reference.heldout_losses), mean(&reference.heldout_losses[..5]));
+            // (Ten times the tolerance apart: a replica's share lost or counted twice shows.)
+            assert!(rel(all, part) > 1e-4, "the check needs sequences whose losses differ: {all} vs {part}");
             // Parameters after 5 steps.
             let params = engine.gather().unwrap();
             assert_eq!(params.len(), reference.params.len());
@@ -205,8 +244,17 @@ fn layouts_that_do_not_fit_are_errors_naming_the_numbers() {
     let mut bad = batch(0, 2048);
     bad[7] = 5000;
     assert!(engine.step(bad).unwrap_err().to_string().contains("5000"));
-    // Bad input is refused before any rank runs: the engine still trains.
+    // An evaluation's input too: whole sequences, a micro-batch of one at least, the vocabulary.
+    let e = engine.evaluate(vec![0; SEQ + 2], 2).unwrap_err().to_string();
+    assert!(e.contains("whole sequences of 33 tokens"), "{e}");
+    assert!(engine.evaluate(Vec::new(), 2).is_err());
+    assert!(engine.evaluate(vec![0; SEQ + 1], 0).unwrap_err().to_string().contains("at least one"));
+    let mut bad = heldout(2048);
+    bad[3] = -1;
+    assert!(engine.evaluate(bad, 2).unwrap_err().to_string().contains("-1"));
+    // Bad input is refused before any rank runs: the engine still trains and evaluates.
     engine.step(batch(0, 2048)).unwrap();
+    assert!(engine.evaluate(heldout(2048), 2).unwrap().is_finite());
 }
 
 /// Llama whose stage on one rank panics in its third block.

@@ -37,21 +37,40 @@ const STEPS: usize = 5;
 /// One step's numbers: loss, gradient norm, mean micro-batch |g|^2, the estimator's tr(Sigma).
 type Step = (f64, f64, f64, Option<f64>);
 
-/// Per step its numbers, the last step's host traffic, and the weights after the last step.
-fn run(devices: Vec<RankDevice>, dp: usize, tp: usize, pp: usize) -> (Vec<Step>, HostTraffic, Weights) {
+/// Held-out sequences evaluated after the steps: an odd count, so a micro-batch is short.
+const EVAL_SEQS: usize = 7;
+
+/// A run's results: per step its numbers, the last step's host traffic (without the
+/// evaluation's), the weights after the last step, the held-out loss on the ranks before the
+/// last step, and the evaluation's host bytes.
+struct Run {
+    steps: Vec<Step>,
+    host: HostTraffic,
+    weights: Weights,
+    eval_loss: f64,
+    eval_bytes: u64,
+}
+
+fn run(devices: Vec<RankDevice>, dp: usize, tp: usize, pp: usize) -> Run {
     let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
     let ec = EngineConfig::new(dims(dp, tp, pp), 4, 2, SEQ, optim).with_devices(devices);
     let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
-    let mut host = HostTraffic::default();
+    let (mut host, mut eval_loss) = (HostTraffic::default(), f64::NAN);
     let steps = (0..STEPS)
         .map(|s| {
+            if s + 1 == STEPS {
+                // Before the last step; its bytes are reported with that step, as `evaluation`.
+                eval_loss = engine.evaluate(structured_batch(100, config().shape.vocab_size, EVAL_SEQS), 2).unwrap();
+            }
             let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
             assert!(!out.skipped);
             host = out.host;
             (out.metrics.loss, out.metrics.grad_norm, out.stats.mean_micro_sq_norm, out.metrics.trace)
         })
         .collect();
-    (steps, host, engine.gather().unwrap())
+    let weights = engine.gather().unwrap();
+    let eval_bytes = std::mem::take(&mut host.evaluation);
+    Run { steps, host, weights, eval_loss, eval_bytes }
 }
 
 /// How far the weights `b` are from `a`: the difference's norm over `a`'s, and the largest
@@ -80,8 +99,25 @@ fn assert_weights_close(a: &Weights, b: &Weights, what: &str) {
 #[test]
 fn wgpu_ranks_train_like_flex_ranks() {
     for (dp, tp, pp) in [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 2, 1)] {
-        let (flex, flex_host, flex_weights) = run(Vec::new(), dp, tp, pp);
-        let (wgpu, wgpu_host, wgpu_weights) = run(vec![RankDevice::Wgpu; dp * tp * pp], dp, tp, pp);
+        let (f, w) = (run(Vec::new(), dp, tp, pp), run(vec![RankDevice::Wgpu; dp * tp * pp], dp, tp, pp));
+        let (flex, flex_host, flex_weights) = (f.steps, f.host, f.weights);
+        let (wgpu, wgpu_host, wgpu_weights) = (w.steps, w.host, w.weights);
+        // The held-out loss on the ranks' devices; what leaves them is the ranks' token ids and
+        // each micro-batch's loss scalar.
+        eprintln!(
+            "dp{dp} tp{tp} pp{pp} evaluation: loss rel {:.2e}; host bytes Flex {}, wgpu {}",
+            rel(w.eval_loss, f.eval_loss),
+            f.eval_bytes,
+            w.eval_bytes
+        );
+        assert!(
+            rel(w.eval_loss, f.eval_loss) <= 1e-6,
+            "dp{dp} tp{tp} pp{pp}: held-out loss {} on wgpu, {} on Flex",
+            w.eval_loss,
+            f.eval_loss
+        );
+        let ids = (EVAL_SEQS * (SEQ + 1) * 8 * tp * pp) as u64;
+        assert!(w.eval_bytes <= ids + (64 << 10), "dp{dp} tp{tp} pp{pp}: the evaluation moved {} bytes", w.eval_bytes);
         eprintln!("dp{dp} tp{tp} pp{pp} host traffic of a step, bytes: Flex {flex_host:?}; wgpu {wgpu_host:?}");
         // The probe's norms are reduced on the device: a few sums read back, against the whole
         // gradient read per micro-batch where it lies in host memory.

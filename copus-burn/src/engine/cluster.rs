@@ -101,7 +101,9 @@ impl Cluster {
                 remote.launch(describe, state.to_bytes(specs, cfg, &Default::default())?)?;
                 // The serving processes are now starting their ranks and wait for this one in
                 // collectives: a failure here cannot be rolled back.
-                let comm = crate::mpi::MpiComm::world().unwrap_or_else(|e| crate::mpi::abort_job(&format!("rank 0: {e}")));
+                let device = crate::mpi::on_this_node(cfg.devices.first().copied().unwrap_or_default(), cfg.ranks_per_device);
+                let comm = crate::process_comm::ProcessComm::world_for(device, cfg.exact_reductions)
+                    .unwrap_or_else(|e| crate::mpi::abort_job(&format!("rank 0: {e}")));
                 spawn_ranks(vec![(0, comm)], inits, model, specs, cfg, &reply_tx, &ready_tx)
                     .unwrap_or_else(|e| crate::mpi::abort_job(&e.to_string()))
             }
@@ -419,6 +421,7 @@ fn worker_loop<L: ParallelLm, C: Collective>(
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
             Command::Step(batch, fault) => catch_unwind(AssertUnwindSafe(|| state.step(&batch, fault).map(|s| Reply::Step(Box::new(s))))),
+            Command::Evaluate(windows, micro) => catch_unwind(AssertUnwindSafe(|| state.evaluate(&windows, micro).map(Reply::Evaluated))),
             Command::Params => catch_unwind(AssertUnwindSafe(|| Ok(Reply::Params(state.params())))),
             Command::Export => catch_unwind(AssertUnwindSafe(|| state.export().map(|e| Reply::Export(Box::new(e))))),
             Command::SetBatch { global_batch, micro_batch } => {

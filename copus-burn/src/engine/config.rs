@@ -25,9 +25,84 @@ pub enum RankDevice {
     Rocm(usize),
 }
 
+/// The device index of rank `local` of the `on_node` ranks that share a node's GPUs:
+/// `local / per`, where `per` is `ranks_per_device` when given, else the fewest ranks per device
+/// that fit the node's ranks on its `visible` devices (`ceil(on_node / visible)`: 8 ranks on one
+/// GPU all take it, 8 on 8 take one each, 8 on 3 take 3, 3 and 2), else 1 (rank `local` on device
+/// `local`, when nothing says how many devices there are).
+pub fn device_index(local: usize, on_node: usize, visible: Option<usize>, ranks_per_device: Option<usize>) -> usize {
+    let per = match (ranks_per_device, visible) {
+        (Some(k), _) => k,
+        (None, Some(v)) if v > 0 => on_node.div_ceil(v),
+        (None, _) => 1,
+    };
+    local / per.max(1)
+}
+
+/// The number of devices a `CUDA_VISIBLE_DEVICES`-style list names: its entries up to the first
+/// empty or negative one (where the CUDA runtime stops reading it too).
+pub fn count_visible(list: &str) -> usize {
+    list.split(',').map(str::trim).take_while(|e| !e.is_empty() && !e.starts_with('-')).count()
+}
+
 impl RankDevice {
-    /// The Burn device, or an error naming the feature this build lacks.
+    /// Whether this build has the device's Burn backend (its feature is on).
+    pub fn built(self) -> bool {
+        match self {
+            RankDevice::Flex => true,
+            RankDevice::Wgpu => cfg!(feature = "wgpu"),
+            RankDevice::Cuda(_) => cfg!(feature = "cuda"),
+            RankDevice::Rocm(_) => cfg!(feature = "rocm"),
+        }
+    }
+
+    /// The same kind of device with index `i` (Flex and wgpu have none).
+    pub fn with_index(self, i: usize) -> Self {
+        match self {
+            RankDevice::Cuda(_) => RankDevice::Cuda(i),
+            RankDevice::Rocm(_) => RankDevice::Rocm(i),
+            other => other,
+        }
+    }
+
+    /// How many devices of this kind this process may use, where something says: the
+    /// launcher's list (`CUDA_VISIBLE_DEVICES`; for ROCm `HIP_VISIBLE_DEVICES`,
+    /// `ROCR_VISIBLE_DEVICES`, then `CUDA_VISIBLE_DEVICES`), else for CUDA the driver's count.
+    /// `None` for Flex and wgpu, and where nothing says.
+    pub fn visible(self) -> Option<usize> {
+        let vars: &[&str] = match self {
+            RankDevice::Cuda(_) => &["CUDA_VISIBLE_DEVICES"],
+            RankDevice::Rocm(_) => &["HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"],
+            _ => return None,
+        };
+        if let Some(list) = vars.iter().find_map(|v| std::env::var(v).ok()) {
+            return Some(count_visible(&list));
+        }
+        match self {
+            #[cfg(feature = "cuda")]
+            RankDevice::Cuda(_) => cuda_driver_count(),
+            _ => None,
+        }
+    }
+
+    /// The devices of `world` ranks in one process, spread over the visible devices of this
+    /// kind by [`device_index`] (`ranks_per_device` ranks each when given). Flex and wgpu ranks
+    /// all share their one device.
+    pub fn for_ranks(self, world: usize, ranks_per_device: Option<usize>) -> Vec<RankDevice> {
+        let visible = self.visible();
+        (0..world).map(|r| self.with_index(device_index(r, world, visible, ranks_per_device))).collect()
+    }
+
+    /// The Burn device, or an error naming the feature this build lacks or the devices this
+    /// process may see.
     pub fn device(self) -> Result<Device, EngineError> {
+        if let (RankDevice::Cuda(i) | RankDevice::Rocm(i), Some(v)) = (self, self.visible())
+            && i >= v
+        {
+            return Err(EngineError::Device(format!(
+                "{self:?} is not among the {v} device(s) this process may use (CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES, or the driver); set `ranks_per_device` so that the ranks share them"
+            )));
+        }
         let missing = |feature: &str| EngineError::Device(format!("{self:?} needs copus-burn built with feature `{feature}`"));
         match self {
             RankDevice::Flex => Ok(Device::flex()),
@@ -45,6 +120,18 @@ impl RankDevice {
             RankDevice::Rocm(_) => Err(missing("rocm")),
         }
     }
+}
+
+/// The CUDA driver's device count (which already honours `CUDA_VISIBLE_DEVICES`); `None` where
+/// no driver is installed.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn cuda_driver_count() -> Option<usize> {
+    // SAFETY: the call only tries to `dlopen` the driver library's candidate names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    cudarc::driver::CudaContext::device_count().ok().and_then(|n| usize::try_from(n).ok())
 }
 
 /// How the engine runs. Build with [`EngineConfig::new`] and the `with_*` setters; start the
@@ -70,6 +157,17 @@ pub struct EngineConfig {
     /// The device of each rank, in rank order; empty means Flex for every rank.
     #[config(default = "Vec::new()")]
     pub devices: Vec<RankDevice>,
+    /// Under mpirun, how many of a node's GPU ranks share one of its devices (see
+    /// [`device_index`]); `None` spreads them evenly over the devices the node shows. In one
+    /// process, [`RankDevice::for_ranks`] lays out `devices` the same way.
+    #[config(default = "None")]
+    pub ranks_per_device: Option<usize>,
+    /// Under mpirun, reductions over MPI gather every rank's buffer and add them in rank order,
+    /// bit-equal to in-process ranks (`true`, for parity tests), or run as MPI's own
+    /// all-reduce (`false`, the default: a ring or tree, equal to rounding). GPU ranks with
+    /// NCCL or RCCL use the library either way.
+    #[config(default = false)]
+    pub exact_reductions: bool,
     /// The longest any wait may last, seconds: a collective or receive waiting for another rank,
     /// and the engine waiting for a rank's reply. A rank that hangs then fails the step with
     /// [`CommError::Timeout`](crate::collective::CommError::Timeout) naming the ranks that did not arrive, instead of freezing
@@ -118,6 +216,9 @@ impl EngineConfig {
         if !(self.timeout_secs.is_finite() && self.timeout_secs > 0.0) {
             return Err(EngineError::Batch(format!("timeout_secs ({}) must be a positive number of seconds", self.timeout_secs)));
         }
+        if self.ranks_per_device == Some(0) {
+            return Err(EngineError::Device("ranks_per_device must be at least 1".into()));
+        }
         if self.bucket_elems == 0 {
             return Err(EngineError::Batch("bucket_elems must be at least 1".into()));
         }
@@ -129,5 +230,52 @@ impl EngineConfig {
             )));
         }
         self.optim.validate().map_err(|e| EngineError::Train(e.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn indices(on_node: usize, visible: Option<usize>, per: Option<usize>) -> Vec<usize> {
+        (0..on_node).map(|l| device_index(l, on_node, visible, per)).collect()
+    }
+
+    /// Ranks spread evenly over the visible devices, `ranks_per_device` each when given, one per
+    /// device when nothing says how many there are.
+    #[test]
+    fn ranks_share_the_visible_devices() {
+        assert_eq!(indices(8, Some(1), None), vec![0; 8], "8 ranks on one GPU");
+        assert_eq!(indices(8, Some(8), None), (0..8).collect::<Vec<_>>(), "one rank per GPU");
+        assert_eq!(indices(8, Some(3), None), vec![0, 0, 0, 1, 1, 1, 2, 2]);
+        assert_eq!(indices(4, Some(8), None), vec![0, 1, 2, 3], "more GPUs than ranks");
+        assert_eq!(indices(8, Some(8), Some(4)), vec![0, 0, 0, 0, 1, 1, 1, 1], "ranks_per_device wins");
+        assert_eq!(indices(3, None, None), vec![0, 1, 2], "nothing known: rank r on device r");
+        assert_eq!(indices(6, None, Some(2)), vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(indices(2, Some(0), None), vec![0, 1], "an empty list is the device's error, not a division by zero");
+    }
+
+    /// A device list counts its entries up to the first empty or negative one, as CUDA reads it.
+    #[test]
+    fn visible_device_lists_count_like_the_cuda_runtime() {
+        assert_eq!(count_visible("0,1,2,3"), 4);
+        assert_eq!(count_visible("3"), 1);
+        assert_eq!(count_visible(""), 0);
+        assert_eq!(count_visible("-1"), 0);
+        assert_eq!(count_visible("2,-1,3"), 1);
+        assert_eq!(count_visible("GPU-8f3a, GPU-11c0"), 2);
+    }
+
+    /// One process's ranks: GPU kinds spread, the others share their one device.
+    #[test]
+    fn ranks_of_one_process_get_their_devices() {
+        assert_eq!(RankDevice::Wgpu.for_ranks(3, None), vec![RankDevice::Wgpu; 3]);
+        assert_eq!(RankDevice::Flex.for_ranks(2, Some(2)), vec![RankDevice::Flex; 2]);
+        let cuda = RankDevice::Cuda(0).for_ranks(4, Some(2));
+        assert_eq!(cuda, vec![RankDevice::Cuda(0), RankDevice::Cuda(0), RankDevice::Cuda(1), RankDevice::Cuda(1)]);
+        assert_eq!(RankDevice::Rocm(7).with_index(1), RankDevice::Rocm(1));
+        assert!(RankDevice::Flex.built());
+        let cfg = EngineConfig::new(ParallelDims::new(1, 1, 1, 1).unwrap(), 2, 1, 8, OptimConfig::default()).with_ranks_per_device(Some(0));
+        assert!(cfg.validate().unwrap_err().to_string().contains("ranks_per_device"));
     }
 }

@@ -42,12 +42,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let mut micro_sq = vec![0f64; n_total + 1];
         let mut acc: Option<GradientsParams> = None;
         let tp_rank = self.plan.tp_rank;
+        // Each micro-batch's loss is its share of the step's mean over target tokens.
+        let scale = 1.0 / (self.cfg.global_batch * self.cfg.seq_len) as f64;
         for action in my_actions {
             match action {
                 Action::RecvActivation { mb } => flights[mb].activation_in = Some(self.receive(prev, TAG_ACT)?),
                 Action::Forward { mb } => {
                     let mut fl = std::mem::take(&mut flights[mb]);
-                    loss += self.forward(batch, mb, &mut fl, &ctx)?;
+                    loss += self.forward(self.micro_rows(batch, mb), scale, &mut fl, &ctx)?;
                     flights[mb] = fl;
                 }
                 Action::SendActivation { mb } => {
@@ -210,7 +212,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Sends a stage boundary's values to pipeline rank `to`: a tensor where it lies, a buffer
     /// from host memory.
-    fn hand_on(&self, to: usize, tag: u32, b: Boundary) -> Result<(), RankError> {
+    pub(super) fn hand_on(&self, to: usize, tag: u32, b: Boundary) -> Result<(), RankError> {
         match b {
             Boundary::Host(v) => self.pp.send(to, tag, v)?,
             Boundary::Device(t) => self.pp.send_tensor(to, tag, t)?,
@@ -220,7 +222,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Receives a stage boundary's values from pipeline rank `from`: as a tensor on this rank's
     /// device when a stage runs as one graph (tp = 1), else into host memory.
-    fn receive(&self, from: usize, tag: u32) -> Result<Boundary, RankError> {
+    pub(super) fn receive(&self, from: usize, tag: u32) -> Result<Boundary, RankError> {
         Ok(if self.cfg.dims.tp == 1 {
             Boundary::Device(self.pp.recv_tensor(from, tag, &self.device)?)
         } else {

@@ -56,6 +56,9 @@ pub(crate) enum Command {
         global_batch: usize,
         micro_batch: usize,
     },
+    /// A held-out evaluation: whole sequences of `seq + 1` ids, in micro-batches of at most
+    /// `micro` sequences per replica.
+    Evaluate(Arc<Vec<i64>>, usize),
     /// A live layout change, step 1: send this rank's pieces of the plan.
     LiveSend(Arc<LiveJob>),
     /// Step 2: receive and build the new state beside the current one.
@@ -70,6 +73,8 @@ pub(crate) enum Command {
 /// A rank's answer.
 pub(crate) enum Reply {
     Step(Box<EngineStep>),
+    /// The mean held-out loss per target token (the same on every rank).
+    Evaluated(f64),
     Params(RankParams),
     Export(Box<RankExport>),
     Sent(Result<Sent, String>),
@@ -205,6 +210,10 @@ pub(super) enum Header {
     SetBatch {
         global_batch: usize,
         micro_batch: usize,
+    },
+    /// A held-out evaluation; the payload is the sequences (i64, little-endian).
+    Evaluate {
+        micro: usize,
     },
     /// A live layout change, step 1: send this rank's pieces of the plan in the payload
     /// ([`LiveOrder`], JSON).

@@ -27,7 +27,8 @@
 //! verification); `rank` (one rank's state: build, resume, export); `regions` (a stage's
 //! forward and backward: the tensor-parallel regions and the vocabulary-parallel loss, or one
 //! graph); `executor` (one step: the
-//! pipeline schedule, dp reduction, the probe, the update); `grad_index` (gradients by
+//! pipeline schedule, dp reduction, the probe, the update); `evaluate` (a held-out loss on the
+//! running ranks, forward only); `grad_index` (gradients by
 //! parameter selection); `live` (the rank side of live layout changes; the driver side is
 //! `crate::reconfig`); `processes` (feature `mpi`: ranks on other processes, and what a serving
 //! process runs); `fault` (faults planted by the rollback, divergence and timeout tests,
@@ -36,6 +37,7 @@
 mod cluster;
 pub mod config;
 pub mod error;
+mod evaluate;
 mod executor;
 mod fault;
 mod grad_index;
@@ -226,10 +228,7 @@ impl<L: ParallelLm> Engine<L> {
                 batch.len()
             )));
         }
-        let vocab = self.model.spec().vocab_size as i64;
-        if let Some(t) = batch.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(EngineError::Batch(format!("token id {t} is outside the vocabulary 0..{vocab}")));
-        }
+        self.check_tokens(&batch)?;
         let batch = Arc::new(batch);
         #[cfg(feature = "fault-injection")]
         let fault = self.planted.next(self.steps_done);
@@ -260,6 +259,39 @@ impl<L: ParallelLm> Engine<L> {
         self.steps_done += 1;
         self.tokens_seen = step.metrics.tokens_seen;
         Ok(*step)
+    }
+
+    /// The mean loss per target token over held-out `windows` (whole sequences of `seq_len + 1`
+    /// tokens, row-major, any number of them), computed by the running ranks on their devices
+    /// in micro-batches of at most `micro` sequences per data-parallel replica. Nothing is
+    /// trained; no parameter is gathered.
+    pub fn evaluate(&mut self, windows: Vec<i64>, micro: usize) -> Result<f64, EngineError> {
+        let per = self.cfg.seq_len + 1;
+        if windows.is_empty() || !windows.len().is_multiple_of(per) {
+            return Err(EngineError::Batch(format!("an evaluation takes whole sequences of {per} tokens; got {} values", windows.len())));
+        }
+        if micro == 0 {
+            return Err(EngineError::Batch("an evaluation's micro-batch must hold at least one sequence".into()));
+        }
+        self.check_tokens(&windows)?;
+        let windows = Arc::new(windows);
+        let replies = self.broadcast(|| Command::Evaluate(windows.clone(), micro))?;
+        // Every rank this process drives has the reduced value (placeholders from other processes).
+        replies
+            .into_iter()
+            .find_map(|r| match r {
+                Reply::Evaluated(loss) => Some(loss),
+                _ => None,
+            })
+            .ok_or_else(|| EngineError::Dead("no rank answered the evaluation".into()))
+    }
+
+    fn check_tokens(&self, ids: &[i64]) -> Result<(), EngineError> {
+        let vocab = self.model.spec().vocab_size as i64;
+        match ids.iter().find(|&&t| t < 0 || t >= vocab) {
+            Some(t) => Err(EngineError::Batch(format!("token id {t} is outside the vocabulary 0..{vocab}"))),
+            None => Ok(()),
+        }
     }
 
     /// Every rank's parameters, in rank order.

@@ -17,8 +17,9 @@ use super::messages::{
     Agreed, Command, EngineStep, Header, LiveJob, LiveOrder, PhaseError, RankParams, Received, Reply, Sent, decode, encode,
 };
 use super::rank::{RankState, panic_message, rank_init};
-use crate::mpi::{self, MpiComm, Role};
+use crate::mpi::{self, Role};
 use crate::parallel::ParallelLm;
+use crate::process_comm::ProcessComm;
 use crate::state::{RankExport, TrainingState};
 
 fn comm_err(message: String) -> EngineError {
@@ -75,6 +76,10 @@ impl Remote {
             Command::Step(batch, fault) => {
                 let bytes: Vec<u8> = batch.iter().flat_map(|t| t.to_le_bytes()).collect();
                 self.send(&Header::Step { fault: *fault }, &bytes)
+            }
+            Command::Evaluate(windows, micro) => {
+                let bytes: Vec<u8> = windows.iter().flat_map(|t| t.to_le_bytes()).collect();
+                self.send(&Header::Evaluate { micro: *micro }, &bytes)
             }
             Command::Params => self.send(&Header::Params, &[]),
             Command::Export => self.send(&Header::Export, &[]),
@@ -149,11 +154,11 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
     let Role::Worker { rank, .. } = mpi::role() else {
         return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::mpi::init first)".into()));
     };
-    let mut running: Option<RankState<L, MpiComm>> = None;
+    let mut running: Option<RankState<L, ProcessComm>> = None;
     let mut model: Option<(String, Arc<L>)> = None;
     // A live layout change in progress: its plan, and the state step 2 built.
     let mut job: Option<Arc<LiveJob>> = None;
-    let mut pending: Option<RankState<L, MpiComm>> = None;
+    let mut pending: Option<RankState<L, ProcessComm>> = None;
     loop {
         let msg = mpi::control_broadcast(None).map_err(comm_err)?;
         let (header, payload) = decode(&msg).map_err(comm_err)?;
@@ -185,6 +190,13 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
                 let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
                 let step: Result<EngineStep, _> = s.step(&batch, fault);
                 if let Err(e) = step {
+                    mpi::abort_job(&format!("rank {rank}: {e}"));
+                }
+            }
+            Header::Evaluate { micro } => {
+                let s = running.as_mut().ok_or_else(|| comm_err("an evaluation before any layout started".into()))?;
+                let windows: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+                if let Err(e) = s.evaluate(&windows, micro) {
                     mpi::abort_job(&format!("rank {rank}: {e}"));
                 }
             }
@@ -256,12 +268,15 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
     }
 }
 
-/// Starts this process's rank from a launch payload; a failure or panic becomes its message.
-fn start<L: ParallelLm>(model: &Arc<L>, rank: usize, state: Vec<u8>) -> Result<(RankState<L, MpiComm>, Checksums), String> {
-    // Every process makes the layout's world communicator first, whatever fails later.
-    let comm = MpiComm::world().map_err(|e| e.to_string())?;
+/// Starts this process's rank from a launch payload; a failure or panic becomes its message
+/// (and the caller ends the job, so no other rank waits for this one in a collective).
+fn start<L: ParallelLm>(model: &Arc<L>, rank: usize, state: Vec<u8>) -> Result<(RankState<L, ProcessComm>, Checksums), String> {
     let built = catch_unwind(AssertUnwindSafe(|| -> Result<_, EngineError> {
         let (state, cfg, _) = TrainingState::from_bytes(state)?;
+        // The layout's world communicator: the GPU's collective library for a GPU rank.
+        let device = mpi::on_this_node(cfg.devices.get(rank).copied().unwrap_or_default(), cfg.ranks_per_device);
+        let comm =
+            ProcessComm::world_for(device, cfg.exact_reductions).map_err(|e| EngineError::Dead(format!("the world communicator: {e}")))?;
         let specs = model.spec().param_specs();
         let parallel = model.parallel_plan();
         parallel.check(&specs)?;

@@ -77,34 +77,42 @@ fn host(t: Tensor<3>) -> Vec<f32> {
 }
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
-    fn tokens(&self, batch: &[i64], mb: usize, inputs: bool) -> Tensor<2, Int> {
-        let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
-        traffic::upload(TensorData::new(self.token_rows(batch, mb, inputs), [bm, s]), &self.device, Kind::Batch)
+    /// Sequences in a micro-batch's rows (`seq + 1` ids each).
+    fn rows_len(&self, rows: &[i64]) -> usize {
+        rows.len() / (self.cfg.seq_len + 1)
     }
 
-    /// This stage's tokens of micro-batch `mb` on its device: the inputs on the first stage, the
-    /// targets on the last. A stage that is both uploads the `seq + 1` ids of each sequence once
-    /// and takes both as views.
-    fn stage_tokens(&self, batch: &[i64], mb: usize) -> (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>) {
-        let (first, last) = (self.plan.is_first(), self.plan.is_last());
-        if !(first && last) {
-            return (first.then(|| self.tokens(batch, mb, true)), last.then(|| self.tokens(batch, mb, false)));
-        }
+    /// Micro-batch `mb` of this rank's data-parallel share of `batch`: its `B_m` sequences of
+    /// `seq + 1` ids each.
+    pub(super) fn micro_rows<'b>(&self, batch: &'b [i64], mb: usize) -> &'b [i64] {
         let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
         let first_row = (self.dp_rank * self.cfg.num_micro_per_replica() + mb) * bm;
-        let ids = batch[first_row * (s + 1)..(first_row + bm) * (s + 1)].to_vec();
-        let rows: Tensor<2, Int> = traffic::upload(TensorData::new(ids, [bm, s + 1]), &self.device, Kind::Batch);
+        &batch[first_row * (s + 1)..(first_row + bm) * (s + 1)]
+    }
+
+    fn tokens(&self, rows: &[i64], inputs: bool) -> Tensor<2, Int> {
+        let (bm, s) = (self.rows_len(rows), self.cfg.seq_len);
+        traffic::upload(TensorData::new(self.token_rows(rows, inputs), [bm, s]), &self.device, Kind::Batch)
+    }
+
+    /// This stage's tokens of a micro-batch on its device: the inputs on the first stage, the
+    /// targets on the last. A stage that is both uploads the `seq + 1` ids of each sequence once
+    /// and takes both as views.
+    fn stage_tokens(&self, rows: &[i64]) -> (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>) {
+        let (first, last) = (self.plan.is_first(), self.plan.is_last());
+        if !(first && last) {
+            return (first.then(|| self.tokens(rows, true)), last.then(|| self.tokens(rows, false)));
+        }
+        let (bm, s) = (self.rows_len(rows), self.cfg.seq_len);
+        let rows: Tensor<2, Int> = traffic::upload(TensorData::new(rows.to_vec(), [bm, s + 1]), &self.device, Kind::Batch);
         (Some(rows.clone().narrow(1, 0, s)), Some(rows.narrow(1, 1, s)))
     }
 
-    /// Micro-batch `mb`'s input (or target) tokens, row-major `[B_m, seq]`.
-    fn token_rows(&self, batch: &[i64], mb: usize, inputs: bool) -> Vec<i64> {
-        let (bm, s) = (self.cfg.micro_batch, self.cfg.seq_len);
-        let a = self.cfg.num_micro_per_replica();
-        let first_row = (self.dp_rank * a + mb) * bm;
-        let mut v = Vec::with_capacity(bm * s);
-        for row in first_row..first_row + bm {
-            let seq = &batch[row * (s + 1)..(row + 1) * (s + 1)];
+    /// A micro-batch's input (or target) tokens, row-major `[B_m, seq]`.
+    fn token_rows(&self, rows: &[i64], inputs: bool) -> Vec<i64> {
+        let s = self.cfg.seq_len;
+        let mut v = Vec::with_capacity(self.rows_len(rows) * s);
+        for seq in rows.chunks_exact(s + 1) {
             v.extend_from_slice(if inputs { &seq[..s] } else { &seq[1..] });
         }
         v
@@ -117,13 +125,17 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         !self.cfg.devices.is_empty() && self.cfg.devices.iter().all(|d| *d != RankDevice::Flex)
     }
 
-    /// `[B_m, seq, d]`: the residual stream of one micro-batch.
+    /// `[B_m, seq, d]`: the residual stream of one training micro-batch.
     fn residual_shape(&self) -> [usize; 3] {
         [self.cfg.micro_batch, self.cfg.seq_len, self.d_model]
     }
 
-    fn leaf(&self, v: &[f32]) -> Tensor<3> {
-        let shape = self.residual_shape();
+    /// The residual stream's shape for a micro-batch of these rows.
+    fn shape_of(&self, rows: &[i64]) -> [usize; 3] {
+        [self.rows_len(rows), self.cfg.seq_len, self.d_model]
+    }
+
+    fn leaf(&self, v: &[f32], shape: [usize; 3]) -> Tensor<3> {
         traffic::upload::<3, _>(TensorData::new(v.to_vec(), shape), &self.device, Kind::Activations).require_grad()
     }
 
@@ -131,23 +143,26 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         traffic::upload(TensorData::new(v, shape), &self.device, Kind::Activations)
     }
 
-    /// Forward of one micro-batch through this stage; returns the loss share (last stage).
+    /// Forward of one micro-batch (`rows`: its sequences of `seq + 1` ids) through this stage;
+    /// returns the loss share on the last stage: the summed cross entropy times `scale` (one
+    /// over the step's target tokens in training, 1 for an evaluation's sum).
     pub(super) fn forward(
         &self,
-        batch: &[i64],
-        mb: usize,
+        rows: &[i64],
+        scale: f64,
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
         if self.cfg.dims.tp == 1 {
-            return Ok(self.forward_whole(batch, mb, fl, ctx));
+            return Ok(self.forward_whole(rows, scale, fl, ctx));
         }
         if self.device_resident() {
-            return self.forward_regions_on_device(batch, mb, fl, ctx);
+            return self.forward_regions_on_device(rows, scale, fl, ctx);
         }
         let stage = self.stage();
+        let shape = self.shape_of(rows);
         let mut h = if self.plan.is_first() {
-            let out = stage.embed(self.tokens(batch, mb, true));
+            let out = stage.embed(self.tokens(rows, true));
             let mut v = host(out.clone());
             self.tp.all_reduce(&mut v, ReduceOp::Sum)?;
             fl.embed_out = Some(out);
@@ -156,7 +171,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.activation_in.take().expect("activation received before forward").into_host()
         };
         for i in 0..stage.num_blocks() {
-            let x = self.leaf(&h);
+            let x = self.leaf(&h, shape);
             let y = stage.block(i, x.clone(), ctx);
             let mut yv = host(y.clone());
             self.tp.all_reduce(&mut yv, ReduceOp::Sum)?;
@@ -169,9 +184,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.activation_out = Some(Boundary::Host(h));
             return Ok(0.0);
         }
-        let x = self.leaf(&h);
+        let x = self.leaf(&h, shape);
         let z = stage.logits(x.clone());
-        let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), batch, mb)?;
+        let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), rows, scale)?;
         fl.head = Some((x, z, Boundary::Host(dz)));
         Ok(loss)
     }
@@ -194,14 +209,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// their sums over the tp group added where the tensors lie.
     fn forward_regions_on_device(
         &self,
-        batch: &[i64],
-        mb: usize,
+        rows: &[i64],
+        scale: f64,
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
         let stage = self.stage();
-        let shape = self.residual_shape();
-        let (inputs, targets) = self.stage_tokens(batch, mb);
+        let shape = self.shape_of(rows);
+        let (inputs, targets) = self.stage_tokens(rows);
         let mut h = if let Some(inputs) = inputs {
             let out = stage.embed(inputs);
             let h = self.sum_over_tp(out.clone().detach())?;
@@ -223,7 +238,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let x = h.require_grad();
         let z = stage.logits(x.clone());
         let targets = targets.expect("the last stage has its targets");
-        let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets)?;
+        let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
         let n = dz.shape().num_elements();
         fl.head = Some((x, z, Boundary::Device(dz.reshape([n]))));
         Ok(loss)
@@ -232,7 +247,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// [`Self::vocab_parallel_cross_entropy`] where the logits lie: the max, the sums of
     /// exponentials and the target logits combined over the tp group as tensors; one scalar
     /// (the loss) read back.
-    fn vocab_parallel_cross_entropy_on_device(&self, z: Tensor<3>, targets: Tensor<2, Int>) -> Result<(f64, Tensor<3>), RankError> {
+    fn vocab_parallel_cross_entropy_on_device(
+        &self,
+        z: Tensor<3>,
+        targets: Tensor<2, Int>,
+        scale: f64,
+    ) -> Result<(f64, Tensor<3>), RankError> {
         let [bm, s, v] = z.dims();
         let rows = bm * s;
         let device = z.device();
@@ -247,7 +267,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let both = self.tp.all_reduce_tensor(both, ReduceOp::Sum)?;
         let sum = both.clone().narrow(0, 0, rows).reshape([bm, s, 1]);
         let picked = both.narrow(0, rows, rows).reshape([bm, s, 1]);
-        let scale = 1.0 / (self.cfg.global_batch * self.cfg.seq_len) as f64;
         let loss = (sum.clone().log() + max - picked).sum();
         let loss = traffic::read(loss, Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from) * scale;
         // d loss / d z = (softmax - onehot(target)) / tokens, the one-hot only where the target
@@ -291,15 +310,16 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// [`Self::forward`] without tensor parallelism: the stage as one graph.
-    fn forward_whole(&self, batch: &[i64], mb: usize, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> f64 {
+    fn forward_whole(&self, rows: &[i64], scale: f64, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> f64 {
         let stage = self.stage();
-        let (inputs, targets) = self.stage_tokens(batch, mb);
+        let shape = self.shape_of(rows);
+        let (inputs, targets) = self.stage_tokens(rows);
         let (input, mut h) = if let Some(inputs) = inputs {
             (None, stage.embed(inputs))
         } else {
             let x = match fl.activation_in.take().expect("activation received before forward") {
-                Boundary::Device(t) => t.reshape(self.residual_shape()).require_grad(),
-                Boundary::Host(v) => self.leaf(&v),
+                Boundary::Device(t) => t.reshape(shape).require_grad(),
+                Boundary::Host(v) => self.leaf(&v, shape),
             };
             (Some(x.clone()), x)
         };
@@ -312,9 +332,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.whole = Some((input, Output::Activation(h)));
             return 0.0;
         }
-        let global_tokens = (self.cfg.global_batch * self.cfg.seq_len) as f64;
         let targets = targets.expect("the last stage has its targets");
-        let loss = fused::cross_entropy_sum(stage.logits(h), targets).mul_scalar(1.0 / global_tokens);
+        let loss = fused::cross_entropy_sum(stage.logits(h), targets).mul_scalar(scale);
         let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
         fl.whole = Some((input, Output::Loss(loss)));
         value
@@ -339,12 +358,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         GradientsParams::from_grads(grads, self.stage())
     }
 
-    /// Loss share of one micro-batch (summed cross entropy over the step's global target
-    /// tokens) and its gradient with respect to this rank's logits slice.
-    fn vocab_parallel_cross_entropy(&self, z: Vec<f32>, batch: &[i64], mb: usize) -> Result<(f64, Vec<f32>), RankError> {
+    /// Loss share of one micro-batch (its summed cross entropy times `scale`) and its gradient
+    /// with respect to this rank's logits slice.
+    fn vocab_parallel_cross_entropy(&self, z: Vec<f32>, micro: &[i64], scale: f64) -> Result<(f64, Vec<f32>), RankError> {
         let v = self.vocab_local;
         let rows = z.len() / v;
-        let targets = self.token_rows(batch, mb, false);
+        let targets = self.token_rows(micro, false);
         let start = self.vocab_start as i64;
         // One pass over this rank's slice: its max and sum of exponentials per row. The ranks
         // agree on the max, rescale their sums to it, then add sums and target logits at once.
@@ -356,11 +375,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         both.extend(fused::picked(&z, v, &targets, start));
         self.tp.all_reduce(&mut both, ReduceOp::Sum)?;
         let (sum_exp, picked) = both.split_at(rows);
-        let global_tokens = (self.cfg.global_batch * self.cfg.seq_len) as f32;
         let loss: f64 = (0..rows).map(|i| f64::from(sum_exp[i].ln() + max[i] - picked[i])).sum();
         let mut dz = z;
-        fused::softmax_grad_in_place(&mut dz, v, &max, sum_exp, &targets, start, 1.0 / global_tokens);
-        Ok((loss / f64::from(global_tokens), dz))
+        fused::softmax_grad_in_place(&mut dz, v, &max, sum_exp, &targets, start, scale as f32);
+        Ok((loss * scale, dz))
     }
 
     /// Backward of one micro-batch through this stage; returns its parameter gradients.

@@ -3,6 +3,8 @@
 
 use std::any::TypeId;
 
+use burn::tensor::Tensor;
+
 use crate::collective::{Element, ReduceOp};
 
 /// A host buffer of one of the two element types a collective moves.
@@ -58,4 +60,12 @@ pub trait GpuLibrary: Sized {
     fn reduce_scatter(&self, send: Host<'_>, recv: Host<'_>, op: ReduceOp) -> Result<(), LibraryError>;
     /// Replaces `buf` with `root`'s.
     fn broadcast(&self, buf: Host<'_>, root: usize) -> Result<(), LibraryError>;
+    /// Whether this build reaches tensors' device memory ([`Self::all_reduce_tensor`]).
+    const TENSORS_IN_PLACE: bool = false;
+    /// Combines the f32 tensor `t` across the group in its own device memory on `device`,
+    /// where this build can reach it; gives `t` back untouched (`Ok(Err(t))`) where it cannot
+    /// (another backend, or a build without it), for the host path. The default cannot.
+    fn all_reduce_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+        Ok(Err(t))
+    }
 }

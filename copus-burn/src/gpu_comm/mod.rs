@@ -8,8 +8,10 @@
 //! same way. Point-to-point messages (pipeline activations) and barriers go over MPI, whose
 //! sends never wait for the receive, as the engine's schedules require.
 //!
-//! The trait works on host slices, so each call stages its buffer to the device and back; the
-//! in-place path for Burn CUDA tensors is [`cuda_tensor`] (feature `cuda`). Sums follow the
+//! The trait's slices are host buffers, so those calls stage them to the device and back. A
+//! tensor all-reduce ([`Collective::all_reduce_tensor`], the engine's gradient sums) runs in
+//! the tensor's own device memory where the library reaches it ([`cuda_tensor`]: NCCL with
+//! feature `cuda`), else through one host buffer. Sums follow the
 //! library's ring or tree order, so results match the in-process engine to rounding, not to
 //! the bit.
 //!
@@ -18,8 +20,11 @@
 
 #![allow(unsafe_code)]
 
+use burn::tensor::{Tensor, TensorData};
+
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
 use crate::mpi::MpiComm;
+use crate::traffic;
 
 mod library;
 use library::host;
@@ -120,6 +125,26 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.same_len("all_reduce", buf.len())?;
         self.lib.all_reduce(host(buf), op).map_err(Self::lib_err)
+    }
+
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        // One length check, then one library all-reduce on either path, so ranks that took
+        // different paths still meet in the same calls.
+        self.same_len("all_reduce_tensor", t.dims()[0])?;
+        match self.lib.all_reduce_tensor(t, op, self.device).map_err(Self::lib_err)? {
+            Ok(reduced) => Ok(reduced),
+            Err(t) => {
+                let device = t.device();
+                let mut v: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+                self.lib.all_reduce(host(&mut v), op).map_err(Self::lib_err)?;
+                let n = v.len();
+                Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
+            }
+        }
+    }
+
+    fn reduces_tensors_in_place(&self) -> bool {
+        G::TENSORS_IN_PLACE
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {

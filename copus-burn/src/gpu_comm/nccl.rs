@@ -114,6 +114,19 @@ impl GpuLibrary for Nccl {
         staged!(self, buf, |d| self.comm.broadcast_in_place(&mut d, root as i32));
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    const TENSORS_IN_PLACE: bool = true;
+
+    #[cfg(feature = "cuda")]
+    fn all_reduce_tensor(
+        &self,
+        t: burn::tensor::Tensor<1>,
+        o: ReduceOp,
+        device: usize,
+    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+        super::cuda_tensor::in_place(self, device, t, o).map_err(|e| LibraryError(e.to_string()))
+    }
 }
 
 impl Nccl {

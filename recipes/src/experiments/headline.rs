@@ -369,7 +369,7 @@ fn one_run(
     let data = TrainSequences(&p.train);
     let t = &recipe.train;
     let eval = |driver: &mut Driver<LlamaConfig>| -> anyhow::Result<f64> {
-        crate::adaptive::evaluate(cfg, driver.engine_mut().gather()?, &p.heldout, t.eval_sequences, t.micro_batch)
+        crate::adaptive::evaluate(driver.engine_mut(), &p.heldout, t.eval_sequences, t.micro_batch)
     };
     let mut evals = vec![(0.0, eval(&mut driver)?)];
     let mut configurations = vec![start.to_string()];

@@ -1,0 +1,49 @@
+//! A held-out evaluation on the running ranks: each data-parallel replica takes its share of
+//! the sequences, each stage runs its forward on its own device (the same regions, collectives
+//! and pipeline hand-overs as a training step, no backward), and the summed loss is reduced over
+//! the world. No parameter leaves its rank.
+//!
+//! Sequences are dealt in rounds of `dp * micro`: in round `k` replica `d` takes sequences
+//! `[k * dp * micro + d * micro, .. + micro)`, fewer (or none) in the last round, so any count
+//! works on any layout. The ranks of one replica (its tp and pp ranks) always hold the same
+//! sequences, so they take the same path through their collectives.
+
+use super::rank::{RankError, RankState};
+use super::regions::InFlight;
+use crate::collective::{Collective, ReduceOp};
+use crate::parallel::{ParallelLm, StageModel};
+
+/// The pipeline tag of an evaluation's activations (a step's tags are below it, a live
+/// change's far above).
+const TAG_EVAL: u32 = 5;
+
+impl<L: ParallelLm, C: Collective> RankState<L, C> {
+    /// The mean loss per target token over `windows` (whole sequences of `seq + 1` ids), in
+    /// micro-batches of at most `micro` sequences per replica. Every rank returns the same value.
+    pub(super) fn evaluate(&mut self, windows: &[i64], micro: usize) -> Result<f64, RankError> {
+        crate::traffic::counted_as(crate::traffic::Kind::Evaluation, || self.evaluate_here(windows, micro))
+    }
+
+    fn evaluate_here(&mut self, windows: &[i64], micro: usize) -> Result<f64, RankError> {
+        let s = self.cfg.seq_len;
+        let count = windows.len() / (s + 1);
+        let micro = micro.max(1);
+        let ctx = self.stage().context(s);
+        let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
+        let mut sum = 0f64;
+        for round in windows.chunks(self.cfg.dims.dp * micro * (s + 1)) {
+            let Some(rows) = round.chunks(micro * (s + 1)).nth(self.dp_rank) else { continue };
+            let mut fl = InFlight::default();
+            if !self.plan.is_first() {
+                fl.activation_in = Some(self.receive(prev, TAG_EVAL)?);
+            }
+            sum += self.forward(rows, 1.0, &mut fl, &ctx)?;
+            if let Some(out) = fl.activation_out.take() {
+                self.hand_on(next, TAG_EVAL, out)?;
+            }
+        }
+        let mut total = [if self.plan.is_last() && self.plan.tp_rank == 0 { sum } else { 0.0 }];
+        self.world.all_reduce(&mut total, ReduceOp::Sum)?;
+        Ok(total[0] / (count * s).max(1) as f64)
+    }
+}

@@ -1,0 +1,151 @@
+//! The communicator of a rank that is an MPI process (feature `mpi`): MPI itself, or, for a
+//! rank on a GPU, the GPU's collective library (NCCL for CUDA with feature `nccl`, RCCL for
+//! ROCm with feature `rccl`) with MPI beside it for ids and point-to-point messages.
+//!
+//! [`ProcessComm::world_for`] picks: a CUDA or ROCm rank takes the library when this build has
+//! it and every rank of the job could start it (the library's constructor agrees on that over
+//! MPI, so all ranks pick alike), and MPI otherwise, with a warning naming why.
+
+use burn::tensor::{Device, Tensor};
+
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp};
+use crate::engine::RankDevice;
+use crate::mpi::MpiComm;
+
+/// One rank's communicator across processes.
+#[derive(Debug)]
+pub enum ProcessComm {
+    /// MPI for everything (host buffers; the bit-exact mode the parity tests use).
+    Mpi(MpiComm),
+    /// NCCL for collectives on CUDA devices.
+    #[cfg(feature = "nccl")]
+    Nccl(crate::gpu_comm::NcclComm),
+    /// RCCL for collectives on ROCm devices.
+    #[cfg(feature = "rccl")]
+    Rccl(crate::gpu_comm::RcclComm),
+}
+
+/// `$body` with `$c` bound to whichever communicator `$self` holds.
+macro_rules! each {
+    ($self:expr, |$c:ident| $body:expr) => {
+        match $self {
+            ProcessComm::Mpi($c) => $body,
+            #[cfg(feature = "nccl")]
+            ProcessComm::Nccl($c) => $body,
+            #[cfg(feature = "rccl")]
+            ProcessComm::Rccl($c) => $body,
+        }
+    };
+}
+
+impl ProcessComm {
+    /// A fresh communicator over all processes for a rank on `device` (collective: every
+    /// process calls it, with a device of the same kind); MPI's reductions exact or native as
+    /// [`MpiComm::exact`] says.
+    pub fn world_for(device: RankDevice, exact_reductions: bool) -> Result<Self, CommError> {
+        let fallback = match device {
+            #[cfg(feature = "nccl")]
+            RankDevice::Cuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
+                Ok(c) => return Ok(ProcessComm::Nccl(c)),
+                Err(e) => Some(e.to_string()),
+            },
+            #[cfg(feature = "rccl")]
+            RankDevice::Rocm(i) => match crate::gpu_comm::RcclComm::new(MpiComm::world()?, i) {
+                Ok(c) => return Ok(ProcessComm::Rccl(c)),
+                Err(e) => Some(e.to_string()),
+            },
+            #[cfg(not(feature = "nccl"))]
+            RankDevice::Cuda(_) => Some("this build has no NCCL (feature `nccl`)".to_string()),
+            #[cfg(not(feature = "rccl"))]
+            RankDevice::Rocm(_) => Some("this build has no RCCL (feature `rccl`)".to_string()),
+            RankDevice::Flex | RankDevice::Wgpu => None,
+        };
+        if let Some(why) = fallback {
+            tracing::warn!("collectives of the {device:?} ranks go over MPI through host memory: {why}");
+        }
+        Ok(ProcessComm::Mpi(MpiComm::world()?.exact(exact_reductions)))
+    }
+
+    /// The collective library in use, for logs.
+    pub fn library(&self) -> &'static str {
+        match self {
+            ProcessComm::Mpi(_) => "MPI",
+            #[cfg(feature = "nccl")]
+            ProcessComm::Nccl(_) => "NCCL",
+            #[cfg(feature = "rccl")]
+            ProcessComm::Rccl(_) => "RCCL",
+        }
+    }
+}
+
+impl Collective for ProcessComm {
+    fn rank(&self) -> usize {
+        each!(self, |c| c.rank())
+    }
+
+    fn size(&self) -> usize {
+        each!(self, |c| c.size())
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        each!(self, |c| c.all_reduce(buf, op))
+    }
+
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        each!(self, |c| c.all_reduce_tensor(t, op))
+    }
+
+    fn reduces_tensors_in_place(&self) -> bool {
+        each!(self, |c| c.reduces_tensors_in_place())
+    }
+
+    fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        each!(self, |c| c.all_gather(buf))
+    }
+
+    fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+        each!(self, |c| c.reduce_scatter(buf, op))
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
+        each!(self, |c| c.broadcast(buf, root))
+    }
+
+    fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
+        each!(self, |c| c.send(to, tag, buf))
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
+        each!(self, |c| c.recv(from, tag))
+    }
+
+    fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
+        each!(self, |c| c.send_tensor(to, tag, t))
+    }
+
+    fn recv_tensor(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor<1>, CommError> {
+        each!(self, |c| c.recv_tensor(from, tag, device))
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        each!(self, |c| c.barrier())
+    }
+
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
+        match self {
+            ProcessComm::Mpi(c) => c.split(groups).map(ProcessComm::Mpi),
+            #[cfg(feature = "nccl")]
+            ProcessComm::Nccl(c) => c.split(groups).map(ProcessComm::Nccl),
+            #[cfg(feature = "rccl")]
+            ProcessComm::Rccl(c) => c.split(groups).map(ProcessComm::Rccl),
+        }
+    }
+
+    fn abort(&self, message: &str) {
+        each!(self, |c| c.abort(message))
+    }
+
+    fn aborter(&self) -> Aborter {
+        each!(self, |c| c.aborter())
+    }
+}
