@@ -17,6 +17,7 @@ use std::ops::Range;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_core::layout::{ParallelDims, stage_layers};
+use copus_core::memory::Precision;
 use copus_core::model::{ModelSpec, ParamSpec, TpSplit};
 use copus_core::reshard::{Placer, shard_intervals};
 use thiserror::Error;
@@ -73,18 +74,25 @@ pub enum ShardError {
 
 /// One stage of a model on one rank: the regions the engine runs.
 pub trait StageModel: Module + Clone + Send + std::fmt::Debug + 'static {
-    /// Per-sequence-length data shared by the blocks (e.g. rotary tables).
+    /// Per-sequence-length data shared by the blocks (e.g. rotary tables, the arithmetic).
     type Ctx;
-    /// Builds the context for sequences of `seq_len`.
-    fn context(&self, seq_len: usize) -> Self::Ctx;
+    /// Builds the context for sequences of `seq_len` trained in `precision`: the stage takes
+    /// and returns f32 at every boundary (block inputs and outputs, logits), and computes
+    /// inside in the precision's arithmetic.
+    fn context(&self, seq_len: usize, precision: Precision) -> Self::Ctx;
     /// First stage: this rank's partial embedding `[b, s, d]` of `tokens_bs`.
     fn embed(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3>;
     /// Residual blocks on this stage.
     fn num_blocks(&self) -> usize;
+    /// Residual blocks per layer (2 for a transformer layer: attention, then the MLP), the
+    /// unit of [`Checkpointing::Layers`](copus_core::memory::Checkpointing::Layers).
+    fn blocks_per_layer(&self) -> usize {
+        1
+    }
     /// Block `i`'s branch output for input `x_bsd`: this rank's partial sum.
     fn block(&self, i: usize, x_bsd: Tensor<3>, ctx: &Self::Ctx) -> Tensor<3>;
-    /// Last stage: this rank's vocabulary slice of the logits `[b, s, v / tp]`.
-    fn logits(&self, x_bsd: Tensor<3>) -> Tensor<3>;
+    /// Last stage: this rank's vocabulary slice of the logits `[b, s, v / tp]` (f32).
+    fn logits(&self, x_bsd: Tensor<3>, ctx: &Self::Ctx) -> Tensor<3>;
     /// The global parameter name of a path inside this stage module.
     fn global_name(&self, local_path: &str) -> String;
     /// Name fragments of parameters that take no weight decay.

@@ -7,12 +7,64 @@
 //! (q, k, v, attention output, gate, up, silu(gate), gate*up), and without fused attention the
 //! scores and probabilities `2 a s / t`. The last stage also holds fp32 logits and their
 //! gradient for one micro-batch, `2 V / t` per token.
+//!
+//! Under activation checkpointing ([`Checkpointing`]) a micro-batch in flight keeps only the
+//! residual stream at each checkpoint (`h` per token: one per layer, or one per residual branch,
+//! two per layer), and the backward pass recomputes one segment at a time, whose activations
+//! (a layer's, or half a layer's for one branch) are alive for one micro-batch only.
 
 use serde::{Deserialize, Serialize};
 
 use crate::layout::{ParallelDims, stage_len};
 use crate::model::ModelSpec;
 use crate::schedule::ScheduleKind;
+
+/// The arithmetic of training.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Precision {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// bf16 products in the forward and backward passes (the decoder blocks' linear layers,
+    /// attention and MLP, and the head); f32 master weights, AdamW moments, gradients,
+    /// reductions, norms, the residual stream and the loss.
+    Bf16Mixed,
+}
+
+/// Activation checkpointing: what a micro-batch keeps between its forward and backward passes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Checkpointing {
+    /// Every activation the backward pass reads (no recomputation).
+    #[default]
+    None,
+    /// The residual stream at the start of each layer; the backward pass recomputes a layer
+    /// (both its residual branches) from it.
+    Layers,
+    /// The residual stream at the start of each residual branch (attention, MLP): twice the
+    /// checkpoints of `Layers`, and under tensor parallelism no collective in the recomputation.
+    Regions,
+}
+
+impl Checkpointing {
+    /// Residual-stream checkpoints a micro-batch keeps per layer (0 without checkpointing).
+    pub fn saved_per_layer(self) -> f64 {
+        match self {
+            Checkpointing::None => 0.0,
+            Checkpointing::Layers => 1.0,
+            Checkpointing::Regions => 2.0,
+        }
+    }
+
+    /// The share of a layer the backward pass recomputes at once: a whole layer, or one of its
+    /// two residual branches (counted as half).
+    pub fn recomputed_layers(self) -> f64 {
+        match self {
+            Checkpointing::None => 0.0,
+            Checkpointing::Layers => 1.0,
+            Checkpointing::Regions => 0.5,
+        }
+    }
+}
 
 /// Bytes per element of each kind of state, and what the runtime adds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -31,6 +83,42 @@ pub struct MemoryModel {
     pub zero1: bool,
     /// Fixed bytes per rank (runtime, workspace, fragmentation).
     pub overhead_bytes: f64,
+    /// Activation checkpointing.
+    #[serde(default)]
+    pub checkpointing: Checkpointing,
+    /// Without fused attention: the `a x s` score matrices kept per token and layer (2: the
+    /// scores and the probabilities; 1 where the softmax's backward reads only its output).
+    #[serde(default = "two")]
+    pub attention_score_copies: f64,
+    /// Under tensor parallelism: `h`-sized activations per token and layer each rank keeps beyond
+    /// the count above (the region inputs it gathers or reduces).
+    #[serde(default)]
+    pub tp_gathered_hidden: f64,
+    /// Bytes per parameter the optimizer update holds for a moment beyond the gradients (new
+    /// moments and weights before the old are freed). Never alive together with the activations:
+    /// a rank's peak is the larger of the two.
+    #[serde(default)]
+    pub step_transient_bytes: f64,
+    /// Under checkpointing: the share of the kept checkpoints counted at the peak (1: all of
+    /// them; less where the peak comes when the backward pass has freed some).
+    #[serde(default = "one")]
+    pub checkpoint_share: f64,
+    /// Under checkpointing: layers of activations alive while a segment is recomputed and
+    /// differentiated; `None`: the segment itself ([`Checkpointing::recomputed_layers`]).
+    #[serde(default)]
+    pub recomputed_layers: Option<f64>,
+    /// Copies of the last stage's logits alive at once, `V / t` per token each (2: the logits
+    /// and their gradient).
+    #[serde(default = "two")]
+    pub logit_copies: f64,
+}
+
+fn two() -> f64 {
+    2.0
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl MemoryModel {
@@ -44,6 +132,38 @@ impl MemoryModel {
             fused_attention: false,
             zero1: false,
             overhead_bytes: 0.0,
+            checkpointing: Checkpointing::None,
+            attention_score_copies: 2.0,
+            tp_gathered_hidden: 0.0,
+            step_transient_bytes: 0.0,
+            checkpoint_share: 1.0,
+            recomputed_layers: None,
+            logit_copies: 2.0,
+        }
+    }
+
+    /// fp32 training on the copus engine, fitted to the peaks `recipes bench memory` measures
+    /// on Flex: 72 configurations of tiny-5m, tiny-20m and small-100m (sequence 256; five
+    /// layouts, both schedules, B_m 1 to 8, with and without checkpointing), the coefficients
+    /// chosen to make the largest |log(predicted / measured)| small (0.126: within 13.4%;
+    /// README). On top of [`MemoryModel::fp32`]: half a score matrix per head and token (the
+    /// engine keeps the softmax's output only, and not all heads' at once), two `h`-sized
+    /// activations more per token and layer on a tensor-parallel rank (its regions' gathered
+    /// inputs), three copies of the logits, 5 bytes per parameter alive during the AdamW update
+    /// (which sets the peak when activations are small: checkpointing, small micro-batches),
+    /// 16 MiB per rank (its thread, its buffers), and under checkpointing 35% of the
+    /// checkpoints and three quarters of a layer counted at the peak. The coefficients are
+    /// effective, not allocation-exact.
+    pub fn engine_f32() -> Self {
+        Self {
+            attention_score_copies: 0.5,
+            tp_gathered_hidden: 2.0,
+            step_transient_bytes: 5.0,
+            overhead_bytes: 16.0 * 1024.0 * 1024.0,
+            checkpoint_share: 0.35,
+            recomputed_layers: Some(0.75),
+            logit_copies: 3.0,
+            ..Self::fp32()
         }
     }
 
@@ -58,6 +178,13 @@ impl MemoryModel {
             fused_attention: true,
             zero1: false,
             overhead_bytes: 2.0 * GIB,
+            checkpointing: Checkpointing::None,
+            attention_score_copies: 2.0,
+            tp_gathered_hidden: 0.0,
+            step_transient_bytes: 0.0,
+            checkpoint_share: 1.0,
+            recomputed_layers: None,
+            logit_copies: 2.0,
         }
     }
 
@@ -87,8 +214,10 @@ impl MemoryModel {
         let k = model.kv_dim() as f64;
         let f = model.ffn_hidden as f64;
         let t = tp as f64;
-        let scores = if self.fused_attention { 0.0 } else { 2.0 * model.num_heads as f64 * model.seq_len as f64 / t };
-        4.0 * h + (2.0 * h + 2.0 * k + 4.0 * f) / t + scores
+        let scores =
+            if self.fused_attention { 0.0 } else { self.attention_score_copies * model.num_heads as f64 * model.seq_len as f64 / t };
+        let gathered = if tp > 1 { self.tp_gathered_hidden * h } else { 0.0 };
+        4.0 * h + (2.0 * h + 2.0 * k + 4.0 * f) / t + scores + gathered
     }
 
     /// Memory of the most loaded stage for a layout, micro-batch size and accumulation count.
@@ -100,31 +229,53 @@ impl MemoryModel {
         num_micro: usize,
         schedule: ScheduleKind,
     ) -> MemoryEstimate {
-        let tokens = (micro_batch * model.seq_len) as f64;
-        let per_layer = self.activation_elems_per_token_layer(model, dims.tp) * self.activation_bytes;
         let mut worst = MemoryEstimate::default();
         for stage in 0..dims.pp {
-            let params = Self::params_on_stage(model, dims, stage);
-            let in_flight = schedule.max_in_flight(stage, dims.pp, num_micro) as f64;
-            let layers = stage_len(model.num_layers, dims.pp, stage) as f64;
-            let mut activations = in_flight * tokens * layers * per_layer;
-            if stage + 1 == dims.pp {
-                activations += tokens * 2.0 * model.vocab_size as f64 / dims.tp as f64 * 4.0;
-            }
-            let optimizer_share = if self.zero1 { dims.dp as f64 } else { 1.0 };
-            let e = MemoryEstimate {
-                stage,
-                weights: params * self.weight_bytes,
-                grads: params * self.grad_bytes,
-                optimizer: params * self.optimizer_bytes / optimizer_share,
-                activations,
-                overhead: self.overhead_bytes,
-            };
+            let e = self.estimate_stage(model, dims, micro_batch, num_micro, schedule, stage);
             if e.total() > worst.total() {
                 worst = e;
             }
         }
         worst
+    }
+
+    /// Memory of one rank on pipeline `stage` (every rank of a stage holds the same).
+    pub fn estimate_stage(
+        &self,
+        model: &ModelSpec,
+        dims: ParallelDims,
+        micro_batch: usize,
+        num_micro: usize,
+        schedule: ScheduleKind,
+        stage: usize,
+    ) -> MemoryEstimate {
+        let tokens = (micro_batch * model.seq_len) as f64;
+        let per_layer = self.activation_elems_per_token_layer(model, dims.tp) * self.activation_bytes;
+        let params = Self::params_on_stage(model, dims, stage);
+        let in_flight = schedule.max_in_flight(stage, dims.pp, num_micro) as f64;
+        let layers = stage_len(model.num_layers, dims.pp, stage) as f64;
+        let mut activations = match self.checkpointing {
+            Checkpointing::None => in_flight * tokens * layers * per_layer,
+            // The checkpoints of every micro-batch in flight, and one segment recomputed.
+            ck => {
+                let saved = self.checkpoint_share * ck.saved_per_layer() * model.hidden as f64 * self.activation_bytes;
+                let recomputed = self.recomputed_layers.unwrap_or(ck.recomputed_layers());
+                in_flight * tokens * layers * saved + if layers > 0.0 { tokens * per_layer * recomputed } else { 0.0 }
+            }
+        };
+        if stage + 1 == dims.pp {
+            activations += tokens * self.logit_copies * model.vocab_size as f64 / dims.tp as f64 * 4.0;
+        }
+        let optimizer_share = if self.zero1 { dims.dp as f64 } else { 1.0 };
+        MemoryEstimate {
+            stage,
+            weights: params * self.weight_bytes,
+            grads: params * self.grad_bytes,
+            optimizer: params * self.optimizer_bytes / optimizer_share,
+            activations,
+            step_transient: params * self.step_transient_bytes / optimizer_share,
+            overhead: self.overhead_bytes,
+        }
     }
 }
 
@@ -144,14 +295,19 @@ pub struct MemoryEstimate {
     pub optimizer: f64,
     /// Saved activations of the micro-batches in flight (and logits on the last stage).
     pub activations: f64,
+    /// What the optimizer update holds for a moment ([`MemoryModel::step_transient_bytes`]);
+    /// never alive together with the activations.
+    #[serde(default)]
+    pub step_transient: f64,
     /// Fixed runtime overhead, [`MemoryModel::overhead_bytes`].
     pub overhead: f64,
 }
 
 impl MemoryEstimate {
-    /// Bytes the rank needs in all: weights, gradients, optimizer state, activations, overhead.
+    /// Bytes the rank needs at its peak: weights, gradients, optimizer state and overhead, and
+    /// the larger of the activations (forward and backward) and the update's temporaries.
     pub fn total(&self) -> f64 {
-        self.weights + self.grads + self.optimizer + self.activations + self.overhead
+        self.weights + self.grads + self.optimizer + self.activations.max(self.step_transient) + self.overhead
     }
 }
 
@@ -215,6 +371,64 @@ mod tests {
         let e = MemoryModel::fp32().estimate(&m, ParallelDims::serial(), 2, 4, ScheduleKind::OneFOneB);
         let tokens = 256.0;
         assert_eq!(e.activations, tokens * 4.0 * per_token * 4.0 + tokens * 2.0 * 2048.0 * 4.0);
+    }
+
+    /// Checkpointed: the in-flight micro-batches keep `h` per checkpoint, plus one layer
+    /// recomputed for one micro-batch; by hand for tiny-1m on pp2 under GPipe (4 in flight).
+    #[test]
+    fn checkpointed_activations_by_hand() {
+        let m = ModelSpec::tiny_1m();
+        let d = ParallelDims { dp: 1, tp: 1, pp: 2 };
+        let per_layer = MemoryModel::fp32().activation_elems_per_token_layer(&m, 1) * 4.0;
+        let tokens = 2.0 * 128.0;
+        let logits = tokens * 2.0 * 2048.0 * 4.0;
+        for (ck, saved) in [(Checkpointing::Layers, 1.0), (Checkpointing::Regions, 2.0)] {
+            let mm = MemoryModel { checkpointing: ck, ..MemoryModel::fp32() };
+            let e = mm.estimate(&m, d, 2, 4, ScheduleKind::GPipe);
+            // The last stage (2 layers, 4 micro-batches in flight) holds the logits too.
+            let recomputed = if ck == Checkpointing::Layers { 1.0 } else { 0.5 };
+            let want = 4.0 * tokens * 2.0 * saved * 128.0 * 4.0 + tokens * per_layer * recomputed + logits;
+            assert_eq!(e.activations, want, "{ck:?}");
+            let plain = MemoryModel::fp32().estimate(&m, d, 2, 4, ScheduleKind::GPipe);
+            assert!(e.activations < plain.activations / 2.0, "{ck:?}: {} vs {}", e.activations, plain.activations);
+        }
+    }
+
+    /// The calibrated engine model by hand on tiny-20m: half a score matrix per head, two
+    /// gathered `h` under tp, three logit copies, 16 MiB per rank, the peak the larger of the
+    /// activations and the update's 5 B/param, and under checkpointing 35% of the checkpoints
+    /// and 3/4 of a layer.
+    #[test]
+    fn engine_model_by_hand() {
+        let m = ModelSpec::tiny_20m();
+        let mm = MemoryModel::engine_f32();
+        let (h, k, f, a, s) = (m.hidden as f64, m.kv_dim() as f64, m.ffn_hidden as f64, m.num_heads as f64, m.seq_len as f64);
+        for tp in [1usize, 2] {
+            let t = tp as f64;
+            let gathered = if tp > 1 { 2.0 * h } else { 0.0 };
+            let per_token = 4.0 * h + (2.0 * h + 2.0 * k + 4.0 * f) / t + 0.5 * a * s / t + gathered;
+            assert_eq!(mm.activation_elems_per_token_layer(&m, tp), per_token, "tp {tp}");
+        }
+        let d = ParallelDims::serial();
+        let p = MemoryModel::params_on_stage(&m, d, 0);
+        let layer = mm.activation_elems_per_token_layer(&m, 1) * 4.0;
+        let logits = |b: f64| b * s * 3.0 * m.vocab_size as f64 * 4.0;
+        let acts = |b: f64| b * s * m.num_layers as f64 * layer + logits(b);
+        let overhead = 16.0 * 1024.0 * 1024.0;
+        // One sequence: the update's temporaries set the peak; 64: the activations do.
+        assert!(acts(1.0) < 5.0 * p && acts(64.0) > 5.0 * p);
+        for b in [1usize, 64] {
+            let e = mm.estimate(&m, d, b, 1, ScheduleKind::OneFOneB);
+            assert_eq!(e.step_transient, 5.0 * p);
+            assert_eq!(e.total(), 16.0 * p + acts(b as f64).max(5.0 * p) + overhead, "B_m {b}");
+        }
+        // Checkpointed by layer, 8 sequences: 35% of one `h` per layer, 3/4 of a layer.
+        let ck = MemoryModel { checkpointing: Checkpointing::Layers, ..mm }.estimate(&m, d, 8, 1, ScheduleKind::OneFOneB);
+        let tokens = 8.0 * s;
+        assert_eq!(ck.activations, tokens * m.num_layers as f64 * 0.35 * h * 4.0 + tokens * layer * 0.75 + logits(8.0));
+        // ZeRO-1 shards the update's temporaries with the moments.
+        let z = MemoryModel { zero1: true, ..mm }.estimate(&m, ParallelDims { dp: 2, tp: 1, pp: 1 }, 1, 1, ScheduleKind::OneFOneB);
+        assert_eq!(z.step_transient, 2.5 * p);
     }
 
     #[test]

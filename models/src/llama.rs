@@ -152,6 +152,11 @@ impl Rope {
         Self { cos_se: t(cos), sin_se: t(sin) }
     }
 
+    /// The tables in element type `dtype` (for products in bf16).
+    pub fn cast(self, dtype: burn::tensor::FloatDType) -> Self {
+        Self { cos_se: self.cos_se.cast(dtype), sin_se: self.sin_se.cast(dtype) }
+    }
+
     /// The device of the tables.
     pub fn device(&self) -> Device {
         self.cos_se.device()
@@ -165,8 +170,11 @@ impl Rope {
 
 /// `layer` applied to `x`, through the fused linear operation (one product per pass, written
 /// straight into its output; Burn's `linear` where the fused one does not apply).
+/// The weights take `x`'s element type (bf16 products under mixed precision; the cast's
+/// backward pass returns their gradients in f32).
 pub(crate) fn project<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
-    linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+    let dtype = x.dtype();
+    linear(x, layer.weight.val().cast(dtype), layer.bias.as_ref().map(|b| b.val().cast(dtype)))
 }
 
 /// Grouped-query causal self-attention.

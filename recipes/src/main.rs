@@ -95,6 +95,10 @@ enum Cmd {
         /// hashes of the current kind): damage in them goes unnoticed.
         #[arg(long, requires = "resume")]
         allow_unverified: bool,
+        /// Resume with another `parallel.precision` than the run trained in (F32 <-> Bf16Mixed;
+        /// the checkpoint's master weights and moments are f32 either way).
+        #[arg(long, requires = "resume")]
+        allow_precision_change: bool,
     },
     /// Benchmarks, each printing a table (`step` when none is named).
     Bench {
@@ -220,8 +224,8 @@ enum BenchMode {
     },
     /// In-memory reconfiguration against a real process restart from a checkpoint.
     Reconfig {
-        /// Only these model presets (repeatable); tiny-20m and small-100m by default.
-        #[arg(long = "preset", value_parser = ["tiny-20m", "small-100m"])]
+        /// Only these model presets (repeatable); tiny-5m, tiny-20m and small-100m by default.
+        #[arg(long = "preset", value_parser = ["tiny-5m", "tiny-20m", "small-100m"])]
         presets: Vec<String>,
         /// Trials per layout change, each on a fresh engine; the table shows medians.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
@@ -254,6 +258,31 @@ enum BenchMode {
         #[arg(long, default_value_t = 10)]
         steps: usize,
     },
+    /// Peak memory of the engine's ranks per configuration (each in a child process) against
+    /// the memory model's prediction.
+    Memory {
+        /// Only these model presets (repeatable); tiny-5m, tiny-20m and small-100m by default.
+        #[arg(long = "preset", value_parser = ["tiny-5m", "tiny-20m", "small-100m"])]
+        presets: Vec<String>,
+    },
+    /// The measuring side of `memory`: one configuration, its peak bytes.
+    #[command(hide = true)]
+    MemoryChild {
+        #[arg(long)]
+        preset: String,
+        #[arg(long)]
+        seq: usize,
+        #[arg(long)]
+        layout: String,
+        #[arg(long)]
+        micro_batch: usize,
+        #[arg(long, value_parser = ["OneFOneB", "GPipe"])]
+        schedule: String,
+        #[arg(long, value_parser = ["None", "Layers", "Regions"])]
+        checkpointing: String,
+        #[arg(long, value_parser = ["F32", "Bf16Mixed"], default_value = "F32")]
+        precision: String,
+    },
 }
 
 /// `--policy`: one of the service's policy names, listed in `--help` and in the error.
@@ -271,9 +300,9 @@ fn run_profile(path: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_recipe(path: &Path, max_steps: Option<u64>, resume: Option<&Path>) -> anyhow::Result<()> {
+fn run_recipe(path: &Path, max_steps: Option<u64>, resume: Option<&Path>, allow_precision_change: bool) -> anyhow::Result<()> {
     let recipe = load_recipe(path)?;
-    let opts = run::RunOptions { max_steps };
+    let opts = run::RunOptions { max_steps, allow_precision_change };
     let (folder, s) = match resume {
         Some(dir) => run::resume_any(&recipe, dir, &opts)?,
         None => run::run_any(&recipe, &opts)?,
@@ -316,9 +345,9 @@ fn run_suite(path: &Path) -> anyhow::Result<()> {
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match (cli.command, cli.recipe) {
-        (Some(Cmd::Run { recipe, max_steps, resume, allow_unverified }), _) => {
+        (Some(Cmd::Run { recipe, max_steps, resume, allow_unverified, allow_precision_change }), _) => {
             copus_burn::checkpoint::allow_unverified(allow_unverified);
-            run_recipe(&recipe, max_steps, resume.as_deref())
+            run_recipe(&recipe, max_steps, resume.as_deref(), allow_precision_change)
         }
         (Some(Cmd::Bench { mode }), _) => {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
@@ -329,6 +358,19 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     bench::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }
                 BenchMode::Probe { steps } => bench::probe::run(steps.max(1)),
+                BenchMode::Memory { presets } => bench::memory::run(&presets)?,
+                BenchMode::MemoryChild { preset, seq, layout, micro_batch, schedule, checkpointing, precision } => {
+                    let row = bench::memory::Row {
+                        preset,
+                        seq,
+                        dims: bench::memory::parse_layout(&layout)?,
+                        micro_batch,
+                        schedule: ron::from_str(&schedule)?,
+                        checkpointing: ron::from_str(&checkpointing)?,
+                        held_out: false,
+                    };
+                    bench::memory::child(&row, ron::from_str(&precision)?)?
+                }
             }
             Ok(())
         }
@@ -364,7 +406,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         (Some(Cmd::Compare { suite: Some(suite), .. }), _) => run_suite(&suite),
         (Some(Cmd::Compare { recipe: Some(recipe), .. }), _) => run_compare(&recipe),
         (Some(Cmd::Compare { .. }), _) => Err(Usage("give a comparison recipe or --suite FILE".into()).into()),
-        (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps, cli.resume.as_deref()),
+        (None, Some(recipe)) => run_recipe(&recipe, cli.max_steps, cli.resume.as_deref(), false),
         (None, None) => Err(Usage("give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help".into()).into()),
     }
 }

@@ -163,6 +163,9 @@ pub fn checked_vocab(tokenizer: &tokenizers::Tokenizer, what: &str) -> Result<us
 pub struct RunOptions {
     /// Override of the recipe's step count (smoke tests).
     pub max_steps: Option<u64>,
+    /// On resume, accept a recipe whose `parallel.precision` differs from the run's (the
+    /// checkpoint's master weights and moments are f32 under either).
+    pub allow_precision_change: bool,
 }
 
 #[cfg(test)]

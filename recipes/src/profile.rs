@@ -14,6 +14,8 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
 use copus_core::candidates::Candidate;
+use copus_core::memory::Checkpointing;
+use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
 
@@ -30,6 +32,25 @@ pub fn synthetic_batch(b: usize, seq: usize, vocab: usize, salt: usize) -> Vec<i
     (0..b * (seq + 1)).map(|j| ((j * 2_654_435_761 + salt * 97) % vocab) as i64).collect()
 }
 
+/// How the profiled engines run: their ranks' devices (empty: Flex), the pipeline schedule and
+/// activation checkpointing, as in the run the profile is for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSetup {
+    /// One device per rank; empty: every rank on Flex.
+    pub devices: Vec<RankDevice>,
+    /// The pipeline schedule.
+    pub schedule: ScheduleKind,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+}
+
+impl EngineSetup {
+    /// Flex ranks, 1F1B, no checkpointing (the engine's defaults).
+    pub fn flex() -> Self {
+        Self { devices: Vec::new(), schedule: ScheduleKind::OneFOneB, checkpointing: Checkpointing::None }
+    }
+}
+
 /// Seconds per step of one candidate: one untimed step, then `steps` timed ones.
 pub fn time_candidate(
     cfg: &LlamaConfig,
@@ -37,10 +58,13 @@ pub fn time_candidate(
     c: &Candidate,
     seq: usize,
     steps: usize,
-    devices: &[RankDevice],
+    setup: &EngineSetup,
 ) -> anyhow::Result<f64> {
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim).with_devices(devices.to_vec());
+    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim)
+        .with_devices(setup.devices.clone())
+        .with_schedule(setup.schedule)
+        .with_checkpointing(setup.checkpointing);
     let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
     let vocab = cfg.shape.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
@@ -51,20 +75,20 @@ pub fn time_candidate(
     Ok(t.elapsed().as_secs_f64() / steps as f64)
 }
 
-/// Samples/s of each candidate, with a progress bar; ranks on `devices` (empty: Flex).
+/// Samples/s of each candidate, with a progress bar, the engines set up as `setup` says.
 pub fn measure(
     cfg: &LlamaConfig,
     full: &copus_burn::parallel::FullParams,
     candidates: &[Candidate],
     seq: usize,
     steps: usize,
-    devices: &[RankDevice],
+    setup: &EngineSetup,
 ) -> anyhow::Result<Vec<ProfileEntry>> {
     let bar = Progress::new("profile", candidates.len() as u64);
     let mut entries = Vec::with_capacity(candidates.len());
     for c in candidates {
         bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
-        let secs = time_candidate(cfg, full, c, seq, steps, devices)?;
+        let secs = time_candidate(cfg, full, c, seq, steps, setup)?;
         entries.push(ProfileEntry {
             dp: c.dims.dp,
             tp: c.dims.tp,
@@ -102,8 +126,12 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    let devices = recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device);
-    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &devices)?;
+    let setup = EngineSetup {
+        devices: recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device),
+        schedule: par.schedule,
+        checkpointing: par.checkpointing,
+    };
+    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &setup)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} ranks on {:?}", par.world_size, recipe.backend);
     let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries)?;
@@ -167,7 +195,7 @@ pub fn measure_profile(
     steps: usize,
     out: Option<&Path>,
 ) -> anyhow::Result<ThroughputProfile> {
-    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, &[])?;
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, &EngineSetup::flex())?;
     let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries)?;
     if let Some(path) = out {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

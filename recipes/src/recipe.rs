@@ -7,7 +7,7 @@ use copus_burn::{OptimConfig, RankDevice};
 use copus_core::candidates::{Candidate, CandidateSpace};
 use copus_core::goodput::ObjectiveKind;
 use copus_core::layout::ParallelDims;
-use copus_core::memory::{GIB, MemoryModel};
+use copus_core::memory::{Checkpointing, GIB, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
 use copus_core::policy::SwitchRule;
 use copus_core::schedule::ScheduleKind;
@@ -177,6 +177,20 @@ pub struct ParallelRecipe {
     /// rounding).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exact_reductions: bool,
+    /// Activation checkpointing on the ranks: `None` (the default), `Layers` (keep the residual
+    /// stream at each layer, recompute the layer in the backward pass) or `Regions` (at each
+    /// residual branch). The memory model counts it.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub checkpointing: Checkpointing,
+    /// The arithmetic: `F32` (the default) or `Bf16Mixed` (bf16 products, f32 master weights,
+    /// moments, gradients and reductions). `Bf16Mixed` needs bf16 arithmetic on the backend:
+    /// Flex and CUDA have it, wgpu does not (refused when the recipe loads).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub precision: Precision,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// One switch of [`ParallelRecipe::script`].
@@ -206,6 +220,11 @@ fn default_profile_steps() -> usize {
 }
 
 impl ParallelRecipe {
+    /// This section with the default precision (to compare two recipes but for it).
+    pub fn without_precision(&self) -> Self {
+        Self { precision: Precision::default(), ..self.clone() }
+    }
+
     /// The objective Copus ranks by: the recipe's, else the one `optim.lr_rule` implies.
     pub fn objective(&self, optim: &OptimConfig) -> ObjectiveKind {
         self.objective.unwrap_or(ObjectiveKind::for_rule(optim.lr_rule))
@@ -221,6 +240,12 @@ impl ParallelRecipe {
         })
     }
 
+    /// The memory model of this recipe's ranks: fp32 on the engine as measured
+    /// ([`MemoryModel::engine_f32`]), with its checkpointing.
+    pub fn memory_model(&self) -> MemoryModel {
+        MemoryModel { checkpointing: self.checkpointing, ..MemoryModel::engine_f32() }
+    }
+
     /// The candidate space of this recipe.
     pub fn space(&self) -> Result<CandidateSpace, RecipeError> {
         CandidateSpace::new(
@@ -228,7 +253,7 @@ impl ParallelRecipe {
             self.global_batches.clone(),
             self.micro_batches.clone(),
             self.schedule,
-            MemoryModel::fp32(),
+            self.memory_model(),
             self.device_memory_gib * GIB,
         )
         .map_err(|e| field("parallel", "(..)", e.to_string()))
@@ -455,6 +480,13 @@ impl Recipe {
         if self.adaptive == Some(true) && self.parallel.is_none() {
             return Err(field("adaptive", true, "false, unless the recipe has a `parallel` section (the candidate space Copus searches)"));
         }
+        if self.backend == Backend::Wgpu && self.parallel.as_ref().is_some_and(|p| p.precision == Precision::Bf16Mixed) {
+            return Err(field(
+                "parallel.precision",
+                "Bf16Mixed",
+                "F32 on the Wgpu backend (its shaders have no bf16 arithmetic); Bf16Mixed runs on Flex and Cuda",
+            ));
+        }
         if !self.backend.rank_device().built() {
             let feature = format!("{:?}", self.backend).to_lowercase();
             return Err(field(
@@ -583,6 +615,16 @@ mod tests {
         assert!(e.contains("ranks_per_device") && e.contains("`Cuda` and `Rocm`"), "{e}");
         let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", ranks_per_device: Some(0),"), "rpd").unwrap_err().to_string();
         assert!(e.contains("ranks_per_device") && e.contains("at least 1"), "{e}");
+        // bf16 mixed precision where the backend has bf16 arithmetic only.
+        let bf16 = GOOD.replace(
+            "max_steps: 3),",
+            "max_steps: 3), parallel: (world_size: 1, global_batches: [8], micro_batches: [2], precision: Bf16Mixed),",
+        );
+        assert_eq!(Recipe::parse(&bf16, "bf16").unwrap().parallel.unwrap().precision, Precision::Bf16Mixed);
+        let e = Recipe::parse(&bf16.replace("name: \"t\",", "name: \"t\", backend: Wgpu,"), "bf16").unwrap_err().to_string();
+        assert!(e.contains("parallel.precision") && e.contains("Wgpu"), "{e}");
+        let e = Recipe::parse(&bf16.replace("Bf16Mixed", "Fp8"), "bf16").unwrap_err().to_string();
+        assert!(e.contains("F32") && e.contains("Bf16Mixed"), "{e}");
     }
 
     #[test]

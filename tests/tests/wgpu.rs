@@ -182,3 +182,15 @@ fn a_layout_change_on_wgpu_trains_like_one_on_flex() {
     }
     assert_weights_close(&flex_weights, &wgpu_weights, "after the switch and four steps");
 }
+
+/// bf16 mixed precision needs bf16 arithmetic, which wgpu's shaders lack: the engine refuses it
+/// on wgpu ranks with an error that names the device and the precision, before any step.
+#[test]
+fn bf16_mixed_precision_is_refused_on_wgpu() {
+    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+    let ec = EngineConfig::new(dims(1, 1, 1), 2, 2, SEQ, optim)
+        .with_devices(vec![RankDevice::Wgpu])
+        .with_precision(copus_core::memory::Precision::Bf16Mixed);
+    let e = Engine::new(Arc::new(config()), initial_full(), ec).err().expect("refused").to_string();
+    assert!(e.contains("Wgpu") && e.contains("Bf16Mixed") && e.contains("bf16 arithmetic"), "{e}");
+}

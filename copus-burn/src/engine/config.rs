@@ -4,6 +4,7 @@
 use burn::config::Config;
 use burn::tensor::Device;
 use copus_core::layout::ParallelDims;
+pub use copus_core::memory::{Checkpointing, Precision};
 use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
@@ -93,6 +94,17 @@ impl RankDevice {
         (0..world).map(|r| self.with_index(device_index(r, world, visible, ranks_per_device))).collect()
     }
 
+    /// [`RankDevice::device`], refused where it cannot compute in the arithmetic of `precision`.
+    pub fn device_for(self, precision: Precision) -> Result<Device, EngineError> {
+        let device = self.device()?;
+        if precision == Precision::Bf16Mixed && !device.supports_dtype(burn::tensor::FloatDType::BF16) {
+            return Err(EngineError::Device(format!(
+                "{self:?} has no bf16 arithmetic, so precision Bf16Mixed cannot run on it; use precision F32 there (Flex and CUDA compute in bf16)"
+            )));
+        }
+        Ok(device)
+    }
+
     /// The Burn device, or an error naming the feature this build lacks or the devices this
     /// process may see.
     pub fn device(self) -> Result<Device, EngineError> {
@@ -168,6 +180,14 @@ pub struct EngineConfig {
     /// NCCL or RCCL use the library either way.
     #[config(default = false)]
     pub exact_reductions: bool,
+    /// Activation checkpointing: what a micro-batch keeps between its forward and backward
+    /// passes (the residual stream at each layer or each residual branch, recomputing the rest).
+    #[config(default = "Checkpointing::None")]
+    pub checkpointing: Checkpointing,
+    /// The arithmetic: f32, or bf16 products with f32 master weights ([`Precision`]). Every
+    /// rank's device must compute in bf16 for `Bf16Mixed` (Flex and CUDA do; wgpu does not).
+    #[config(default = "Precision::F32")]
+    pub precision: Precision,
     /// The longest any wait may last, seconds: a collective or receive waiting for another rank,
     /// and the engine waiting for a rank's reply. A rank that hangs then fails the step with
     /// [`CommError::Timeout`](crate::collective::CommError::Timeout) naming the ranks that did not arrive, instead of freezing

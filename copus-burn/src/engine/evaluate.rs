@@ -28,7 +28,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let s = self.cfg.seq_len;
         let count = windows.len() / (s + 1);
         let micro = micro.max(1);
-        let ctx = self.stage().context(s);
+        let ctx = self.stage().context(s, self.cfg.precision);
         let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
         let mut sum = 0f64;
         for round in windows.chunks(self.cfg.dims.dp * micro * (s + 1)) {

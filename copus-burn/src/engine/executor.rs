@@ -35,7 +35,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let n_total = self.cfg.global_batch / self.cfg.micro_batch;
         let actions = build_schedule(self.cfg.schedule, dims.pp, a).map_err(|e| TrainError::Batch(e.to_string()))?;
         let my_actions = actions[self.plan.stage].clone();
-        let ctx = self.stage().context(self.cfg.seq_len);
+        let ctx = self.stage().context(self.cfg.seq_len, self.cfg.precision);
         let mut flights: Vec<InFlight> = (0..a).map(|_| InFlight::default()).collect();
         let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
         let mut loss = 0f64;
@@ -59,7 +59,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 Action::RecvGrad { mb } => flights[mb].grad_in = Some(self.receive(next, TAG_GRAD)?),
                 Action::Backward { mb } => {
                     let mut fl = std::mem::take(&mut flights[mb]);
-                    let mut g = self.backward(&mut fl)?;
+                    let mut g = self.backward(&mut fl, &ctx)?;
                     flights[mb].grad_out = fl.grad_out.take();
                     // tp-replicated parameters: sum the partial gradients over tp.
                     if dims.tp > 1 && self.index.any(|p| p.role == Role::TpReplicated) {

@@ -466,7 +466,7 @@ pub(super) fn rank_init<L: ParallelLm>(
     // Under mpirun a GPU rank takes its node's GPU; this process only builds its own rank's.
     #[cfg(feature = "mpi")]
     let device = crate::mpi::on_this_node(device, cfg.ranks_per_device);
-    let device = device.device()?.autodiff();
+    let device = device.device_for(cfg.precision)?.autodiff();
     Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
 }
 

@@ -14,7 +14,7 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::config::RankDevice;
+use super::config::{Checkpointing, RankDevice};
 use super::rank::{RankError, RankState};
 use crate::collective::{Collective, ReduceOp};
 use crate::fused;
@@ -35,6 +35,9 @@ pub(super) struct InFlight {
     /// tp = 1: the stage's input leaf (after the first stage) and its output, the loss on the
     /// last stage, one graph.
     pub(super) whole: Option<(Option<Tensor<3>>, Output)>,
+    /// Under activation checkpointing: each segment of blocks `[start, end)` and the residual
+    /// stream at its start (no graph), from which the backward pass recomputes the segment.
+    pub(super) saved: Vec<(usize, usize, Boundary)>,
 }
 
 /// An activation or its gradient at a pipeline stage boundary: a host buffer (the tensor-
@@ -153,7 +156,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
-        if self.cfg.dims.tp == 1 {
+        if self.cfg.dims.tp == 1 && self.cfg.checkpointing == Checkpointing::None {
             return Ok(self.forward_whole(rows, scale, fl, ctx));
         }
         if self.device_resident() {
@@ -170,25 +173,85 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         } else {
             fl.activation_in.take().expect("activation received before forward").into_host()
         };
+        let untracked = self.untracked();
         for i in 0..stage.num_blocks() {
-            let x = self.leaf(&h, shape);
-            let y = stage.block(i, x.clone(), ctx);
+            if let Some(end) = self.checkpoint_at(i) {
+                fl.saved.push((i, end, Boundary::Host(h.clone())));
+            }
+            let (x, y) = match &untracked {
+                Some(plain) => {
+                    let x = self.constant(h.clone(), shape);
+                    (x.clone(), plain.block(i, x, ctx))
+                }
+                None => {
+                    let x = self.leaf(&h, shape);
+                    (x.clone(), stage.block(i, x, ctx))
+                }
+            };
             let mut yv = host(y.clone());
             self.tp.all_reduce(&mut yv, ReduceOp::Sum)?;
             for (a, b) in h.iter_mut().zip(&yv) {
                 *a += b;
             }
-            fl.blocks.push((x, y));
+            self.keep(fl, x, y);
         }
         if !self.plan.is_last() {
             fl.activation_out = Some(Boundary::Host(h));
             return Ok(0.0);
         }
         let x = self.leaf(&h, shape);
-        let z = stage.logits(x.clone());
+        let z = stage.logits(x.clone(), ctx);
         let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), rows, scale)?;
         fl.head = Some((x, z, Boundary::Host(dz)));
         Ok(loss)
+    }
+
+    /// Under checkpointing, the end of the segment that starts at block `i`, if one does.
+    fn checkpoint_at(&self, i: usize) -> Option<usize> {
+        let per = match self.cfg.checkpointing {
+            Checkpointing::None => return None,
+            Checkpointing::Layers => self.stage().blocks_per_layer().max(1),
+            Checkpointing::Regions => 1,
+        };
+        i.is_multiple_of(per).then(|| (i + per).min(self.stage().num_blocks()))
+    }
+
+    /// Under checkpointing, the stage with its parameters untracked: its forward records no
+    /// graph (one recorded and dropped would stay in the autodiff graph until the next backward
+    /// pass, activations and all), and runs the same kernels as the tracked recomputation, so
+    /// the values agree bit for bit.
+    fn untracked(&self) -> Option<L::Stage> {
+        (self.cfg.checkpointing != Checkpointing::None).then(|| burn::module::Module::no_grad(self.stage().clone()))
+    }
+
+    /// Keeps a region's graph for the backward pass, unless checkpointing recomputes it (then
+    /// the graph goes now, with its activations).
+    fn keep(&self, fl: &mut InFlight, x: Tensor<3>, y: Tensor<3>) {
+        if self.cfg.checkpointing == Checkpointing::None {
+            fl.blocks.push((x, y));
+        }
+    }
+
+    /// The next region in backward order: those the forward kept, last first; under
+    /// checkpointing, the last saved segment recomputed from its checkpoint when those run out.
+    /// The recomputation is the forward's own arithmetic (the same tensor-parallel sums between
+    /// the segment's regions), so it gives the forward's values bit for bit.
+    fn next_region(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<Option<(Tensor<3>, Tensor<3>)>, RankError> {
+        if fl.blocks.is_empty()
+            && let Some((start, end, h0)) = fl.saved.pop()
+        {
+            let stage = self.stage();
+            let mut h = self.residual(h0, self.residual_shape());
+            for i in start..end {
+                let x = h.clone().require_grad();
+                let y = stage.block(i, x.clone(), ctx);
+                if i + 1 < end {
+                    h = h + self.sum_over_tp(y.clone().detach())?;
+                }
+                fl.blocks.push((x, y));
+            }
+        }
+        Ok(fl.blocks.pop())
     }
 
     /// The sum over the tp group of a residual-stream tensor, where it lies.
@@ -225,18 +288,27 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         } else {
             self.residual(fl.activation_in.take().expect("activation received before forward"), shape)
         };
+        let untracked = self.untracked();
         for i in 0..stage.num_blocks() {
-            let x = h.clone().require_grad();
-            let y = stage.block(i, x.clone(), ctx);
+            if let Some(end) = self.checkpoint_at(i) {
+                fl.saved.push((i, end, Boundary::Device(h.clone().reshape([shape.iter().product::<usize>()]))));
+            }
+            let (x, y) = match &untracked {
+                Some(plain) => (h.clone(), plain.block(i, h.clone(), ctx)),
+                None => {
+                    let x = h.clone().require_grad();
+                    (x.clone(), stage.block(i, x, ctx))
+                }
+            };
             h = h + self.sum_over_tp(y.clone().detach())?;
-            fl.blocks.push((x, y));
+            self.keep(fl, x, y);
         }
         if !self.plan.is_last() {
             fl.activation_out = Some(Boundary::Device(h.reshape([shape.iter().product::<usize>()])));
             return Ok(0.0);
         }
         let x = h.require_grad();
-        let z = stage.logits(x.clone());
+        let z = stage.logits(x.clone(), ctx);
         let targets = targets.expect("the last stage has its targets");
         let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
         let n = dz.shape().num_elements();
@@ -277,7 +349,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// [`Self::backward`] of [`Self::forward_regions_on_device`].
-    fn backward_regions_on_device(&self, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
+    fn backward_regions_on_device(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<GradientsParams, RankError> {
         let stage = self.stage();
         let mut acc: Option<GradientsParams> = None;
         let add = |g: GradientsParams, acc: &mut Option<GradientsParams>| {
@@ -294,7 +366,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         } else {
             self.residual(fl.grad_in.take().expect("gradient received before backward"), shape)
         };
-        for (x, y) in fl.blocks.drain(..).rev() {
+        while let Some((x, y)) = self.next_region(fl, ctx)? {
             let grads = (y * g.clone()).sum().backward();
             let dx = x.grad(&grads);
             add(GradientsParams::from_grads(grads, stage), &mut acc);
@@ -333,7 +405,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             return 0.0;
         }
         let targets = targets.expect("the last stage has its targets");
-        let loss = fused::cross_entropy_sum(stage.logits(h), targets).mul_scalar(scale);
+        let loss = fused::cross_entropy_sum(stage.logits(h, ctx), targets).mul_scalar(scale);
         let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
         fl.whole = Some((input, Output::Loss(loss)));
         value
@@ -382,12 +454,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// Backward of one micro-batch through this stage; returns its parameter gradients.
-    pub(super) fn backward(&self, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
+    pub(super) fn backward(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<GradientsParams, RankError> {
         if let Some((input, out)) = fl.whole.take() {
             return Ok(self.backward_whole(input, out, fl));
         }
         if self.device_resident() {
-            return self.backward_regions_on_device(fl);
+            return self.backward_regions_on_device(fl, ctx);
         }
         let stage = self.stage();
         let mut acc: Option<GradientsParams> = None;
@@ -406,7 +478,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         } else {
             fl.grad_in.take().expect("gradient received before backward").into_host()
         };
-        for (x, y) in fl.blocks.drain(..).rev() {
+        while let Some((x, y)) = self.next_region(fl, ctx)? {
             let seed = self.constant(g.clone(), shape);
             let grads = (y * seed).sum().backward();
             let dx = x.grad(&grads).map(host);

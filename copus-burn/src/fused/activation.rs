@@ -19,7 +19,7 @@ pub(super) const CHUNK: usize = 1 << 14;
 /// `silu'(x)`, so the backward pass is one multiply. Elsewhere Burn's `silu`.
 pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     let device = x.device();
-    if !on_host(&device) {
+    if !fusable(&x) {
         return burn::tensor::activation::silu(x);
     }
     let shape = x.dims();
@@ -61,7 +61,7 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
     let device = gate.device();
     let shape = gate.dims();
-    if !on_host(&device) || up.dims() != shape {
+    if !fusable(&gate) || up.dims() != shape || up.dtype() != gate.dtype() {
         return silu(gate) * up;
     }
     let forward = |g: &[f32], u: &[f32]| {

@@ -16,7 +16,7 @@
 #![allow(unsafe_code)]
 
 use super::gemm::{Mat, gemm_raw, product};
-use super::glue::{Ad, ad_parts, contiguous, flex, host_values, on_host, values};
+use super::glue::{Ad, ad_parts, contiguous, flex, fusable, host_values, values};
 use super::rows::{lane_dot, softmax_row};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -54,7 +54,7 @@ pub fn causal_attention(q_bkre: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>,
         && v_bkte.dims() == [b, kv, t, e]
         && t >= start + s
         && [b, kv, e].iter().all(|&n| n > 0);
-    if !on_host(&q_bkre.device()) || !fits {
+    if !fusable(&q_bkre) || !fits {
         return decomposed(q_bkre, k_bkte, v_bkte);
     }
     let tracked = q_bkre.is_tracked() || k_bkte.is_tracked() || v_bkte.is_tracked();

@@ -21,6 +21,12 @@ pub(super) fn on_host(device: &Device) -> bool {
     device.clone().inner() == Device::flex()
 }
 
+/// Whether the fused host kernels take `x`: an f32 tensor on Flex. Other element types (bf16
+/// under mixed precision) take the decomposed forms, which keep their type.
+pub(super) fn fusable<const D: usize>(x: &Tensor<D>) -> bool {
+    x.dtype() == DType::F32 && on_host(&x.device())
+}
+
 /// Flex under autodiff without gradient checkpointing: the backend of the custom operations.
 pub(super) type Ad = Autodiff<Flex, NoCheckpointing>;
 

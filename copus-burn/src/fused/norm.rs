@@ -19,12 +19,13 @@ use super::rows::*;
 pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64) -> Tensor<D> {
     let decomposed = |x: Tensor<D>, weight: Tensor<1>| {
         let rms = (x.clone().square().mean_dim(D - 1) + eps).sqrt();
+        let weight = weight.cast(x.dtype());
         (x / rms) * weight.unsqueeze()
     };
     let device = x.device();
     let shape = x.dims();
     let d = shape[D - 1];
-    if !on_host(&device) || d == 0 || shape.contains(&0) || weight.dims() != [d] {
+    if !fusable(&x) || d == 0 || shape.contains(&0) || weight.dims() != [d] {
         return decomposed(x, weight);
     }
     let eps = eps as f32;

@@ -18,13 +18,13 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let (c, sn): (Tensor<4>, Tensor<4>) = (cos.clone().unsqueeze(), sin.clone().unsqueeze());
+        let (c, sn): (Tensor<4>, Tensor<4>) = (cos.clone().cast(x.dtype()).unsqueeze(), sin.clone().cast(x.dtype()).unsqueeze());
         x * c + rotated * sn
     };
     let device = x.device();
     let shape = x.dims();
     let [_, _, s, e] = shape;
-    if !on_host(&device) || e % 2 != 0 || shape.contains(&0) || cos.dims() != [s, e] || sin.dims() != [s, e] {
+    if !fusable(&x) || e % 2 != 0 || shape.contains(&0) || cos.dims() != [s, e] || sin.dims() != [s, e] {
         return decomposed(x);
     }
     // The tables, cos then sin, `[2, s, e]`.

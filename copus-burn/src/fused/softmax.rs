@@ -39,14 +39,14 @@ pub(super) fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: O
         let x = if scale == 1.0 { x } else { x.mul_scalar(scale) };
         let x = match causal {
             Some((s, start)) => {
-                let mask = causal_mask::<D>(x.dims(), s, start, &x.device());
+                let mask = causal_mask::<D>(x.dims(), s, start, &x.device()).cast(x.dtype());
                 x + mask
             }
             None => x,
         };
         burn::tensor::activation::softmax(x, last)
     };
-    if !on_host(&device) {
+    if !fusable(&x) {
         return decomposed(x);
     }
     let shape = x.dims();

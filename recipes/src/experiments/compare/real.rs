@@ -11,7 +11,7 @@ use copus_burn::driver::Clock as RunClock;
 use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
 use copus_core::candidates::{Candidate, CandidateSpace};
 use copus_core::goodput::{Objective, PlainGoodput};
-use copus_core::memory::{GIB, MemoryModel};
+use copus_core::memory::GIB;
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
 use copus_core::policy::{Scorer, SwitchCosts, Trajectory, hindsight_oracle};
@@ -34,7 +34,7 @@ pub(super) fn real(recipe: &CompareRecipe, r: &Real) -> anyhow::Result<Compared>
         par.global_batches.clone(),
         par.micro_batches.clone(),
         par.schedule,
-        MemoryModel::fp32(),
+        par.memory_model(),
         par.device_memory_gib * GIB,
     )?;
     let enumeration = space.enumerate(&spec);

@@ -1,0 +1,138 @@
+//! The memory model against memory measured: the peak resident set of the real engine (each
+//! configuration in a child `recipes bench memory-child`) beside [`MemoryModel::engine_f32`]'s
+//! prediction, and a run's decision that would have switched into a configuration that does
+//! not fit, kept out of it by the recipe's `device_memory_gib`. Hermetic: synthetic batches.
+
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use copus_core::candidates::{Candidate, Rejection};
+use copus_core::gns::NoiseEstimate;
+use copus_core::goodput::PlainGoodput;
+use copus_core::layout::ParallelDims;
+use copus_core::memory::{Checkpointing, MemoryModel};
+use copus_core::model::ModelSpec;
+use copus_core::policy::{Copus, Policy, Scorer, StepObservation, SwitchRule};
+use copus_core::schedule::ScheduleKind;
+use copus_core::throughput::{ProfileEntry, ThroughputProfile};
+use recipes::bench::memory::{Row, measure_with};
+use recipes::recipe::ParallelRecipe;
+
+const BIN: &str = env!("CARGO_BIN_EXE_recipes");
+const MIB: f64 = 1024.0 * 1024.0;
+
+fn row(dims: ParallelDims, micro_batch: usize, checkpointing: Checkpointing) -> Row {
+    Row { preset: "tiny-5m".into(), seq: 256, dims, micro_batch, schedule: ScheduleKind::OneFOneB, checkpointing, held_out: true }
+}
+
+fn measured(r: &Row) -> f64 {
+    measure_with(Path::new(BIN), r).unwrap_or_else(|e| panic!("{r:?}: {e:#}")) as f64
+}
+
+const SERIAL: ParallelDims = ParallelDims { dp: 1, tp: 1, pp: 1 };
+
+/// The rows both tests read: tiny-5m serial at B_m 2 and 8, B_m 8 checkpointed by region, and
+/// tp2 at B_m 8 checkpointed by layer.
+fn rows() -> [Row; 4] {
+    [
+        row(SERIAL, 2, Checkpointing::None),
+        row(SERIAL, 8, Checkpointing::None),
+        row(SERIAL, 8, Checkpointing::Regions),
+        row(ParallelDims { dp: 1, tp: 2, pp: 1 }, 8, Checkpointing::Layers),
+    ]
+}
+
+/// The measured peak bytes of [`rows`], measured once for both tests (one child at a time).
+fn peaks() -> &'static [f64; 4] {
+    static PEAKS: OnceLock<[f64; 4]> = OnceLock::new();
+    PEAKS.get_or_init(|| rows().map(|r| measured(&r)))
+}
+
+/// The README's goal: within 15% of the measured peak on every row, here on tiny-5m (one and
+/// two ranks, B_m 2 and 8, with and without checkpointing).
+#[test]
+fn predicted_peaks_are_within_15_percent_of_measured() {
+    let model = MemoryModel::engine_f32();
+    let report: Vec<(f64, String)> = rows()
+        .iter()
+        .zip(peaks())
+        .map(|(r, &m)| {
+            let p = r.predicted(&model).unwrap();
+            (
+                p / m,
+                format!(
+                    "{} B_m {} {:?}: measured {:.1} MiB, predicted {:.1} MiB",
+                    r.dims,
+                    r.micro_batch,
+                    r.checkpointing,
+                    m / MIB,
+                    p / MIB
+                ),
+            )
+        })
+        .collect();
+    let text: Vec<&str> = report.iter().map(|(_, t)| t.as_str()).collect();
+    assert!(report.iter().all(|(ratio, _)| (ratio - 1.0).abs() <= 0.15), "{}", text.join("\n"));
+    eprintln!("{}", text.join("\n"));
+}
+
+/// A throughput profile in which B_m 8 runs 1.6 times the samples/s of B_m 2 (as on a CPU,
+/// where the larger micro-batch uses the cores better), so Goodput prefers it at any noise.
+fn profile(candidates: &[Candidate]) -> ThroughputProfile {
+    let entries = candidates
+        .iter()
+        .map(|c| ProfileEntry {
+            dp: c.dims.dp,
+            tp: c.dims.tp,
+            pp: c.dims.pp,
+            global_batch: c.global_batch,
+            micro_batch: c.micro_batch,
+            samples_per_sec: if c.micro_batch == 8 { 16.0 } else { 10.0 },
+        })
+        .collect();
+    ThroughputProfile::new("test".into(), "tiny-5m".into(), entries).unwrap()
+}
+
+/// Where Copus switches to from B_m 2, choosing among `feasible`.
+fn decision(feasible: &[Candidate], start: Candidate) -> Candidate {
+    let scorer = Scorer::new(feasible, &profile(feasible), 16.0, Arc::new(PlainGoodput)).unwrap();
+    let rule = SwitchRule { min_dwell_steps: 1, confirm_steps: 1, explore: 0.0, ..SwitchRule::default() };
+    let mut copus = Copus::new(scorer, rule).unwrap();
+    let noise = NoiseEstimate { grad_sq: 1.0, trace: 64.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 };
+    let obs = StepObservation { step: 10, current: start, noise: Some(noise) };
+    copus.decide(&obs).target(start)
+}
+
+fn space(device_memory_gib: f64) -> ParallelRecipe {
+    let text = format!("(world_size: 1, global_batches: [16], micro_batches: [2, 8], device_memory_gib: {device_memory_gib})");
+    ron::from_str(&text).unwrap()
+}
+
+/// The run starts at B_m 2 and Copus would switch to B_m 8 (faster, the same B_g). With a
+/// device between the two measured peaks the recipe's space refuses B_m 8 as out of memory, so
+/// the decision stays on B_m 2, and the measured peaks show the refused one would not have fit.
+#[test]
+fn copus_does_not_switch_into_a_configuration_that_would_run_out_of_memory() {
+    let spec = ModelSpec { seq_len: 256, ..ModelSpec::tiny_5m() };
+    let small = Candidate::new(SERIAL, 16, 2).unwrap();
+    let large = Candidate::new(SERIAL, 16, 8).unwrap();
+    let (small_peak, large_peak) = (peaks()[0], peaks()[1]);
+    assert!(large_peak > 1.5 * small_peak, "{small_peak} vs {large_peak}");
+    let budget = (small_peak * large_peak).sqrt();
+    let gib = budget / (1024.0 * MIB);
+
+    // Without a memory limit the decision is the switch to B_m 8.
+    let unlimited = space(64.0).space().unwrap().enumerate(&spec).feasible;
+    assert_eq!(unlimited, vec![small, large]);
+    assert_eq!(decision(&unlimited, small), large);
+
+    // Under the device's memory the model refuses it, and Copus stays.
+    let limited = space(gib).space().unwrap().enumerate(&spec);
+    assert_eq!(limited.feasible, vec![small], "{:?}", limited.rejected);
+    let refused = limited.rejected.iter().find(|r| r.micro_batch == 8).unwrap();
+    assert!(matches!(refused.reason, Rejection::OutOfMemory { .. }), "{:?}", refused.reason);
+    assert_eq!(decision(&limited.feasible, small), small);
+    assert!(large_peak > budget && small_peak < budget, "measured {small_peak} and {large_peak} around {budget}");
+}
