@@ -94,9 +94,8 @@ impl TrainingState {
         if let Some(f) = meta.get("format").and_then(serde_json::Value::as_u64).filter(|&f| f > u64::from(FORMAT)) {
             return Err(err(format!("format {f} is not supported (this build reads formats 1 to {FORMAT})")));
         }
-        if let Some(config) = meta.get_mut("config").and_then(|c| c.as_object_mut()) {
-            config.entry("devices").or_insert_with(|| serde_json::json!([]));
-            config.entry("timeout_secs").or_insert_with(|| serde_json::json!(1800.0));
+        if let Some(config) = meta.get_mut("config") {
+            fill_config_defaults(config);
         }
         let meta: CheckpointMeta = serde_json::from_value(meta).map_err(|e| damaged(format!("metadata: {e}")))?;
         match meta.format {
@@ -223,7 +222,7 @@ pub(crate) fn remove_dead_temporaries(dir: &Path, name: Option<&str>) {
 
 /// Writes `bytes` to `path` through a temporary file of a name no other save uses, synced
 /// before the rename; then syncs the folder so the new name is durable too.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -294,5 +293,42 @@ impl<L: ParallelLm> Engine<L> {
         let (state, saved, extra) = TrainingState::load(path)?;
         let engine = Self::from_state(model, &state, cfg.unwrap_or(saved))?;
         Ok((engine, extra))
+    }
+}
+
+/// Fills in the engine settings an older checkpoint's configuration lacks with their defaults
+/// (Burn's `Config` derive reads none of them as optional): `devices` (Flex everywhere),
+/// `timeout_secs`, and since the MPI reduction mode, checkpointing and precision,
+/// `exact_reductions`, `checkpointing` and `precision`.
+fn fill_config_defaults(config: &mut serde_json::Value) {
+    if let Some(config) = config.as_object_mut() {
+        config.entry("devices").or_insert_with(|| serde_json::json!([]));
+        config.entry("timeout_secs").or_insert_with(|| serde_json::json!(1800.0));
+        config.entry("exact_reductions").or_insert_with(|| serde_json::json!(false));
+        config.entry("checkpointing").or_insert_with(|| serde_json::json!("None"));
+        config.entry("precision").or_insert_with(|| serde_json::json!("F32"));
+    }
+}
+
+#[cfg(test)]
+mod config_defaults {
+    use super::*;
+    use crate::optim::OptimConfig;
+    use copus_core::layout::ParallelDims;
+
+    /// A configuration saved before the newer settings existed loads with their defaults.
+    #[test]
+    fn an_older_configuration_loads_with_the_defaults() {
+        let cfg = EngineConfig::new(ParallelDims::serial(), 4, 2, 16, OptimConfig::default());
+        let mut json = serde_json::to_value(&cfg).unwrap();
+        for key in ["devices", "timeout_secs", "exact_reductions", "checkpointing", "precision"] {
+            json.as_object_mut().unwrap().remove(key).unwrap();
+        }
+        assert!(serde_json::from_value::<EngineConfig>(json.clone()).is_err(), "Config's derive reads no default");
+        fill_config_defaults(&mut json);
+        assert_eq!(
+            serde_json::to_value(serde_json::from_value::<EngineConfig>(json).unwrap()).unwrap(),
+            serde_json::to_value(&cfg).unwrap()
+        );
     }
 }

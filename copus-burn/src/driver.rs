@@ -30,7 +30,7 @@ use copus_core::policy::{Decision, StepObservation};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::engine::{Engine, EngineError, EngineStep, Fault};
+use crate::engine::{Engine, EngineConfig, EngineError, EngineStep, Fault};
 use crate::parallel::ParallelLm;
 use crate::state::TrainingState;
 
@@ -357,6 +357,19 @@ impl<L: ParallelLm> Driver<L> {
         clock: Clock,
         source: &mut dyn DecisionSource,
     ) -> Result<(Self, BTreeMap<String, String>), DriverError> {
+        Self::resume_with(model, path, space, clock, source, &|cfg| cfg)
+    }
+
+    /// [`Driver::resume`] with the saved engine configuration passed through `adjust` first
+    /// (for what a resume may change, such as the precision: the saved state is f32 either way).
+    pub fn resume_with(
+        model: std::sync::Arc<L>,
+        path: &std::path::Path,
+        space: Enumeration,
+        clock: Clock,
+        source: &mut dyn DecisionSource,
+        adjust: &dyn Fn(EngineConfig) -> EngineConfig,
+    ) -> Result<(Self, BTreeMap<String, String>), DriverError> {
         let fail = |reason: String| DriverError::Resume { path: path.display().to_string(), reason };
         let (state, cfg, mut extra) = TrainingState::load(path)?;
         let position: Position = extra
@@ -370,7 +383,7 @@ impl<L: ParallelLm> Driver<L> {
             }
             None => {}
         }
-        let engine = Engine::from_state(model, &state, cfg)?;
+        let engine = Engine::from_state(model, &state, adjust(cfg))?;
         let mut driver = Self::new(engine, space, clock)?;
         driver.next_sample = position.next_sample;
         driver.clock_secs = position.clock_secs;

@@ -15,7 +15,7 @@ use copus_core::candidates::Enumeration;
 
 use crate::checkpoint::{remove_dead_temporaries, sync_parent, write_atomically};
 use crate::driver::{Clock, DecisionSource, Driver, DriverError};
-use crate::engine::EngineError;
+use crate::engine::{EngineConfig, EngineError};
 use crate::parallel::ParallelLm;
 
 /// Checkpoints kept by default: the newest and the one before, so a save cut short or a damaged
@@ -194,8 +194,21 @@ impl RunDir {
         &self,
         model: Arc<L>,
         space: &Enumeration,
+        clock: impl FnMut() -> Clock,
+        source: &mut dyn DecisionSource,
+    ) -> Result<(Driver<L>, PathBuf), RunDirError> {
+        self.resume_with(model, space, clock, source, &|cfg| cfg)
+    }
+
+    /// [`RunDir::resume`], each saved engine configuration passed through `adjust` first
+    /// ([`Driver::resume_with`]).
+    pub fn resume_with<L: ParallelLm>(
+        &self,
+        model: Arc<L>,
+        space: &Enumeration,
         mut clock: impl FnMut() -> Clock,
         source: &mut dyn DecisionSource,
+        adjust: &dyn Fn(EngineConfig) -> EngineConfig,
     ) -> Result<(Driver<L>, PathBuf), RunDirError> {
         let mut checkpoints = self.checkpoints();
         let regular = checkpoints.len();
@@ -210,7 +223,7 @@ impl RunDir {
         let mut unusable_emergency = None;
         for i in order {
             let (step, path) = &checkpoints[i];
-            match Driver::resume(model.clone(), path, space.clone(), clock(), source) {
+            match Driver::resume_with(model.clone(), path, space.clone(), clock(), source, adjust) {
                 Ok((driver, _)) if i >= regular => {
                     // The emergency state becomes the run's newest checkpoint.
                     let dir = self.checkpoints_dir();

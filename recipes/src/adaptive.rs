@@ -224,15 +224,15 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     let saved_path = run_dir.join("recipe.ron");
     let mut saved = Recipe::load(&saved_path).with_context(|| format!("{} is not a run folder of a recipe", run_dir.display()))?;
     let mut differs = recipe_differences(&saved, recipe);
+    // A precision change, where asked for: the checkpoint holds f32 master weights and moments
+    // under either precision. The folder's recipe is rewritten once the run has resumed.
+    let mut precision_changed = false;
     if opts.allow_precision_change && differs.contains(&"parallel.precision") {
-        // The checkpoint holds f32 master weights and moments under either precision.
         differs.retain(|d| *d != "parallel.precision");
         if let (Some(to), Some(from)) = (recipe.parallel.as_ref(), saved.parallel.as_mut()) {
             tracing::warn!("resuming in precision {:?} (the run trained in {:?} so far)", to.precision, from.precision);
             from.precision = to.precision;
-        }
-        if differs.is_empty() {
-            std::fs::write(&saved_path, ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?)?;
+            precision_changed = true;
         }
     }
     if !differs.is_empty() {
@@ -251,7 +251,12 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
     let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
-    let (mut driver, path) = dir.resume(model, &space, || Clock::Wall, s.source())?;
+    let precision = saved.parallel.as_ref().map(|p| p.precision).unwrap_or_default();
+    let (mut driver, path) = dir.resume_with(model, &space, || Clock::Wall, s.source(), &|cfg| cfg.with_precision(precision))?;
+    if precision_changed {
+        let text = ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?;
+        copus_burn::checkpoint::write_atomically(&saved_path, text.as_bytes())?;
+    }
     driver.engine_mut().set_emergency_dir(run_dir);
     let step = driver.engine().steps_done();
     tracing::info!("resuming {} at step {step} from {} in {}", recipe.name, path.display(), driver.current());
@@ -783,6 +788,10 @@ mod tests {
         let (_, s) = resume(&in_bf16, &dir, &opts).unwrap();
         assert_eq!(s.steps, 11);
         assert_eq!(Recipe::load(&dir.join("recipe.ron")).unwrap().parallel.unwrap().precision, Precision::Bf16Mixed);
+        // The engine trained in it: the checkpoint of step 11 holds its configuration.
+        let (_, newest) = RunDir::new(&dir).checkpoints().pop().unwrap();
+        let (_, cfg, _) = copus_burn::state::TrainingState::load(&newest).unwrap();
+        assert_eq!(cfg.precision, Precision::Bf16Mixed);
         assert!(losses(&dir).iter().all(|(_, l)| l.is_finite()));
     }
 

@@ -14,7 +14,7 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
 use copus_core::candidates::Candidate;
-use copus_core::memory::Checkpointing;
+use copus_core::memory::{Checkpointing, Precision};
 use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
@@ -42,12 +42,14 @@ pub struct EngineSetup {
     pub schedule: ScheduleKind,
     /// Activation checkpointing.
     pub checkpointing: Checkpointing,
+    /// The arithmetic.
+    pub precision: Precision,
 }
 
 impl EngineSetup {
     /// Flex ranks, 1F1B, no checkpointing (the engine's defaults).
     pub fn flex() -> Self {
-        Self { devices: Vec::new(), schedule: ScheduleKind::OneFOneB, checkpointing: Checkpointing::None }
+        Self { devices: Vec::new(), schedule: ScheduleKind::OneFOneB, checkpointing: Checkpointing::None, precision: Precision::F32 }
     }
 }
 
@@ -64,7 +66,8 @@ pub fn time_candidate(
     let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim)
         .with_devices(setup.devices.clone())
         .with_schedule(setup.schedule)
-        .with_checkpointing(setup.checkpointing);
+        .with_checkpointing(setup.checkpointing)
+        .with_precision(setup.precision);
     let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
     let vocab = cfg.shape.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
@@ -130,6 +133,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
         devices: recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device),
         schedule: par.schedule,
         checkpointing: par.checkpointing,
+        precision: par.precision,
     };
     let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &setup)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
