@@ -311,7 +311,7 @@ fn fill_config_defaults(config: &mut serde_json::Value) {
 }
 
 #[cfg(test)]
-mod config_defaults {
+mod tests {
     use super::*;
     use crate::optim::OptimConfig;
     use copus_core::layout::ParallelDims;

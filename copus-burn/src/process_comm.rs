@@ -9,7 +9,7 @@
 use burn::tensor::{Device, Tensor};
 
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp};
-use crate::engine::RankDevice;
+use crate::engine::config::RankDevice;
 use crate::mpi::MpiComm;
 
 /// One rank's communicator across processes.

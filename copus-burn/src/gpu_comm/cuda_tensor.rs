@@ -7,34 +7,19 @@ use burn::cubecl::cuda::CudaRuntime;
 use burn::tensor::{DType, Tensor};
 use cubecl_runtime::runtime::Runtime;
 
-use super::NcclComm;
-use super::nccl::Nccl;
-use crate::collective::{CommError, ReduceOp};
+use crate::collective::CommError;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
-/// All-reduces a float tensor on a CUDA device in place across `comm`'s group: NCCL reads
-/// and writes the tensor's device memory directly. Returns the reduced tensor (the input
-/// is flattened, and copied when it was not contiguous or shared its buffer). The engine's
-/// ranks reach it through [`crate::collective::Collective::all_reduce_tensor`].
-pub fn all_reduce<const D: usize>(comm: &NcclComm, t: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>, CommError> {
-    let dims = t.dims();
-    let n: usize = dims.iter().product();
-    let was_autodiff = t.is_autodiff();
-    // Rank 1 is never padded; the reshape is a view when the tensor is contiguous.
-    let flat: Tensor<1> = t.inner().reshape([n]);
-    match in_place(&comm.lib, comm.device, flat, op)? {
-        Ok(out) => {
-            let out = out.reshape(dims);
-            Ok(if was_autodiff { out.autodiff() } else { out })
-        }
-        Err(_) => Err(CommError::Invalid("the tensor is not on a CUDA device of Burn's CubeCL backend".into())),
-    }
-}
-
-/// [`all_reduce`] of a flat tensor on `nccl`'s `device`; `Ok(Err(t))` gives back a tensor of
-/// another backend untouched.
-pub(super) fn in_place(nccl: &Nccl, device: usize, flat: Tensor<1>, op: ReduceOp) -> Result<Result<Tensor<1>, Tensor<1>>, CommError> {
+/// Runs `reduce` (a collective in place on the device address and element count it is given)
+/// on a flat f32 tensor on CUDA `device`, and returns the tensor; `Ok(Err(t))` gives back a
+/// tensor of another backend untouched. The NCCL communicator's all-reduce
+/// ([`super::cuda_all_reduce`], and the engine's tensor all-reduce) comes through here.
+pub(super) fn in_place(
+    device: usize,
+    flat: Tensor<1>,
+    reduce: impl FnOnce(u64, usize) -> Result<(), String>,
+) -> Result<Result<Tensor<1>, Tensor<1>>, CommError> {
     let n = flat.dims()[0];
     let burn_device = flat.device();
     // A handle kept to give the tensor back; dropped before the buffer is asked to be unique.
@@ -65,7 +50,7 @@ pub(super) fn in_place(nccl: &Nccl, device: usize, flat: Tensor<1>, op: ReduceOp
     let ptr = resource.resource().ptr;
     // After resolving the buffer: wait for Burn's kernels that write it.
     burn_device.sync().map_err(|e| CommError::Invalid(format!("waiting for Burn's CUDA work: {e:?}")))?;
-    nccl.all_reduce_device(ptr, n, op).map_err(|e| CommError::Invalid(format!("NCCL: {e}")))?;
+    reduce(ptr, n).map_err(|e| CommError::Invalid(format!("NCCL: {e}")))?;
     drop(resource);
     Ok(Ok(Tensor::<1>::from_primitive::<Cuda>(cube)))
 }

@@ -200,6 +200,30 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
 
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 pub mod cuda_tensor;
+
+/// All-reduces a float tensor on a CUDA device in place across `comm`'s group: NCCL reads
+/// and writes the tensor's device memory directly. Returns the reduced tensor (the input
+/// is flattened, and copied when it was not contiguous or shared its buffer). The engine's
+/// ranks reach it through [`crate::collective::Collective::all_reduce_tensor`].
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+pub fn cuda_all_reduce<const D: usize>(
+    comm: &NcclComm,
+    t: burn::tensor::Tensor<D>,
+    op: ReduceOp,
+) -> Result<burn::tensor::Tensor<D>, CommError> {
+    let dims = t.dims();
+    let n: usize = dims.iter().product();
+    let was_autodiff = t.is_autodiff();
+    // Rank 1 is never padded; the reshape is a view when the tensor is contiguous.
+    let flat: burn::tensor::Tensor<1> = t.inner().reshape([n]);
+    match cuda_tensor::in_place(comm.device, flat, |ptr, len| comm.lib.all_reduce_device(ptr, len, op))? {
+        Ok(out) => {
+            let out = out.reshape(dims);
+            Ok(if was_autodiff { out.autodiff() } else { out })
+        }
+        Err(_) => Err(CommError::Invalid("the tensor is not on a CUDA device of Burn's CubeCL backend".into())),
+    }
+}
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "rccl")]

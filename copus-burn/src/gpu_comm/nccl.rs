@@ -125,7 +125,7 @@ impl GpuLibrary for Nccl {
         o: ReduceOp,
         device: usize,
     ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
-        super::cuda_tensor::in_place(self, device, t, o).map_err(|e| LibraryError(e.to_string()))
+        super::cuda_tensor::in_place(device, t, |ptr, n| self.all_reduce_device(ptr, n, o)).map_err(|e| LibraryError(e.to_string()))
     }
 }
 
