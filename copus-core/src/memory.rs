@@ -176,15 +176,8 @@ impl MemoryModel {
             optimizer_bytes: 12.0,
             activation_bytes: 2.0,
             fused_attention: true,
-            zero1: false,
             overhead_bytes: 2.0 * GIB,
-            checkpointing: Checkpointing::None,
-            attention_score_copies: 2.0,
-            tp_gathered_hidden: 0.0,
-            step_transient_bytes: 0.0,
-            checkpoint_share: 1.0,
-            recomputed_layers: None,
-            logit_copies: 2.0,
+            ..Self::fp32()
         }
     }
 
