@@ -307,6 +307,7 @@ fn fill_config_defaults(config: &mut serde_json::Value) {
         config.entry("exact_reductions").or_insert_with(|| serde_json::json!(false));
         config.entry("checkpointing").or_insert_with(|| serde_json::json!("None"));
         config.entry("precision").or_insert_with(|| serde_json::json!("F32"));
+        config.entry("zero1").or_insert_with(|| serde_json::json!(false));
     }
 }
 
@@ -321,7 +322,7 @@ mod tests {
     fn an_older_configuration_loads_with_the_defaults() {
         let cfg = EngineConfig::new(ParallelDims::serial(), 4, 2, 16, OptimConfig::default());
         let mut json = serde_json::to_value(&cfg).unwrap();
-        for key in ["devices", "timeout_secs", "exact_reductions", "checkpointing", "precision"] {
+        for key in ["devices", "timeout_secs", "exact_reductions", "checkpointing", "precision", "zero1"] {
             json.as_object_mut().unwrap().remove(key).unwrap();
         }
         assert!(serde_json::from_value::<EngineConfig>(json.clone()).is_err(), "Config's derive reads no default");

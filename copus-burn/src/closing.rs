@@ -62,6 +62,15 @@ pub struct Closed {
     pub estimate: Option<NoiseEstimate>,
 }
 
+/// What a gradient of global norm `grad_norm` is scaled by: `clip_norm / grad_norm` where it is
+/// larger than the configured clip norm, else 1.
+pub fn clip_factor(cfg: &OptimConfig, grad_norm: f64) -> f64 {
+    match cfg.clip_norm {
+        Some(c) if grad_norm > c => c / grad_norm,
+        _ => 1.0,
+    }
+}
+
 /// The probe memory, the noise-scale estimator, clipping and the learning rate of one loop.
 pub struct StepCloser {
     memory: ProbeMemory,
@@ -127,10 +136,8 @@ impl StepCloser {
         mean: GradientsParams,
     ) -> Closed {
         let grad_norm = grad_sq_norm.sqrt();
-        let grads = match cfg.clip_norm {
-            Some(c) if grad_norm > c => grads::scaled(module, &mean, c / grad_norm),
-            _ => mean,
-        };
+        let factor = clip_factor(cfg, grad_norm);
+        let grads = if factor == 1.0 { mean } else { grads::scaled(module, &mean, factor) };
         let estimate = self.gns.estimate();
         let lr = cfg.lr_at(step, samples, global_batch, estimate.and_then(|e| e.b_simple()));
         Closed { grads, grad_norm, lr, estimate }

@@ -129,6 +129,11 @@ pub trait Collective: Send + Sized {
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError>;
     /// Combines `buf` (length divisible by the group size) and returns this rank's chunk.
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError>;
+    /// [`Self::reduce_scatter`] of a buffer the caller gives up: an in-process group hands it
+    /// to the others as it is, where the borrowing form deposits a copy.
+    fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
+        self.reduce_scatter(&buf, op)
+    }
     /// Replaces `buf` on every rank with `root`'s.
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError>;
     /// Queues `buf` for rank `to` under `tag`; never waits for the receive.
@@ -674,11 +679,15 @@ impl Collective for ThreadComm {
     }
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
-        let n = self.size();
-        check_scatter(buf.len(), n)?;
-        let all = self.exchange_vec("reduce_scatter", buf.to_vec())?;
-        Self::check_lengths("reduce_scatter", &all, buf.len())?;
-        Ok(Self::reduce_range(&all, chunk_range(buf.len(), n, self.rank), op))
+        self.reduce_scatter_owned(buf.to_vec(), op)
+    }
+
+    fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
+        let (n, len) = (self.size(), buf.len());
+        check_scatter(len, n)?;
+        let all = self.exchange_vec("reduce_scatter", buf)?;
+        Self::check_lengths("reduce_scatter", &all, len)?;
+        Ok(Self::reduce_range(&all, chunk_range(len, n, self.rank), op))
     }
 
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {

@@ -52,10 +52,14 @@ pub(crate) struct RankResume {
     pub(crate) gns: Option<GnsEstimator>,
 }
 
-/// What a rank of dp replica 0 hands back for staging (other replicas hold copies).
+/// What a rank of dp replica 0 hands back for staging (other replicas hold copies); with a
+/// sharded optimizer (ZeRO-1) every replica hands back its pieces of the optimizer state.
 pub(crate) struct RankExport {
     pub(crate) params: Vec<(String, Vec<f32>)>,
     pub(crate) optim: Vec<(String, String, Vec<f32>)>,
+    /// With ZeRO-1: where each entry of `optim` starts in the rank's shard of its parameter
+    /// (flat); the pieces of all dp replicas make the shard. `None`: whole shards.
+    pub(crate) optim_offsets: Option<Vec<usize>>,
     pub(crate) scalars: OptimScalars,
     pub(crate) previous: Option<Vec<(String, Vec<f32>)>>,
     pub(crate) step: u64,
@@ -67,6 +71,8 @@ pub(crate) struct RankExport {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct ExportMeta {
     scalars: OptimScalars,
+    #[serde(default)]
+    optim_offsets: Option<Vec<usize>>,
     has_previous: bool,
     step: u64,
     tokens_seen: u64,
@@ -81,6 +87,7 @@ impl RankExport {
     pub(crate) fn to_bytes(&self) -> Result<Vec<u8>, String> {
         let meta = ExportMeta {
             scalars: self.scalars.clone(),
+            optim_offsets: self.optim_offsets.clone(),
             has_previous: self.previous.is_some(),
             step: self.step,
             tokens_seen: self.tokens_seen,
@@ -104,6 +111,7 @@ impl RankExport {
         let mut out = RankExport {
             params: Vec::new(),
             optim: Vec::new(),
+            optim_offsets: meta.optim_offsets,
             scalars: meta.scalars,
             previous: meta.has_previous.then(Vec::new),
             step: meta.step,
@@ -124,6 +132,48 @@ impl RankExport {
         }
         Ok(out)
     }
+}
+
+/// (rank, parameter, field) of an optimizer state shard.
+type ShardKey = (usize, String, String);
+
+/// The pieces of a sharded optimizer's state in `exports` (of the layout of `grid`), stitched
+/// into whole shards: (rank of dp replica 0 with the same tp and pp coordinates, parameter,
+/// field) -> values. Each shard's length is its parameter's, exported by that rank; every
+/// element must come from exactly one piece.
+fn stitch_pieces(exports: &[RankExport], grid: &RankGrid) -> Result<HashMap<ShardKey, Vec<f32>>, StateError> {
+    let mut out: HashMap<ShardKey, (Vec<f32>, usize)> = HashMap::new();
+    for (r, e) in exports.iter().enumerate() {
+        let Some(offsets) = &e.optim_offsets else { continue };
+        let bad = |m: String| StateError::Incomplete(format!("sharded optimizer state of rank {r}: {m}"));
+        if offsets.len() != e.optim.len() {
+            return Err(bad(format!("{} offsets for {} pieces", offsets.len(), e.optim.len())));
+        }
+        let c = grid.coord(r).map_err(|e| bad(e.to_string()))?;
+        let r0 = grid.rank(Coord { dp: 0, ..c });
+        for ((n, f, v), &at) in e.optim.iter().zip(offsets) {
+            let len = exports
+                .get(r0)
+                .and_then(|x| x.params.iter().find(|(p, _)| p == n))
+                .map(|(_, p)| p.len())
+                .ok_or_else(|| bad(format!("`{n}` is not a parameter of rank {r0}")))?;
+            let (shard, filled) = out.entry((r0, n.clone(), f.clone())).or_insert_with(|| (vec![0f32; len], 0));
+            let dst = shard
+                .get_mut(at..at + v.len())
+                .ok_or_else(|| bad(format!("a piece of `{n}` at {at}+{} past its {len} elements", v.len())))?;
+            dst.copy_from_slice(v);
+            *filled += v.len();
+        }
+    }
+    out.into_iter()
+        .map(|(key, (shard, filled))| {
+            if filled == shard.len() {
+                Ok((key, shard))
+            } else {
+                Err(StateError::Incomplete(format!("the pieces of `{}#{}` cover {filled} of its {} elements", key.1, key.2, shard.len())))
+            }
+        })
+        .collect()
 }
 
 /// What a rank starts from: its shards, its resume state and the checksums it must report.
@@ -341,13 +391,20 @@ impl TrainingState {
         type Index<'a> = HashMap<&'a str, &'a Vec<f32>>;
         let params: Vec<Index> = exports.iter().map(|e| e.params.iter().map(|(n, v)| (n.as_str(), v)).collect()).collect();
         let prev: Vec<Index> = exports.iter().map(|e| e.previous.iter().flatten().map(|(n, v)| (n.as_str(), v)).collect()).collect();
+        // A sharded optimizer's pieces, stitched into the shards of dp replica 0's ranks.
+        let stitched = stitch_pieces(&exports, &grid)?;
         // Per rank: parameter -> (field, values) of its optimizer state.
         type Fields<'a> = HashMap<&'a str, Vec<(&'a str, &'a Vec<f32>)>>;
         let mut optim: Vec<Fields> = vec![HashMap::new(); exports.len()];
         for (r, e) in exports.iter().enumerate() {
-            for (n, f, v) in &e.optim {
-                optim[r].entry(n.as_str()).or_default().push((f.as_str(), v));
+            if e.optim_offsets.is_none() {
+                for (n, f, v) in &e.optim {
+                    optim[r].entry(n.as_str()).or_default().push((f.as_str(), v));
+                }
             }
+        }
+        for ((r, n, f), v) in &stitched {
+            optim[*r].entry(n.as_str()).or_default().push((f.as_str(), v));
         }
         for spec in specs {
             let stage = match spec.placement {
@@ -383,9 +440,15 @@ impl TrainingState {
                     state.optim.entry(spec.name.clone()).or_default().insert(field.to_string(), unshard(spec, &shards, dims.tp)?);
                 }
             }
-            for (n, f, v) in &exports[holders[0]].scalars {
-                if n == &spec.name {
-                    state.scalars.entry(n.clone()).or_default().insert(f.clone(), *v);
+            // (A sharded optimizer's scalars are on the replicas holding a piece.)
+            let replicas = (0..dims.dp).map(|d| grid.rank(Coord { dp: d, tp: 0, pp: stage }));
+            for r in replicas {
+                let mine: Vec<_> = exports[r].scalars.iter().filter(|(n, _, _)| n == &spec.name).collect();
+                if !mine.is_empty() {
+                    for (n, f, v) in mine {
+                        state.scalars.entry(n.clone()).or_default().insert(f.clone(), *v);
+                    }
+                    break;
                 }
             }
         }

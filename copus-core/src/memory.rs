@@ -81,6 +81,11 @@ pub struct MemoryModel {
     pub fused_attention: bool,
     /// Optimizer state sharded over dp (ZeRO stage 1).
     pub zero1: bool,
+    /// Under ZeRO-1, whether the update's temporaries ([`MemoryModel::step_transient_bytes`])
+    /// shrink with the moments (`true`: divided over dp), or stay whole (`false`: the engine's
+    /// update holds a whole flat gradient, then the gathered weights).
+    #[serde(default = "yes")]
+    pub zero1_shards_transient: bool,
     /// Fixed bytes per rank (runtime, workspace, fragmentation).
     pub overhead_bytes: f64,
     /// Activation checkpointing.
@@ -121,6 +126,10 @@ fn one() -> f64 {
     1.0
 }
 
+fn yes() -> bool {
+    true
+}
+
 impl MemoryModel {
     /// Plain fp32 training with AdamW, unfused attention (what the CPU engine runs).
     pub fn fp32() -> Self {
@@ -131,6 +140,7 @@ impl MemoryModel {
             activation_bytes: 4.0,
             fused_attention: false,
             zero1: false,
+            zero1_shards_transient: true,
             overhead_bytes: 0.0,
             checkpointing: Checkpointing::None,
             attention_score_copies: 2.0,
@@ -163,7 +173,25 @@ impl MemoryModel {
             checkpoint_share: 0.35,
             recomputed_layers: Some(0.75),
             logit_copies: 3.0,
+            zero1_shards_transient: false,
             ..Self::fp32()
+        }
+    }
+
+    /// [`MemoryModel::engine_f32`] for bf16 mixed precision on the engine: a product keeps the
+    /// bf16 copies of its inputs beside the f32 ones, so an activation element takes 5 bytes
+    /// instead of 4, and each weight's bf16 copy is kept for the backward pass, 6 bytes per
+    /// parameter instead of 4 (README: "Memory and precision").
+    pub fn engine_bf16_mixed() -> Self {
+        Self { activation_bytes: 5.0, weight_bytes: 6.0, ..Self::engine_f32() }
+    }
+
+    /// The engine's model in `precision`: [`MemoryModel::engine_f32`] or
+    /// [`MemoryModel::engine_bf16_mixed`].
+    pub fn engine(precision: Precision) -> Self {
+        match precision {
+            Precision::F32 => Self::engine_f32(),
+            Precision::Bf16Mixed => Self::engine_bf16_mixed(),
         }
     }
 
@@ -266,7 +294,7 @@ impl MemoryModel {
             grads: params * self.grad_bytes,
             optimizer: params * self.optimizer_bytes / optimizer_share,
             activations,
-            step_transient: params * self.step_transient_bytes / optimizer_share,
+            step_transient: params * self.step_transient_bytes / if self.zero1_shards_transient { optimizer_share } else { 1.0 },
             overhead: self.overhead_bytes,
         }
     }
@@ -419,9 +447,13 @@ mod tests {
         let ck = MemoryModel { checkpointing: Checkpointing::Layers, ..mm }.estimate(&m, d, 8, 1, ScheduleKind::OneFOneB);
         let tokens = 8.0 * s;
         assert_eq!(ck.activations, tokens * m.num_layers as f64 * 0.35 * h * 4.0 + tokens * layer * 0.75 + logits(8.0));
-        // ZeRO-1 shards the update's temporaries with the moments.
-        let z = MemoryModel { zero1: true, ..mm }.estimate(&m, ParallelDims { dp: 2, tp: 1, pp: 1 }, 1, 1, ScheduleKind::OneFOneB);
-        assert_eq!(z.step_transient, 2.5 * p);
+        // ZeRO-1 shards the moments; on the engine the update's temporaries stay whole, where a
+        // model that says so shards them too.
+        let dp2 = ParallelDims { dp: 2, tp: 1, pp: 1 };
+        let z = MemoryModel { zero1: true, ..mm }.estimate(&m, dp2, 1, 1, ScheduleKind::OneFOneB);
+        assert_eq!((z.optimizer, z.step_transient), (4.0 * p, 5.0 * p));
+        let z = MemoryModel { zero1: true, zero1_shards_transient: true, ..mm }.estimate(&m, dp2, 1, 1, ScheduleKind::OneFOneB);
+        assert_eq!((z.optimizer, z.step_transient), (4.0 * p, 2.5 * p));
     }
 
     #[test]

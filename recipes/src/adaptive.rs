@@ -197,7 +197,8 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
         .with_ranks_per_device(recipe.ranks_per_device)
         .with_exact_reductions(par.exact_reductions)
         .with_checkpointing(par.checkpointing)
-        .with_precision(par.precision);
+        .with_precision(par.precision)
+        .with_zero1(par.zero1);
     let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
     let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
     tracing::info!("starting at {start}");

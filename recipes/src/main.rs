@@ -264,6 +264,16 @@ enum BenchMode {
         /// Only these model presets (repeatable); tiny-5m, tiny-20m and small-100m by default.
         #[arg(long = "preset", value_parser = ["tiny-5m", "tiny-20m", "small-100m"])]
         presets: Vec<String>,
+        /// Only the ZeRO-1 rows and their unsharded twins.
+        #[arg(long, conflicts_with = "bf16")]
+        zero1: bool,
+        /// Only the `Bf16Mixed` rows.
+        #[arg(long)]
+        bf16: bool,
+        /// Also write the model's terms beside each measurement to this CSV file (what a refit
+        /// of the coefficients reads; `scripts/fit-memory.py`).
+        #[arg(long)]
+        csv: Option<PathBuf>,
     },
     /// The measuring side of `memory`: one configuration, its peak bytes.
     #[command(hide = true)]
@@ -282,6 +292,8 @@ enum BenchMode {
         checkpointing: String,
         #[arg(long, value_parser = ["F32", "Bf16Mixed"], default_value = "F32")]
         precision: String,
+        #[arg(long)]
+        zero1: bool,
     },
 }
 
@@ -358,8 +370,15 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     bench::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }
                 BenchMode::Probe { steps } => bench::probe::run(steps.max(1)),
-                BenchMode::Memory { presets } => bench::memory::run(&presets)?,
-                BenchMode::MemoryChild { preset, seq, layout, micro_batch, schedule, checkpointing, precision } => {
+                BenchMode::Memory { presets, zero1, bf16, csv } => {
+                    let group = match (zero1, bf16) {
+                        (true, _) => bench::memory::Group::Zero1,
+                        (_, true) => bench::memory::Group::Bf16,
+                        _ => bench::memory::Group::All,
+                    };
+                    bench::memory::run(&presets, group, csv.as_deref())?
+                }
+                BenchMode::MemoryChild { preset, seq, layout, micro_batch, schedule, checkpointing, precision, zero1 } => {
                     let row = bench::memory::Row {
                         preset,
                         seq,
@@ -367,9 +386,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                         micro_batch,
                         schedule: ron::from_str(&schedule)?,
                         checkpointing: ron::from_str(&checkpointing)?,
+                        zero1,
+                        precision: ron::from_str(&precision)?,
                         held_out: false,
                     };
-                    bench::memory::child(&row, ron::from_str(&precision)?)?
+                    bench::memory::child(&row)?
                 }
             }
             Ok(())

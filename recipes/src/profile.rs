@@ -44,12 +44,20 @@ pub struct EngineSetup {
     pub checkpointing: Checkpointing,
     /// The arithmetic.
     pub precision: Precision,
+    /// ZeRO-1 (the optimizer state sharded over dp).
+    pub zero1: bool,
 }
 
 impl EngineSetup {
     /// Flex ranks, 1F1B, no checkpointing (the engine's defaults).
     pub fn flex() -> Self {
-        Self { devices: Vec::new(), schedule: ScheduleKind::OneFOneB, checkpointing: Checkpointing::None, precision: Precision::F32 }
+        Self {
+            devices: Vec::new(),
+            schedule: ScheduleKind::OneFOneB,
+            checkpointing: Checkpointing::None,
+            precision: Precision::F32,
+            zero1: false,
+        }
     }
 }
 
@@ -67,7 +75,8 @@ pub fn time_candidate(
         .with_devices(setup.devices.clone())
         .with_schedule(setup.schedule)
         .with_checkpointing(setup.checkpointing)
-        .with_precision(setup.precision);
+        .with_precision(setup.precision)
+        .with_zero1(setup.zero1);
     let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
     let vocab = cfg.shape.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
@@ -134,6 +143,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
         schedule: par.schedule,
         checkpointing: par.checkpointing,
         precision: par.precision,
+        zero1: par.zero1,
     };
     let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &setup)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

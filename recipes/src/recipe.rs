@@ -187,6 +187,12 @@ pub struct ParallelRecipe {
     /// Flex and CUDA have it, wgpu does not (refused when the recipe loads).
     #[serde(default, skip_serializing_if = "is_default")]
     pub precision: Precision,
+    /// ZeRO stage 1 (`true`): each data-parallel replica keeps the AdamW moments of 1/dp of
+    /// the parameters; gradients are reduce-scattered and the updated weights all-gathered.
+    /// Trains as without it; the memory model counts the moments divided over dp. Default
+    /// `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub zero1: bool,
 }
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {
@@ -240,18 +246,10 @@ impl ParallelRecipe {
         })
     }
 
-    /// The memory model of this recipe's ranks: fp32 on the engine as measured
-    /// ([`MemoryModel::engine_f32`]), with its checkpointing. Under `Bf16Mixed` the activations
-    /// count 5 bytes per element instead of 4 (on Flex a bf16 run's activations measured 18-27%
-    /// above f32's: a product keeps the bf16 copies of its inputs beside the f32 ones; README),
-    /// and the weights 6 bytes per parameter instead of 4 (their bf16 copies, kept for the
-    /// backward pass). A stopgap until a fit to measured bf16 peaks.
+    /// The memory model of this recipe's ranks: the engine's as measured in its precision
+    /// ([`MemoryModel::engine`]), with its checkpointing and ZeRO-1.
     pub fn memory_model(&self) -> MemoryModel {
-        let (activation_bytes, weight_bytes) = match self.precision {
-            Precision::F32 => (4.0, 4.0),
-            Precision::Bf16Mixed => (5.0, 6.0),
-        };
-        MemoryModel { checkpointing: self.checkpointing, activation_bytes, weight_bytes, ..MemoryModel::engine_f32() }
+        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..MemoryModel::engine(self.precision) }
     }
 
     /// The candidate space of this recipe.

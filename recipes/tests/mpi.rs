@@ -37,10 +37,11 @@ fn direct(args: &[&str]) -> Output {
 /// A tiny-1m recipe on `world` ranks that starts in `start` and switches layout after steps 3
 /// and 6, the second time with a larger B_g.
 fn recipe(dir: &Path, name: &str, world: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) -> PathBuf {
-    recipe_with(dir, name, world, start, then, false)
+    recipe_with(dir, name, world, start, then, false, false)
 }
 
-/// [`recipe`], its MPI reductions exact (gathered, added in rank order) or MPI's own.
+/// [`recipe`], its MPI reductions exact (gathered, added in rank order) or MPI's own, its
+/// optimizer sharded over dp (`zero1`) or not.
 fn recipe_with(
     dir: &Path,
     name: &str,
@@ -48,6 +49,7 @@ fn recipe_with(
     start: (usize, usize, usize),
     then: [(usize, usize, usize, usize); 2],
     exact: bool,
+    zero1: bool,
 ) -> PathBuf {
     let l = |(dp, tp, pp): (usize, usize, usize)| format!("(dp: {dp}, tp: {tp}, pp: {pp})");
     let [(d1, t1, p1, m1), (d2, t2, p2, m2)] = then;
@@ -70,6 +72,7 @@ fn recipe_with(
                     (after_step: 6, layout: {second}, global_batch: {b2}, micro_batch: {m2}),
                 ],
                 exact_reductions: {exact},
+                zero1: {zero1},
             ),
         )"#,
         out = dir.join(name).display(),
@@ -99,11 +102,12 @@ fn results(out: &Path) -> (Vec<(String, f64)>, f64) {
 }
 
 /// Threads against processes; `exact`: the processes' MPI reductions add in rank order (else
-/// MPI's own all-reduce, equal to rounding, within the same bound).
-fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2], exact: bool) {
+/// MPI's own all-reduce, equal to rounding, within the same bound); `zero1`: both runs shard
+/// the optimizer over dp.
+fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2], exact: bool, zero1: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let threads = recipe(dir.path(), "threads", np, start, then);
-    let procs = recipe_with(dir.path(), "processes", np, start, then, exact);
+    let threads = recipe_with(dir.path(), "threads", np, start, then, false, zero1);
+    let procs = recipe_with(dir.path(), "processes", np, start, then, exact, zero1);
     let t = direct(&["run", threads.to_str().unwrap(), "--quiet"]);
     assert!(t.status.success(), "in-process run failed:\n{}", String::from_utf8_lossy(&t.stderr));
     let p = mpirun(np, &["run", procs.to_str().unwrap(), "--quiet"]);
@@ -130,12 +134,14 @@ fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, u
 
 #[test]
 fn two_processes_train_like_two_threads_through_layout_changes() {
-    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)], true);
+    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)], true, false);
 }
 
+/// With ZeRO-1: the moments gathered over MPI for the live changes and staged in pieces for the
+/// checkpoint at step 8 (on dp4).
 #[test]
 fn four_processes_train_like_four_threads_through_layout_changes() {
-    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)], false);
+    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)], false, true);
 }
 
 #[test]

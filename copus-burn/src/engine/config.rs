@@ -188,6 +188,11 @@ pub struct EngineConfig {
     /// rank's device must compute in bf16 for `Bf16Mixed` (Flex and CUDA do; wgpu does not).
     #[config(default = "Precision::F32")]
     pub precision: Precision,
+    /// ZeRO stage 1: each dp replica keeps the AdamW moments of its 1/dp of the stage's
+    /// parameters; gradients are reduce-scattered over dp and the updated weights
+    /// all-gathered. The same arithmetic as the unsharded optimizer; no effect at dp = 1.
+    #[config(default = false)]
+    pub zero1: bool,
     /// The longest any wait may last, seconds: a collective or receive waiting for another rank,
     /// and the engine waiting for a rank's reply. A rank that hangs then fails the step with
     /// [`CommError::Timeout`](crate::collective::CommError::Timeout) naming the ranks that did not arrive, instead of freezing

@@ -135,9 +135,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             g[0] = f32::NAN;
             self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
         }
+        // ZeRO-1: the gradient reduce-scattered over dp; this rank's chunk of the sum.
+        let zero_chunk = match &self.zero {
+            Some(z) => Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp)?),
+            None => None,
+        };
         // Data parallel: the flattened gradients all-reduced where they lie on a device, in
         // buckets through host buffers where they lie in host memory.
-        if dims.dp > 1 {
+        if dims.dp > 1 && zero_chunk.is_none() {
             // (Through host memory, MPI ranks keep the buckets: one all-reduce of the whole
             // gradient would stage dp copies of it.)
             let in_place = self.device_resident() && self.dp.reduces_tensors_in_place();
@@ -154,15 +159,24 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             }
         }
         // |g|^2 of the reduced gradient and, for a one-micro-batch step, |g - g_prev|^2, each
-        // summed over the model-parallel ranks.
+        // summed over the model-parallel ranks (with ZeRO-1, |g|^2 of each chunk summed over
+        // the world; a step over dp > 1 has several micro-batches, so no previous gradient).
         let counted = |p: &super::grad_index::ParamInfo| p.counted(tp_rank);
         let previous = self.closer.memory().previous(n_total);
-        let mut sq = [
-            self.index.sq_norm(self.stage(), &acc, None, counted),
-            previous.map_or(0.0, |p| self.index.sq_norm(self.stage(), &acc, Some(p), counted)),
-        ];
         let has_previous = previous.is_some();
-        self.mp.all_reduce(&mut sq, ReduceOp::Sum)?;
+        let sq = if let (Some(z), Some(chunk)) = (&self.zero, &zero_chunk) {
+            debug_assert!(!has_previous, "dp > 1 gives every step several micro-batches");
+            let mut sq = [z.sq_norm(chunk), 0.0];
+            self.world.all_reduce(&mut sq, ReduceOp::Sum)?;
+            sq
+        } else {
+            let mut sq = [
+                self.index.sq_norm(self.stage(), &acc, None, counted),
+                previous.map_or(0.0, |p| self.index.sq_norm(self.stage(), &acc, Some(p), counted)),
+            ];
+            self.mp.all_reduce(&mut sq, ReduceOp::Sum)?;
+            sq
+        };
         let stats = StepStats {
             micro_batch: self.cfg.micro_batch,
             num_micro: n_total,
@@ -185,7 +199,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 return Err(e.into());
             }
         };
-        self.stage = Some(self.optim.step(closed.lr, stage, closed.grads));
+        self.stage = Some(match (&self.zero, zero_chunk) {
+            (Some(z), Some(chunk)) => {
+                let factor = crate::closing::clip_factor(&self.cfg.optim, closed.grad_norm);
+                z.update(&mut self.optim, stage, &chunk, factor, closed.lr, &self.dp)?
+            }
+            _ => self.optim.step(closed.lr, stage, closed.grads),
+        });
         self.step += 1;
         self.tokens_seen += (self.cfg.global_batch * self.cfg.seq_len) as u64;
         let metrics = self.metrics(loss, closed.lr, closed.grad_norm, closed.estimate, start);

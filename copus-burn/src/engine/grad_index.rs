@@ -41,6 +41,12 @@ impl ParamInfo {
     }
 }
 
+/// Gradients a flattening reads, or takes out.
+enum Grads<'a> {
+    Read(&'a GradientsParams),
+    Take(&'a mut GradientsParams),
+}
+
 /// The stage's parameters in visit order.
 pub(super) struct GradIndex {
     pub(super) params: Vec<ParamInfo>,
@@ -65,15 +71,29 @@ impl GradIndex {
     /// The selected parameters' gradients, in stage visit order, as one buffer (zeros where a
     /// parameter has no gradient).
     pub(super) fn flatten<S: Module>(&self, stage: &S, g: &GradientsParams, select: impl Fn(&ParamInfo) -> bool) -> Vec<f32> {
+        self.flatten_from(stage, Grads::Read(g), select)
+    }
+
+    /// [`Self::flatten`], taking each selected gradient out of `g` once copied, so that the
+    /// buffer grows as `g` shrinks.
+    pub(super) fn flatten_taking<S: Module>(&self, stage: &S, g: &mut GradientsParams, select: impl Fn(&ParamInfo) -> bool) -> Vec<f32> {
+        self.flatten_from(stage, Grads::Take(g), select)
+    }
+
+    fn flatten_from<S: Module>(&self, stage: &S, g: Grads<'_>, select: impl Fn(&ParamInfo) -> bool) -> Vec<f32> {
         struct V<'a> {
-            g: &'a GradientsParams,
+            g: Grads<'a>,
             wanted: HashSet<ParamId>,
             out: Vec<f32>,
         }
         impl ModuleVisitor for V<'_> {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
                 if self.wanted.contains(&p.id) {
-                    match self.g.get::<D>(p.id) {
+                    let t = match &mut self.g {
+                        Grads::Read(g) => g.get::<D>(p.id),
+                        Grads::Take(g) => g.remove::<D>(p.id),
+                    };
+                    match t {
                         Some(t) => self.out.extend(traffic::read(t, Kind::Collective).iter::<f32>()),
                         None => self.out.extend(std::iter::repeat_n(0f32, p.val().shape().num_elements())),
                     }

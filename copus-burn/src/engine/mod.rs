@@ -16,7 +16,8 @@
 //!   device) normalised by the step's global number of target tokens, so gradients do not
 //!   depend on how B_g is split;
 //! - after the last micro-batch, gradients are all-reduced over dp: as one tensor added where
-//!   the ranks' gradients lie on a device, in flat host buckets where they lie in host memory;
+//!   the ranks' gradients lie on a device, in flat host buckets where they lie in host memory
+//!   (with ZeRO-1, reduce-scattered instead, each replica updating its chunk; see `zero`);
 //! - the gradient-noise probe sums each micro-batch's squared gradient norm over the tp and pp
 //!   shards (tp-replicated parameters and a tied embedding counted once) and the norm of the
 //!   reduced gradient over the model-parallel ranks, so copus-core's estimator sees exactly the
@@ -30,7 +31,7 @@
 //! pipeline schedule, dp reduction, the probe, the update); `evaluate` (a held-out loss on the
 //! running ranks, forward only); `grad_index` (gradients by
 //! parameter selection); `live` (the rank side of live layout changes; the driver side is
-//! `crate::reconfig`); `processes` (feature `mpi`: ranks on other processes, and what a serving
+//! `crate::reconfig`); `zero` (ZeRO-1: the optimizer state sharded over dp); `processes` (feature `mpi`: ranks on other processes, and what a serving
 //! process runs); `fault` (faults planted by the rollback, divergence and timeout tests,
 //! feature `fault-injection`). No two of them import each other.
 
@@ -47,6 +48,7 @@ pub(crate) mod messages;
 mod processes;
 mod rank;
 mod regions;
+mod zero;
 
 use std::collections::HashMap;
 use std::sync::Arc;

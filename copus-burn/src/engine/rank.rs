@@ -16,6 +16,7 @@ use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::grad_index::{GradIndex, ParamInfo, Role};
 use super::messages::RankParams;
+use super::zero::ZeroPlan;
 use crate::closing::StepCloser;
 use crate::collective::{Collective, CommError, ThreadComm};
 use crate::grads::with_values;
@@ -75,6 +76,8 @@ pub(super) struct RankState<L: ParallelLm, C: Collective = ThreadComm> {
     pub(super) vocab_local: usize,
     /// The model's parallel plan (a layout change builds the next stage with it).
     pub(super) parallel: Arc<ParallelPlan>,
+    /// With ZeRO-1 over dp > 1: how this rank's optimizer state is sharded.
+    pub(super) zero: Option<ZeroPlan>,
 }
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
@@ -98,15 +101,36 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if fault.hits(ReconfigPhase::Load) {
             return Err(EngineError::Rank { rank, message: "injected failure while loading shards".into() });
         }
-        let state = Self::build(rank, groups, plan, &mut source, resume, model, &specs, &parallel, hidden, cfg, device)?;
+        let mut state = Self::build_whole(rank, groups, plan, &mut source, resume, model, &specs, &parallel, hidden, cfg, device)?;
         let hashes = state.checksums()?;
+        state.shard_optimizer()?;
         Ok((state, hashes))
     }
 
     /// Builds this rank's stage from its shards in `source` with process groups `groups`, then
-    /// restores `resume`.
+    /// restores `resume` (whole optimizer moments, sharded over dp with ZeRO-1).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn build(
+        rank: usize,
+        groups: Groups<C>,
+        plan: ShardPlan,
+        source: &mut ShardSource,
+        resume: RankResume,
+        model: &L,
+        specs: &[ParamSpec],
+        parallel: &Arc<ParallelPlan>,
+        hidden: usize,
+        cfg: EngineConfig,
+        device: Device,
+    ) -> Result<Self, EngineError> {
+        let mut state = Self::build_whole(rank, groups, plan, source, resume, model, specs, parallel, hidden, cfg, device)?;
+        state.shard_optimizer()?;
+        Ok(state)
+    }
+
+    /// [`Self::build`], keeping the restored moments whole.
+    #[allow(clippy::too_many_arguments)]
+    fn build_whole(
         rank: usize,
         groups: Groups<C>,
         plan: ShardPlan,
@@ -175,9 +199,33 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             d_model: hidden,
             vocab_local,
             parallel: parallel.clone(),
+            zero: None,
         };
         state.resume(resume)?;
         Ok(state)
+    }
+
+    /// With ZeRO-1 over dp > 1: plans the shards and keeps this rank's pieces of the moments.
+    fn shard_optimizer(&mut self) -> Result<(), EngineError> {
+        let dp = self.cfg.dims.dp;
+        if !self.cfg.zero1 || dp == 1 {
+            return Ok(());
+        }
+        let plan = ZeroPlan::new(self.stage(), &self.index, self.plan.tp_rank, dp, self.dp_rank);
+        let device = self.device.clone().inner();
+        plan.shard(&mut self.optim, &device)
+            .map_err(|message| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {message}") })?;
+        self.zero = Some(plan);
+        Ok(())
+    }
+
+    /// Every parameter's whole moments: this rank's own, or with ZeRO-1 all-gathered over dp
+    /// (a collective: every rank of the dp group calls it).
+    pub(super) fn whole_moments(&self) -> Result<Vec<(ParamId, Moments)>, CommError> {
+        match &self.zero {
+            Some(z) => z.gather(&self.optim, &self.dp, &self.device.clone().inner()),
+            None => Ok(self.optim.ids().map(|id| (id, self.optim.moments(id).expect("listed").clone())).collect()),
+        }
     }
 
     /// Restores optimizer state, counters, the estimator and the previous gradient.
@@ -267,12 +315,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     pub(super) fn optim_entries(&self) -> Result<(OptimTensors, OptimScalars), RankError> {
         let mut tensors = Vec::new();
         let mut scalars = Vec::new();
-        for id in self.optim.ids() {
+        for (id, m) in &self.whole_moments()? {
             let name = self
                 .names
-                .get(&id)
+                .get(id)
                 .ok_or_else(|| RankError::Train(TrainError::Batch(format!("optimizer state for an unknown parameter {id}"))))?;
-            let m = self.optim.moments(id).expect("listed");
             for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
                 tensors.push((name.clone(), field.to_string(), m.shape.clone(), with_values(t, Kind::State, <[f32]>::to_vec)));
             }
@@ -312,7 +359,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// This rank's state as flat tensors, read where it lies (see [`FlatState`]).
     pub(super) fn flat_state(&self) -> Result<FlatState, String> {
-        let stepped = !self.optim.is_empty();
+        let moments: HashMap<ParamId, Moments> = self.whole_moments().map_err(|e| e.to_string())?.into_iter().collect();
+        let stepped = !moments.is_empty();
         let previous = self.closer.memory().get();
         let mut out = HashMap::new();
         let mut scalars = Vec::new();
@@ -321,7 +369,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let name = self.stage().global_name(&path);
             let mut kinds = vec![w];
             if stepped {
-                let m = self.optim.moments(id).ok_or_else(|| format!("`{name}` has no optimizer moments"))?;
+                let m = moments.get(&id).ok_or_else(|| format!("`{name}` has no optimizer moments"))?;
                 kinds.push(m.m1.clone());
                 kinds.push(m.m2.clone());
                 for (field, v) in m.scalars() {
@@ -343,17 +391,26 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let mut out = RankExport {
             params: Vec::new(),
             optim: Vec::new(),
+            optim_offsets: None,
             scalars: Vec::new(),
             previous: None,
             step: self.step,
             tokens_seen: self.tokens_seen,
             gns: self.closer.gns().clone(),
         };
+        // With ZeRO-1 every dp rank hands back its pieces of the moments (no collective: a
+        // world that can no longer communicate still stages its state).
+        if let Some(z) = &self.zero {
+            let (optim, offsets, scalars) = z.pieces_for_export(&self.optim, &self.names);
+            (out.optim, out.optim_offsets, out.scalars) = (optim, Some(offsets), scalars);
+        }
         if self.dp_rank == 0 {
             out.params = self.params_as(Kind::State).into_iter().map(|(n, _, v)| (n, v)).collect();
-            let (tensors, scalars) = self.optim_entries()?;
-            out.optim = tensors.into_iter().map(|(n, f, _, v)| (n, f, v)).collect();
-            out.scalars = scalars;
+            if self.zero.is_none() {
+                let (tensors, scalars) = self.optim_entries()?;
+                out.optim = tensors.into_iter().map(|(n, f, _, v)| (n, f, v)).collect();
+                out.scalars = scalars;
+            }
             if let Some(prev) = self.closer.memory().get() {
                 let v =
                     self.index.per_param(self.stage(), prev).into_iter().map(|(id, values)| (self.names[&id].clone(), values)).collect();

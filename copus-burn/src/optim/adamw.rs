@@ -125,6 +125,19 @@ impl AdamW {
         self.moments.insert(id, moments);
     }
 
+    /// Takes the moments of parameter `id` out.
+    pub(crate) fn take_moments(&mut self, id: ParamId) -> Option<Moments> {
+        self.moments.remove(&id)
+    }
+
+    /// Updates a flat piece `p` of the parameter `id` at module path `path` with its gradient
+    /// `g` (of the same length): the new values. The piece's moments are kept under `id`, of
+    /// the piece's length; a sharded optimizer (ZeRO-1) updates the part of each parameter a
+    /// rank owns this way, element for element as [`AdamW::step`] updates the whole.
+    pub(crate) fn update_piece(&mut self, id: ParamId, path: &str, p: Tensor<1>, g: Tensor<1>, lr: f64) -> Tensor<1> {
+        self.update(id, path, p, g, lr)
+    }
+
     /// Parameters with moments.
     pub fn len(&self) -> usize {
         self.moments.len()
@@ -303,11 +316,21 @@ impl ModuleMapper for Stepper<'_> {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let grad = if grad.device() != tensor.device() { grad.to_device(&tensor.device()) } else { grad };
-        let require_grad = tensor.is_require_grad();
-        let checkpointing = tensor.gradient_checkpointing_strategy();
-        let distributed = tensor.is_distributed();
         let path = self.path.join(".");
+        let mark = marked_as(id, &tensor);
         let updated = self.optim.update(id, &path, tensor.inner(), grad, self.lr);
+        Param::from_mapped_value(id, mark(updated), mapper)
+    }
+}
+
+/// What makes a new value of the parameter `id` the parameter `old` was: marked trainable,
+/// checkpointed and distributed as `old` is (read before `old` is consumed, so an update can
+/// write `old`'s buffer in place).
+pub(crate) fn marked_as<const D: usize>(id: ParamId, old: &Tensor<D>) -> impl FnOnce(Tensor<D>) -> Tensor<D> + use<D> {
+    let checkpointing = old.gradient_checkpointing_strategy();
+    let require_grad = old.is_require_grad();
+    let distributed = old.is_distributed();
+    move |updated| {
         let mut tensor = Tensor::from_inner(updated);
         if let Some(strategy) = checkpointing {
             tensor = tensor.with_gradient_checkpointing_strategy(strategy);
@@ -318,7 +341,7 @@ impl ModuleMapper for Stepper<'_> {
         if distributed {
             tensor = tensor.set_distributed(id);
         }
-        Param::from_mapped_value(id, tensor, mapper)
+        tensor
     }
 }
 

@@ -11,7 +11,7 @@ use burn::optim::{AdamWConfig, ModuleOptimizer};
 use copus_core::goodput::LrRule;
 
 pub use adamw::{AdamW, Moments};
-pub(crate) use adamw::{MOMENT_1, MOMENT_2, TIME, contiguous_f32};
+pub(crate) use adamw::{MOMENT_1, MOMENT_2, TIME, contiguous_f32, marked_as};
 
 /// An optimizer setting out of range.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -15,7 +15,7 @@ use anyhow::{Context, anyhow, bail};
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig};
 use copus_core::layout::ParallelDims;
-use copus_core::memory::{Checkpointing, MemoryModel, Precision};
+use copus_core::memory::{Checkpointing, MemoryEstimate, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
 use copus_core::schedule::ScheduleKind;
 use copus_models::{LlamaConfig, full_params};
@@ -43,6 +43,10 @@ pub struct Row {
     pub schedule: ScheduleKind,
     /// Activation checkpointing.
     pub checkpointing: Checkpointing,
+    /// ZeRO-1: the optimizer state sharded over dp.
+    pub zero1: bool,
+    /// The arithmetic.
+    pub precision: Precision,
     /// Not among the rows [`MemoryModel::engine_f32`] was fitted to.
     pub held_out: bool,
 }
@@ -56,22 +60,84 @@ impl Row {
         self.dims.dp * self.micro_batch * MICRO_PER_REPLICA
     }
 
-    /// The model's bytes for the whole process: every rank's stage estimate, summed.
-    pub fn predicted(&self, model: &MemoryModel) -> anyhow::Result<f64> {
-        let spec = self.spec()?;
-        let mm = MemoryModel { checkpointing: self.checkpointing, ..*model };
-        let per_stage: f64 = (0..self.dims.pp)
-            .map(|s| mm.estimate_stage(&spec, self.dims, self.micro_batch, MICRO_PER_REPLICA, self.schedule, s).total())
-            .sum();
-        Ok(per_stage * (self.dims.dp * self.dims.tp) as f64)
+    /// The engine's memory model for this row: [`MemoryModel::engine`] in its precision, with
+    /// its checkpointing and ZeRO-1.
+    pub fn model(&self) -> MemoryModel {
+        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..MemoryModel::engine(self.precision) }
     }
+
+    /// The model's bytes for the whole process: every rank's stage estimate, summed.
+    pub fn predicted(&self) -> anyhow::Result<f64> {
+        Ok(self.stage_estimates(&self.model())?.iter().map(MemoryEstimate::total).sum::<f64>() * (self.dims.dp * self.dims.tp) as f64)
+    }
+
+    /// `model`'s estimate of a rank on each pipeline stage.
+    fn stage_estimates(&self, model: &MemoryModel) -> anyhow::Result<Vec<MemoryEstimate>> {
+        let spec = self.spec()?;
+        Ok((0..self.dims.pp)
+            .map(|s| model.estimate_stage(&spec, self.dims, self.micro_batch, MICRO_PER_REPLICA, self.schedule, s))
+            .collect())
+    }
+
+    /// The model's terms per stage as CSV lines (for refitting its coefficients): the row's
+    /// `index`, the stage, its ranks, the measured bytes of the whole process, the rank's
+    /// parameters, and the other terms at the model's coefficients, with the activations split into the part proportional to
+    /// [`MemoryModel::activation_bytes`] (per byte) and the rest (the f32 logits).
+    fn csv_lines(&self, index: usize, measured: f64) -> anyhow::Result<Vec<String>> {
+        let model = self.model();
+        let at = |b: f64| self.stage_estimates(&MemoryModel { activation_bytes: b, ..model });
+        let (one, two) = (at(1.0)?, at(2.0)?);
+        let ranks = self.dims.dp * self.dims.tp;
+        Ok(self
+            .stage_estimates(&model)?
+            .iter()
+            .zip(one.iter().zip(&two))
+            .map(|(e, (a, b))| {
+                let per_byte = b.activations - a.activations;
+                let rest = a.activations - per_byte;
+                format!(
+                    "{index},{},{ranks},{measured},{},{},{},{per_byte},{rest},{},{},{},{},{},{:?},{:?},{},{}",
+                    e.stage,
+                    e.weights / model.weight_bytes,
+                    e.grads,
+                    e.optimizer,
+                    e.step_transient,
+                    e.overhead,
+                    self.preset,
+                    self.dims,
+                    self.micro_batch,
+                    self.checkpointing,
+                    self.precision,
+                    self.zero1,
+                    self.held_out
+                )
+            })
+            .collect())
+    }
+}
+
+/// The header of [`Row::csv_lines`].
+const CSV_HEADER: &str = "row,stage,ranks,measured,params,grads,optimizer,activation_per_byte,activation_rest,step_transient,overhead,preset,layout,micro_batch,checkpointing,precision,zero1,held_out";
+
+/// Which rows `bench memory` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    /// Every row.
+    All,
+    /// The ZeRO-1 rows and their unsharded twins.
+    Zero1,
+    /// The `Bf16Mixed` rows.
+    Bf16,
 }
 
 /// The rows of `bench memory`: tiny-5m and tiny-20m on five layouts, B_m 2 and 8, without
 /// checkpointing and with both kinds; small-100m on three layouts, B_m 1 and 4, without and with
 /// `Regions` (sequence 256 throughout): the rows [`MemoryModel::engine_f32`] was fitted to. Then
-/// held-out rows it was not fitted to (B_m 4, 1F1B on two stages, dp2 of small-100m).
-pub fn rows(presets: &[String]) -> Vec<Row> {
+/// held-out rows it was not fitted to (B_m 4, 1F1B on two stages, dp2 of small-100m), and
+/// the ZeRO-1 rows, each beside its unsharded twin (held out too), and the `Bf16Mixed` rows
+/// (tiny-5m and tiny-20m serial, tp2 and pp2, B_m 2 and 8, without checkpointing and with
+/// `Regions`; held out: dp2), as `group` selects.
+pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
     let mut out = Vec::new();
     let want = |p: &str| presets.is_empty() || presets.iter().any(|q| q == p);
     let d = |dp, tp, pp| ParallelDims { dp, tp, pp };
@@ -82,8 +148,41 @@ pub fn rows(presets: &[String]) -> Vec<Row> {
         micro_batch,
         schedule,
         checkpointing,
+        zero1: false,
+        precision: Precision::F32,
         held_out,
     };
+    let mut zero_pairs = Vec::new();
+    for (preset, dims, micro_batch, ck) in [
+        ("tiny-20m", d(2, 1, 1), 2, Checkpointing::None),
+        ("tiny-20m", d(4, 1, 1), 2, Checkpointing::Regions),
+        ("tiny-20m", d(2, 2, 2), 2, Checkpointing::None),
+        ("small-100m", d(2, 1, 1), 1, Checkpointing::Regions),
+        ("small-100m", d(4, 1, 1), 1, Checkpointing::Regions),
+    ] {
+        if want(preset) {
+            let schedule = if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB };
+            let plain = row(preset, dims, micro_batch, schedule, ck, true);
+            zero_pairs.push(plain.clone());
+            zero_pairs.push(Row { zero1: true, ..plain });
+        }
+    }
+    let mut bf16 = Vec::new();
+    for preset in ["tiny-5m", "tiny-20m"].into_iter().filter(|p| want(p)) {
+        for (dims, held_out) in [(d(1, 1, 1), false), (d(1, 2, 1), false), (d(1, 1, 2), false), (d(2, 1, 1), true)] {
+            for micro_batch in if held_out { [2].as_slice() } else { [2, 8].as_slice() } {
+                for ck in [Checkpointing::None, Checkpointing::Regions] {
+                    let schedule = if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB };
+                    bf16.push(Row { precision: Precision::Bf16Mixed, ..row(preset, dims, *micro_batch, schedule, ck, held_out) });
+                }
+            }
+        }
+    }
+    match group {
+        Group::Zero1 => return zero_pairs,
+        Group::Bf16 => return bf16,
+        Group::All => {}
+    }
     let kinds = [Checkpointing::None, Checkpointing::Layers, Checkpointing::Regions];
     for preset in ["tiny-5m", "tiny-20m"].into_iter().filter(|p| want(p)) {
         for dims in [d(1, 1, 1), d(2, 1, 1), d(1, 2, 1), d(1, 1, 2), d(2, 2, 2)] {
@@ -118,33 +217,45 @@ pub fn rows(presets: &[String]) -> Vec<Row> {
             out.push(row("small-100m", d(2, 1, 1), 2, ScheduleKind::OneFOneB, ck, true));
         }
     }
+    out.extend(zero_pairs);
+    out.extend(bf16);
     out
 }
 
-/// Measures every row in a child process and prints the table.
-pub fn run(presets: &[String]) -> anyhow::Result<()> {
-    let rows = rows(presets);
-    let model = MemoryModel::engine_f32();
+/// Measures every row of `group` in a child process and prints the table; with `csv`, writes
+/// the model's terms beside each measurement there too (what a refit reads).
+pub fn run(presets: &[String], group: Group, csv: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let rows = rows(presets, group);
+    let mut lines = vec![CSV_HEADER.to_string()];
     println!(
-        "Peak memory of the engine's ranks (one process, Flex, {STEPS} steps, {MICRO_PER_REPLICA} micro-batches per replica) against the memory model (MemoryModel::engine_f32)\n"
+        "Peak memory of the engine's ranks (one process, Flex, {STEPS} steps, {MICRO_PER_REPLICA} micro-batches per replica) against the memory model (MemoryModel::engine in the row's precision)\n"
     );
-    println!("| model | layout | schedule | B_m | checkpointing | fitted on | measured MiB | predicted MiB | predicted / measured |");
-    println!("|---|---|---|---:|---|---|---:|---:|---:|");
+    println!(
+        "| model | layout | schedule | B_m | checkpointing | precision | ZeRO-1 | fitted on | measured MiB | predicted MiB | predicted / measured |"
+    );
+    println!("|---|---|---|---:|---|---|---|---|---:|---:|---:|");
     let bar = crate::report::progress::Progress::new("bench memory", rows.len() as u64);
     let (mut fitted, mut held) = (Vec::new(), Vec::new());
-    for row in &rows {
+    for (i, row) in rows.iter().enumerate() {
         let measured = measure_in_child(row)? as f64;
-        let predicted = row.predicted(&model)?;
+        let predicted = row.predicted()?;
+        lines.extend(row.csv_lines(i, measured)?);
+        if let Some(path) = csv {
+            // After every row, so an interrupted run keeps what it measured.
+            std::fs::write(path, lines.join("\n") + "\n").with_context(|| format!("writing {}", path.display()))?;
+        }
         let ratio = predicted / measured;
         if row.held_out { &mut held } else { &mut fitted }.push(ratio);
         bar.inc(1);
         println!(
-            "| {} | {} | {:?} | {} | {:?} | {} | {:.1} | {:.1} | {:.2} |",
+            "| {} | {} | {:?} | {} | {:?} | {:?} | {} | {} | {:.1} | {:.1} | {:.2} |",
             row.preset,
             row.dims,
             row.schedule,
             row.micro_batch,
             row.checkpointing,
+            row.precision,
+            if row.zero1 { "yes" } else { "no" },
             if row.held_out { "no" } else { "yes" },
             measured / MIB,
             predicted / MIB,
@@ -181,6 +292,8 @@ pub fn measure_with(exe: &std::path::Path, row: &Row) -> anyhow::Result<u64> {
         .args(["--layout", &format!("{},{},{}", row.dims.dp, row.dims.tp, row.dims.pp)])
         .args(["--micro-batch", &row.micro_batch.to_string(), "--schedule", &format!("{:?}", row.schedule)])
         .args(["--checkpointing", &format!("{:?}", row.checkpointing)])
+        .args(row.zero1.then_some("--zero1"))
+        .args(["--precision", &format!("{:?}", row.precision)])
         .output()
         .context("starting the measuring child")?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -193,8 +306,8 @@ pub fn measure_with(exe: &std::path::Path, row: &Row) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow!("the child for {row:?} reported no peak: {text}"))
 }
 
-/// The child's side: builds the row's engine in `precision`, trains, prints `peak-bytes N`.
-pub fn child(row: &Row, precision: Precision) -> anyhow::Result<()> {
+/// The child's side: builds the row's engine, trains, prints `peak-bytes N`.
+pub fn child(row: &Row) -> anyhow::Result<()> {
     let before = status_kib("VmRSS")?;
     let spec = row.spec()?;
     let cfg = LlamaConfig::from_spec(&spec);
@@ -204,7 +317,8 @@ pub fn child(row: &Row, precision: Precision) -> anyhow::Result<()> {
     let ec = EngineConfig::new(row.dims, row.global_batch(), row.micro_batch, row.seq, optim)
         .with_schedule(row.schedule)
         .with_checkpointing(row.checkpointing)
-        .with_precision(precision);
+        .with_precision(row.precision)
+        .with_zero1(row.zero1);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec)?;
     drop(full);
     // The peak from here on: the engine's state and its steps.

@@ -1,0 +1,322 @@
+//! ZeRO stage 1: the AdamW state sharded over the data-parallel replicas.
+//!
+//! A stage's parameters, flattened in visit order into one buffer of N elements and padded to
+//! `dp * ceil(N / dp)`, split into `dp` equal contiguous chunks; dp rank `d` owns chunk `d`.
+//! A chunk may start or end inside a parameter, so a rank keeps, for each parameter its chunk
+//! overlaps, the moments of that piece only (flat, of the piece's length). One step:
+//! - the accumulated gradient is reduce-scattered over dp (summed in rank order, as the
+//!   unsharded all-reduce sums it): each rank holds the reduced gradient of its chunk only;
+//! - the squared norm of the reduced gradient is summed over the chunk's counted elements and
+//!   then over the world (the dp chunks and the model-parallel shards are disjoint), so the
+//!   probe and clipping see the number the unsharded step computes;
+//! - each rank runs AdamW on its pieces (the same arithmetic, element for element) and the
+//!   updated pieces are all-gathered over dp into every replica's weights.
+//!
+//! With dp > 1 a step has at least two micro-batches, so the probe never keeps a previous
+//! gradient here. Staging (checkpoints, exports, a live layout change) all-gathers the moments
+//! over dp into whole tensors, moved and checked as unsharded ones are; a rank built from
+//! whole moments keeps its pieces ([`ZeroPlan::shard`]). Collectives go through host buffers on
+//! every backend.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::grad_index::GradIndex;
+use crate::collective::{Collective, CommError, ReduceOp};
+use crate::grads::with_values;
+use crate::optim::{self as adamw, AdamW, Moments, marked_as};
+use crate::state::OptimScalars;
+use crate::traffic::{self, Kind};
+
+/// (global name, field, values) of optimizer state pieces.
+type Pieces = Vec<(String, String, Vec<f32>)>;
+
+/// One parameter of the stage in the flat buffer.
+#[derive(Clone, Debug)]
+struct Slot {
+    id: ParamId,
+    /// Module path within the stage (what weight decay's groups match).
+    path: String,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+    /// Counted in a whole-model norm (see `ParamInfo::counted`).
+    counted: bool,
+}
+
+/// How one rank's stage is sharded over its dp group.
+#[derive(Clone, Debug)]
+pub(super) struct ZeroPlan {
+    dp: usize,
+    dp_rank: usize,
+    slots: Vec<Slot>,
+    /// Elements per dp rank.
+    chunk: usize,
+}
+
+/// A parameter's part of this rank's chunk: the slot, the range within the parameter (flat),
+/// the range within the chunk.
+type Piece<'a> = (&'a Slot, Range<usize>, Range<usize>);
+
+impl ZeroPlan {
+    /// The plan of `stage` (parameters as `index` describes them) for dp rank `dp_rank` of `dp`,
+    /// on tp rank `tp_rank`.
+    pub(super) fn new<S: Module>(stage: &S, index: &GradIndex, tp_rank: usize, dp: usize, dp_rank: usize) -> Self {
+        let mut offset = 0;
+        let mut slots = Vec::new();
+        for ((path, id, shape), info) in crate::parallel::param_paths(stage).into_iter().zip(&index.params) {
+            debug_assert_eq!(id, info.id, "the index lists the stage's parameters in visit order");
+            let len = shape.iter().product();
+            slots.push(Slot { id, path, shape, offset, len, counted: info.counted(tp_rank) });
+            offset += len;
+        }
+        Self { dp, dp_rank, slots, chunk: offset.div_ceil(dp.max(1)) }
+    }
+
+    /// Elements of the padded flat buffer.
+    fn padded(&self) -> usize {
+        self.chunk * self.dp
+    }
+
+    /// Parameters' parts of dp rank `d`'s chunk, in order.
+    fn pieces_of(&self, d: usize) -> impl Iterator<Item = Piece<'_>> {
+        let (start, end) = (d * self.chunk, (d + 1) * self.chunk);
+        self.slots.iter().filter_map(move |s| {
+            let (a, b) = (s.offset.max(start), (s.offset + s.len).min(end));
+            (a < b).then(|| (s, a - s.offset..b - s.offset, a - start..b - start))
+        })
+    }
+
+    /// This rank's pieces.
+    fn pieces(&self) -> impl Iterator<Item = Piece<'_>> {
+        self.pieces_of(self.dp_rank)
+    }
+
+    /// Replaces whole moments in `optim` with this rank's pieces of them (copied, so the
+    /// whole tensors are freed); moments of parameters outside the chunk are dropped.
+    pub(super) fn shard(&self, optim: &mut AdamW, device: &Device) -> Result<(), String> {
+        let mine: HashMap<ParamId, Vec<(Range<usize>, usize)>> = self.pieces().fold(HashMap::new(), |mut m, (s, p, _)| {
+            m.entry(s.id).or_default().push((p, s.len));
+            m
+        });
+        for s in &self.slots {
+            let Some(m) = optim.take_moments(s.id) else { continue };
+            let Some(parts) = mine.get(&s.id) else { continue };
+            let [(range, len)] = parts.as_slice() else { unreachable!("a chunk holds one contiguous piece of a parameter") };
+            if m.m1.shape().num_elements() != *len || m.m2.shape().num_elements() != *len {
+                return Err(format!("`{}` has moments of {} elements for a parameter of {len}", s.path, m.m1.shape().num_elements()));
+            }
+            let cut = |t: &Tensor<1>| with_values(t, Kind::State, |v| v[range.clone()].to_vec());
+            let piece = Moments::from_values(m.time, vec![range.len()], cut(&m.m1), cut(&m.m2), device)?;
+            optim.set_moments(s.id, piece);
+        }
+        Ok(())
+    }
+
+    /// The whole moments of every parameter, all-gathered over `dp` from each rank's pieces (a
+    /// collective: every rank of the dp group calls it). Empty when no rank has stepped.
+    pub(super) fn gather<C: Collective>(&self, optim: &AdamW, dp: &C, device: &Device) -> Result<Vec<(ParamId, Moments)>, CommError> {
+        let mut stepped = [f64::from(u8::from(!optim.is_empty()))];
+        dp.all_reduce(&mut stepped, ReduceOp::Max)?;
+        if stepped[0] == 0.0 {
+            return Ok(Vec::new());
+        }
+        // Each parameter's step count, from the ranks holding a piece of it.
+        let mut times: Vec<f64> = self.slots.iter().map(|s| optim.moments(s.id).map_or(0.0, |m| m.time as f64)).collect();
+        dp.all_reduce(&mut times, ReduceOp::Max)?;
+        let (mut m1, mut m2) = (vec![0f32; self.chunk], vec![0f32; self.chunk]);
+        for (s, _, at) in self.pieces() {
+            if let Some(m) = optim.moments(s.id) {
+                with_values(&m.m1, Kind::State, |v| m1[at.clone()].copy_from_slice(v));
+                with_values(&m.m2, Kind::State, |v| m2[at].copy_from_slice(v));
+            }
+        }
+        let (m1, m2) = (dp.all_gather(&m1)?, dp.all_gather(&m2)?);
+        let mut out = Vec::with_capacity(self.slots.len());
+        for (s, &time) in self.slots.iter().zip(&times) {
+            let r = s.offset..s.offset + s.len;
+            let m = Moments::from_values(time as usize, s.shape.clone(), m1[r.clone()].to_vec(), m2[r].to_vec(), device)
+                .map_err(CommError::Invalid)?;
+            out.push((s.id, m));
+        }
+        Ok(out)
+    }
+
+    /// This rank's pieces of the moments for staging, without a collective: (global name,
+    /// field, values), where each piece starts in its parameter (flat), and the scalars of the
+    /// parameters it holds pieces of (their rank: the parameter's, not the piece's).
+    pub(super) fn pieces_for_export(&self, optim: &AdamW, names: &HashMap<ParamId, String>) -> (Pieces, Vec<usize>, OptimScalars) {
+        let (mut pieces, mut offsets, mut scalars) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, range, _) in self.pieces() {
+            let (Some(m), Some(name)) = (optim.moments(s.id), names.get(&s.id)) else { continue };
+            for (field, t) in [(adamw::MOMENT_1, &m.m1), (adamw::MOMENT_2, &m.m2)] {
+                pieces.push((name.clone(), field.to_string(), with_values(t, Kind::State, <[f32]>::to_vec)));
+                offsets.push(range.start);
+            }
+            let whole = Moments { shape: s.shape.clone(), ..m.clone() };
+            scalars.extend(whole.scalars().into_iter().map(|(f, v)| (name.clone(), f.to_string(), v)));
+        }
+        (pieces, offsets, scalars)
+    }
+
+    /// The accumulated gradient `acc` reduce-scattered over `dp`: this rank's chunk of the sum.
+    /// Each gradient is freed once copied into the flat buffer, which is handed to the
+    /// collective, so the step holds one copy of the gradient at a time.
+    pub(super) fn reduce<S: Module, C: Collective>(
+        &self,
+        stage: &S,
+        index: &GradIndex,
+        mut acc: GradientsParams,
+        dp: &C,
+    ) -> Result<Vec<f32>, CommError> {
+        let mut flat = index.flatten_taking(stage, &mut acc, |_| true);
+        flat.resize(self.padded(), 0.0);
+        dp.reduce_scatter_owned(flat, ReduceOp::Sum)
+    }
+
+    /// Sum of squares of the counted elements of a reduced `chunk`, in f64.
+    pub(super) fn sq_norm(&self, chunk: &[f32]) -> f64 {
+        self.pieces()
+            .filter(|(s, _, _)| s.counted)
+            .map(|(_, _, at)| chunk[at].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>())
+            .sum()
+    }
+
+    /// AdamW at learning rate `lr` on this rank's pieces of `stage`'s parameters, with the
+    /// reduced gradient `chunk` scaled by `factor` (clipping), then the updated pieces
+    /// all-gathered over `dp` into the weights: the stage after the update.
+    pub(super) fn update<S: Module, C: Collective>(
+        &self,
+        optim: &mut AdamW,
+        stage: S,
+        chunk: &[f32],
+        factor: f64,
+        lr: f64,
+        dp: &C,
+    ) -> Result<S, CommError> {
+        let weights: HashMap<ParamId, Tensor<1>> = crate::parallel::flat_params(&stage).into_iter().map(|(_, id, _, t)| (id, t)).collect();
+        let mut mine = vec![0f32; self.chunk];
+        for (s, range, at) in self.pieces() {
+            let p = weights[&s.id].clone().narrow(0, range.start, range.len());
+            let device = p.device();
+            let g: Vec<f32> =
+                if factor == 1.0 { chunk[at.clone()].to_vec() } else { chunk[at.clone()].iter().map(|&g| g * factor as f32).collect() };
+            let g = traffic::upload::<1, _>(TensorData::new(g, [range.len()]), &device, Kind::Collective);
+            let updated = optim.update_piece(s.id, &s.path, p, g, lr);
+            with_values(&updated, Kind::Collective, |v| mine[at].copy_from_slice(v));
+        }
+        drop(weights);
+        let all = dp.all_gather(&mine)?;
+        let offsets = self.slots.iter().map(|s| (s.id, s.offset)).collect();
+        Ok(stage.map(&mut SetWeights { flat: &all, offsets }))
+    }
+}
+
+/// Sets every parameter listed to its values in a flat buffer.
+struct SetWeights<'a> {
+    flat: &'a [f32],
+    offsets: HashMap<ParamId, usize>,
+}
+
+impl ModuleMapper for SetWeights<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(&at) = self.offsets.get(&id) else { return Param::from_mapped_value(id, tensor, mapper) };
+        let mark = marked_as(id, &tensor);
+        let inner = tensor.inner();
+        let shape = inner.shape();
+        let n = shape.num_elements();
+        let data = TensorData::new(self.flat[at..at + n].to_vec(), shape);
+        let updated = traffic::upload::<D, _>(data, &inner.device(), Kind::Collective);
+        Param::from_mapped_value(id, mark(updated), mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::ThreadComm;
+    use crate::engine::grad_index::{ParamInfo, Role};
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+
+    #[derive(Module, Debug)]
+    struct Net {
+        emb: Embedding,
+        lin: Linear,
+    }
+
+    fn net() -> Net {
+        let device = Device::flex().autodiff();
+        Net { emb: EmbeddingConfig::new(7, 5).init(&device), lin: LinearConfig::new(5, 3).init(&device) }
+    }
+
+    fn plan(net: &Net, dp: usize, d: usize) -> ZeroPlan {
+        let params = crate::parallel::param_paths(net)
+            .into_iter()
+            .map(|(_, id, _)| ParamInfo { id, role: Role::Sharded, mirror: false, tied_owner: false })
+            .collect();
+        ZeroPlan::new(net, &GradIndex::new(params, Device::flex()), 0, dp, d)
+    }
+
+    /// Every parameter's whole moments, with values that tell the elements apart.
+    fn whole(net: &Net) -> AdamW {
+        let mut optim = AdamW::new(0.9, 0.95, 1e-8, 0.0, &[]);
+        for (k, (_, id, shape)) in crate::parallel::param_paths(net).into_iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let m1 = (0..n).map(|i| (100 * k + i) as f32).collect();
+            let m2 = (0..n).map(|i| -((100 * k + i) as f32)).collect();
+            optim.set_moments(id, Moments::from_values(3 + k, shape, m1, m2, &Device::flex()).unwrap());
+        }
+        optim
+    }
+
+    /// 35 + 15 + 3 = 53 elements over 3 ranks (chunks of 18, the last padded by one): the
+    /// chunks cover every element once; each rank keeps only its pieces; gathering them back
+    /// gives every whole moment and step count exactly.
+    #[test]
+    fn the_shards_cover_the_moments_once_and_gather_back_whole() {
+        let net = net();
+        let dp = 3;
+        let mut covered = vec![0; 53];
+        for d in 0..dp {
+            for (s, range, at) in plan(&net, dp, d).pieces() {
+                assert_eq!(range.len(), at.len());
+                assert!(at.end <= 18, "rank {d}: {at:?}");
+                covered[s.offset + range.start..s.offset + range.end].iter_mut().for_each(|c| *c += 1);
+            }
+        }
+        assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+        let want = whole(&net);
+        let ids: Vec<ParamId> = crate::parallel::param_paths(&net).into_iter().map(|(_, id, _)| id).collect();
+        let comms = ThreadComm::world(dp);
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(d, comm)| {
+                let (net, mut optim) = (net.clone(), whole(&net));
+                std::thread::spawn(move || {
+                    let p = plan(&net, dp, d);
+                    p.shard(&mut optim, &Device::flex()).unwrap();
+                    let kept: usize = optim.ids().map(|id| optim.moments(id).unwrap().m1.shape().num_elements()).sum();
+                    let gathered = p.gather(&optim, &comm, &Device::flex()).unwrap();
+                    (kept, gathered)
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(results.iter().map(|r| r.0).collect::<Vec<_>>(), vec![18, 18, 17], "each rank keeps its chunk");
+        let values = |t: &Tensor<1>| t.clone().into_data().try_to_vec::<f32>().unwrap();
+        for (_, gathered) in results {
+            assert_eq!(gathered.len(), ids.len());
+            for (id, m) in gathered {
+                let w = want.moments(id).unwrap();
+                assert_eq!((m.time, &m.shape), (w.time, &w.shape));
+                assert_eq!((values(&m.m1), values(&m.m2)), (values(&w.m1), values(&w.m2)));
+            }
+        }
+    }
+}
