@@ -71,8 +71,9 @@ pub(crate) struct RankExport {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct ExportMeta {
     scalars: OptimScalars,
+    /// (name, field, offset) of each piece (the tensors are not read back in the order written).
     #[serde(default)]
-    optim_offsets: Option<Vec<usize>>,
+    optim_offsets: Option<Vec<(String, String, usize)>>,
     has_previous: bool,
     step: u64,
     tokens_seen: u64,
@@ -87,7 +88,10 @@ impl RankExport {
     pub(crate) fn to_bytes(&self) -> Result<Vec<u8>, String> {
         let meta = ExportMeta {
             scalars: self.scalars.clone(),
-            optim_offsets: self.optim_offsets.clone(),
+            optim_offsets: self
+                .optim_offsets
+                .as_ref()
+                .map(|o| self.optim.iter().zip(o).map(|((n, f, _), &at)| (n.clone(), f.clone(), at)).collect()),
             has_previous: self.previous.is_some(),
             step: self.step,
             tokens_seen: self.tokens_seen,
@@ -111,7 +115,7 @@ impl RankExport {
         let mut out = RankExport {
             params: Vec::new(),
             optim: Vec::new(),
-            optim_offsets: meta.optim_offsets,
+            optim_offsets: None,
             scalars: meta.scalars,
             previous: meta.has_previous.then(Vec::new),
             step: meta.step,
@@ -129,6 +133,14 @@ impl RankExport {
             } else {
                 return Err(format!("unexpected tensor {key}"));
             }
+        }
+        if let Some(pieces) = meta.optim_offsets {
+            let at: HashMap<(String, String), usize> = pieces.into_iter().map(|(n, f, at)| ((n, f), at)).collect();
+            let offsets = out
+                .optim
+                .iter()
+                .map(|(n, f, _)| at.get(&(n.clone(), f.clone())).copied().ok_or_else(|| format!("no offset for the piece {n}/{f}")));
+            out.optim_offsets = Some(offsets.collect::<Result<_, _>>()?);
         }
         Ok(out)
     }
