@@ -96,7 +96,7 @@ impl Row {
                 let per_byte = b.activations - a.activations;
                 let rest = a.activations - per_byte;
                 format!(
-                    "{index},{},{ranks},{measured},{},{},{},{per_byte},{rest},{},{},{},{},{},{:?},{:?},{},{}",
+                    "{index},{},{ranks},{measured},{},{},{},{per_byte},{rest},{},{},{},\"{}\",{},{:?},{:?},{},{}",
                     e.stage,
                     e.weights / model.weight_bytes,
                     e.grads,
