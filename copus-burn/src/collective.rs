@@ -134,6 +134,25 @@ pub trait Collective: Send + Sized {
     fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
         self.reduce_scatter(&buf, op)
     }
+    /// [`Self::reduce_scatter`] of the tensor `t`: this rank's chunk on `t`'s device. By default
+    /// through host memory (counted as collective traffic); an in-process group combines the
+    /// ranks' chunks where they lie, in rank order, as through host memory.
+    fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        let device = t.device();
+        let v: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+        let mine = self.reduce_scatter_owned(v, op)?;
+        let n = mine.len();
+        Ok(traffic::upload(TensorData::new(mine, [n]), &device, traffic::Kind::Collective))
+    }
+    /// [`Self::all_gather`] of the tensor `t` (equal lengths), on `t`'s device. By default
+    /// through host memory; an in-process group concatenates the ranks' tensors where they lie.
+    fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        let device = t.device();
+        let v: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+        let all = self.all_gather(&v)?;
+        let n = all.len();
+        Ok(traffic::upload(TensorData::new(all, [n]), &device, traffic::Kind::Collective))
+    }
     /// Replaces `buf` on every rank with `root`'s.
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError>;
     /// Queues `buf` for rank `to` under `tag`; never waits for the receive.
@@ -618,6 +637,45 @@ impl ThreadComm {
 /// arithmetic per rank).
 const SMALL: usize = 1 << 14;
 
+impl ThreadComm {
+    /// The elements `range` of every rank's tensor (each of this rank's length) combined in
+    /// rank order, on `t`'s device (`None`: concatenated in rank order). Every rank's tensor is
+    /// taken and combined while the exchange still holds them all: on wgpu, combining clones
+    /// after the exchange had let go of the other ranks' handles gave wrong sums now and then.
+    fn combine_tensors(&self, op: &'static str, t: Tensor<1>, how: Option<ReduceOp>, range: Range<usize>) -> Result<Tensor<1>, CommError> {
+        let (device, n) = (t.device(), t.dims()[0]);
+        let whole = range.start == 0 && range.end == n;
+        let all = self.exchange(op, Arc::new(Mutex::new(t)))?;
+        let mut out: Option<Tensor<1>> = None;
+        let mut parts = Vec::new();
+        for (r, p) in all.iter().enumerate() {
+            let t = p
+                .downcast_ref::<Mutex<Tensor<1>>>()
+                .map(|m| lock(m).clone())
+                .ok_or_else(|| CommError::Mismatch { op, detail: "ranks passed different kinds of buffer".into() })?;
+            if t.dims()[0] != n {
+                return Err(CommError::Mismatch { op, detail: format!("rank {r} passed {} elements, this rank {n}", t.dims()[0]) });
+            }
+            let t = if whole { t } else { t.narrow(0, range.start, range.len()) };
+            let t = t.to_device(&device);
+            let Some(how) = how else {
+                parts.push(t);
+                continue;
+            };
+            out = Some(match (out, how) {
+                (None, _) => t,
+                (Some(acc), ReduceOp::Sum) => acc + t,
+                // As on the host: the later rank's value where it is greater.
+                (Some(acc), ReduceOp::Max) => acc.clone().mask_where(acc.lower(t.clone()), t),
+            });
+        }
+        Ok(match how {
+            Some(_) => out.expect("a group has at least one rank"),
+            None => Tensor::cat(parts, 0),
+        })
+    }
+}
+
 impl Collective for ThreadComm {
     fn rank(&self) -> usize {
         self.rank
@@ -649,27 +707,25 @@ impl Collective for ThreadComm {
         if self.size() == 1 {
             return Ok(t);
         }
-        let (device, dims) = (t.device(), t.dims());
-        let all = self.exchange("all_reduce_tensor", Arc::new(Mutex::new(t)))?;
-        let mut out: Option<Tensor<1>> = None;
-        for (r, p) in all.iter().enumerate() {
-            let t = p
-                .downcast_ref::<Mutex<Tensor<1>>>()
-                .map(|m| lock(m).clone())
-                .ok_or_else(|| CommError::Mismatch { op: "all_reduce_tensor", detail: "ranks passed different kinds of buffer".into() })?;
-            if t.dims() != dims {
-                let detail = format!("rank {r} passed {} elements, this rank {}", t.dims()[0], dims[0]);
-                return Err(CommError::Mismatch { op: "all_reduce_tensor", detail });
-            }
-            let t = t.to_device(&device);
-            out = Some(match (out, op) {
-                (None, _) => t,
-                (Some(acc), ReduceOp::Sum) => acc + t,
-                // As on the host: the later rank's value where it is greater.
-                (Some(acc), ReduceOp::Max) => acc.clone().mask_where(acc.lower(t.clone()), t),
-            });
+        let n = t.dims()[0];
+        self.combine_tensors("all_reduce_tensor", t, Some(op), 0..n)
+    }
+
+    fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        let (n, size) = (t.dims()[0], self.size());
+        check_scatter(n, size)?;
+        if size == 1 {
+            return Ok(t);
         }
-        Ok(out.expect("a group has at least one rank"))
+        self.combine_tensors("reduce_scatter_tensor", t, Some(op), chunk_range(n, size, self.rank))
+    }
+
+    fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        if self.size() == 1 {
+            return Ok(t);
+        }
+        let n = t.dims()[0];
+        self.combine_tensors("all_gather_tensor", t, None, 0..n)
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
@@ -961,6 +1017,40 @@ mod tests {
             assert!(mismatch.as_deref().is_some_and(|m| m.contains("elements")), "{mismatch:?}");
         }
         assert_eq!(out[0].0, out[1].0);
+    }
+
+    /// The tensor reduce-scatter and all-gather (where the tensors lie, and the trait's defaults
+    /// through host memory) give the host collectives' values to the bit.
+    #[test]
+    fn tensor_reduce_scatter_and_all_gather_match_the_host_ones_bit_for_bit() {
+        let len = 3 * 1000;
+        let out = run(3, move |c| {
+            let r = c.rank() as f32;
+            let v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37 + r).sin() * 10f32.powi(i as i32 % 7 - 3)).collect();
+            let tensor = |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &Default::default());
+            let bits = |t: Tensor<1>| t.into_data().iter::<f32>().map(f32::to_bits).collect::<Vec<_>>();
+            let host_bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let host = host_bits(c.reduce_scatter(&v, ReduceOp::Sum).unwrap());
+            let in_place = bits(c.reduce_scatter_tensor(tensor(&v), ReduceOp::Sum).unwrap());
+            let gathered = host_bits(c.all_gather(&v[..7]).unwrap());
+            let gathered_in_place = bits(c.all_gather_tensor(tensor(&v[..7])).unwrap());
+            let comm = ThroughHost(c);
+            let through_host = (
+                bits(comm.reduce_scatter_tensor(tensor(&v), ReduceOp::Sum).unwrap()),
+                bits(comm.all_gather_tensor(tensor(&v[..7])).unwrap()),
+            );
+            // A length that does not split into equal chunks is an error.
+            let uneven = comm.0.reduce_scatter_tensor(tensor(&v[..len - 1]), ReduceOp::Sum).err().map(|e| e.to_string());
+            (host, in_place, gathered, gathered_in_place, through_host, uneven)
+        });
+        for (host, in_place, gathered, gathered_in_place, through_host, uneven) in &out {
+            assert_eq!(host.len(), len / 3);
+            assert_eq!(host, in_place, "the tensor reduce-scatter differs from the host one");
+            assert_eq!(gathered, gathered_in_place, "the tensor all-gather differs from the host one");
+            assert_eq!((&through_host.0, &through_host.1), (host, gathered));
+            assert!(uneven.as_deref().is_some_and(|m| m.contains("equal chunks")), "{uneven:?}");
+        }
+        assert_ne!(out[0].0, out[1].0, "each rank gets its own chunk");
     }
 
     #[test]

@@ -152,32 +152,40 @@ fn wgpu_ranks_train_like_flex_ranks() {
 type Weights = std::collections::HashMap<String, Vec<f32>>;
 
 /// Trains two steps on dp2, changes the layout to tp2 in memory, trains two more: per step
-/// (loss, tr(Sigma) of the smoothed estimate), and the weights at the end. `zero1`: the
-/// optimizer sharded over dp (its moments gathered for the change).
-fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f64>)>, Weights) {
+/// (loss, tr(Sigma) of the smoothed estimate), the weights at the end, and the host traffic of
+/// the second step (on dp2). `zero1`: the optimizer sharded over dp (its moments gathered for
+/// the change).
+fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f64>)>, Weights, HostTraffic) {
     let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
     let ec = EngineConfig::new(dims(2, 1, 1), 4, 2, SEQ, optim).with_devices(devices).with_zero1(zero1);
     let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
-    let mut steps = Vec::new();
+    let (mut steps, mut host) = (Vec::new(), HostTraffic::default());
     for s in 0..4 {
         if s == 2 {
             engine.reconfigure(dims(1, 2, 1), 4, 2).unwrap();
         }
         let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
         assert!(!out.skipped);
+        if s == 1 {
+            host = out.host;
+        }
         steps.push((out.metrics.loss, out.metrics.trace));
     }
-    (steps, engine.gather().unwrap())
+    (steps, engine.gather().unwrap(), host)
 }
 
-/// Also with ZeRO-1 on the wgpu ranks (the pieces' updates on the device, the collectives
-/// through host buffers), against the unsharded Flex run (ZeRO-1 on Flex matches it within
-/// 1e-6: `zero1_trains_as_the_unsharded_optimizer`).
+/// Also with ZeRO-1 on the wgpu ranks (the reduce-scatter, the pieces' updates and the
+/// all-gather on the device: a dp2 step stages no gradient or weight on the host), against the
+/// unsharded Flex run (ZeRO-1 on Flex matches it within 1e-6:
+/// `zero1_trains_as_the_unsharded_optimizer`).
 #[test]
 fn a_layout_change_on_wgpu_trains_like_one_on_flex() {
-    let (flex, flex_weights) = run_with_switch(Vec::new(), false);
+    let (flex, flex_weights, _) = run_with_switch(Vec::new(), false);
     for zero1 in [false, true] {
-        let (wgpu, wgpu_weights) = run_with_switch(vec![RankDevice::Wgpu; 2], zero1);
+        let (wgpu, wgpu_weights, host) = run_with_switch(vec![RankDevice::Wgpu; 2], zero1);
+        eprintln!("zero1 {zero1}: host traffic of a dp2 step {host:?}");
+        assert_eq!(host.collective, 0, "zero1 {zero1}: gradients or weights staged on the host");
+        assert!(host.beyond_batch() <= 64 << 10, "zero1 {zero1}: {host:?} beyond the token ids");
         for (s, (f, w)) in flex.iter().zip(&wgpu).enumerate() {
             assert!(rel(w.0, f.0) <= 1e-6, "zero1 {zero1} step {s}: loss {} on wgpu, {} on Flex", w.0, f.0);
             // The estimator's tr(Sigma), from the probe's norms of every step so far.

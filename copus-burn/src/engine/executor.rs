@@ -137,7 +137,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         // ZeRO-1: the gradient reduce-scattered over dp; this rank's chunk of the sum.
         let zero_chunk = match &self.zero {
-            Some(z) => Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp)?),
+            Some(z) => {
+                // On the ranks' devices where the job is device-resident and the group combines
+                // tensors where they lie (as the dp all-reduce below).
+                let on_device = self.device_resident() && self.dp.reduces_tensors_in_place();
+                Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp, on_device)?)
+            }
             None => None,
         };
         // Data parallel: the flattened gradients all-reduced where they lie on a device, in
@@ -202,7 +207,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         self.stage = Some(match (&self.zero, zero_chunk) {
             (Some(z), Some(chunk)) => {
                 let factor = crate::closing::clip_factor(&self.cfg.optim, closed.grad_norm);
-                z.update(&mut self.optim, stage, &chunk, factor, closed.lr, &self.dp)?
+                z.update(&mut self.optim, stage, chunk, factor, closed.lr, &self.dp)?
             }
             _ => self.optim.step(closed.lr, stage, closed.grads),
         });

@@ -438,7 +438,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         let mut source = ShardSource::new(source);
         let cfg = job.cfg.clone();
-        let state = RankState::build(
+        let mut state = RankState::build(
             me,
             groups,
             plan,
@@ -452,6 +452,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.device.clone(),
         )
         .map_err(|e| load(e.to_string()))?;
+        state.shard_optimizer().map_err(|e| load(e.to_string()))?;
         let built = clock.elapsed().as_secs_f64();
         for (name, t) in state.named_weights() {
             let ok = expected.remove(&name).is_some_and(|want| want.held_by(&t));

@@ -101,36 +101,17 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if fault.hits(ReconfigPhase::Load) {
             return Err(EngineError::Rank { rank, message: "injected failure while loading shards".into() });
         }
-        let mut state = Self::build_whole(rank, groups, plan, &mut source, resume, model, &specs, &parallel, hidden, cfg, device)?;
+        let mut state = Self::build(rank, groups, plan, &mut source, resume, model, &specs, &parallel, hidden, cfg, device)?;
         let hashes = state.checksums()?;
         state.shard_optimizer()?;
         Ok((state, hashes))
     }
 
     /// Builds this rank's stage from its shards in `source` with process groups `groups`, then
-    /// restores `resume` (whole optimizer moments, sharded over dp with ZeRO-1).
+    /// restores `resume`. The optimizer's moments stay whole until
+    /// [`Self::shard_optimizer`] (ZeRO-1).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn build(
-        rank: usize,
-        groups: Groups<C>,
-        plan: ShardPlan,
-        source: &mut ShardSource,
-        resume: RankResume,
-        model: &L,
-        specs: &[ParamSpec],
-        parallel: &Arc<ParallelPlan>,
-        hidden: usize,
-        cfg: EngineConfig,
-        device: Device,
-    ) -> Result<Self, EngineError> {
-        let mut state = Self::build_whole(rank, groups, plan, source, resume, model, specs, parallel, hidden, cfg, device)?;
-        state.shard_optimizer()?;
-        Ok(state)
-    }
-
-    /// [`Self::build`], keeping the restored moments whole.
-    #[allow(clippy::too_many_arguments)]
-    fn build_whole(
         rank: usize,
         groups: Groups<C>,
         plan: ShardPlan,
@@ -206,7 +187,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// With ZeRO-1 over dp > 1: plans the shards and keeps this rank's pieces of the moments.
-    fn shard_optimizer(&mut self) -> Result<(), EngineError> {
+    pub(super) fn shard_optimizer(&mut self) -> Result<(), EngineError> {
         let dp = self.cfg.dims.dp;
         if !self.cfg.zero1 || dp == 1 {
             return Ok(());

@@ -15,8 +15,10 @@
 //! With dp > 1 a step has at least two micro-batches, so the probe never keeps a previous
 //! gradient here. Staging (checkpoints, exports, a live layout change) all-gathers the moments
 //! over dp into whole tensors, moved and checked as unsharded ones are; a rank built from
-//! whole moments keeps its pieces ([`ZeroPlan::shard`]). Collectives go through host buffers on
-//! every backend.
+//! whole moments keeps its pieces ([`ZeroPlan::shard`]). Where every rank is on a device and
+//! the group combines tensors where they lie (in-process ranks), the chunk, the update and the
+//! gathered weights stay on the devices; otherwise (Flex, MPI) the collectives go through host
+//! buffers.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -27,7 +29,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::grad_index::GradIndex;
 use crate::collective::{Collective, CommError, ReduceOp};
-use crate::grads::with_values;
+use crate::grads::{read_sum, with_values};
 use crate::optim::{self as adamw, AdamW, Moments, marked_as};
 use crate::state::OptimScalars;
 use crate::traffic::{self, Kind};
@@ -164,65 +166,118 @@ impl ZeroPlan {
     }
 
     /// The accumulated gradient `acc` reduce-scattered over `dp`: this rank's chunk of the sum.
-    /// Each gradient is freed once copied into the flat buffer, which is handed to the
-    /// collective, so the step holds one copy of the gradient at a time.
+    /// `on_device`: as one tensor where the gradients lie (the ranks' devices, an in-process
+    /// group), else through a host buffer. Each gradient is freed once copied into the flat
+    /// buffer, which is handed to the collective, so the step holds one copy of the gradient at
+    /// a time.
     pub(super) fn reduce<S: Module, C: Collective>(
         &self,
         stage: &S,
         index: &GradIndex,
         mut acc: GradientsParams,
         dp: &C,
-    ) -> Result<Vec<f32>, CommError> {
+        on_device: bool,
+    ) -> Result<Chunk, CommError> {
+        if on_device && let Some(flat) = index.flatten_on_device(stage, &acc, |_| true) {
+            drop(acc);
+            let pad = self.padded() - flat.dims()[0];
+            let flat = if pad > 0 { Tensor::cat(vec![flat.clone(), Tensor::zeros([pad], &flat.device())], 0) } else { flat };
+            return Ok(Chunk::Device(dp.reduce_scatter_tensor(flat, ReduceOp::Sum)?));
+        }
         let mut flat = index.flatten_taking(stage, &mut acc, |_| true);
         flat.resize(self.padded(), 0.0);
-        dp.reduce_scatter_owned(flat, ReduceOp::Sum)
+        Ok(Chunk::Host(dp.reduce_scatter_owned(flat, ReduceOp::Sum)?))
     }
 
-    /// Sum of squares of the counted elements of a reduced `chunk`, in f64.
-    pub(super) fn sq_norm(&self, chunk: &[f32]) -> f64 {
-        self.pieces()
-            .filter(|(s, _, _)| s.counted)
-            .map(|(_, _, at)| chunk[at].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>())
-            .sum()
+    /// Sum of squares of the counted elements of a reduced `chunk`, in f64 (on a device, each
+    /// piece's sum reduced there in f32 and the sums read back together).
+    pub(super) fn sq_norm(&self, chunk: &Chunk) -> f64 {
+        let counted = self.pieces().filter(|(s, _, _)| s.counted);
+        match chunk {
+            Chunk::Host(v) => counted.map(|(_, _, at)| v[at].iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()).sum(),
+            Chunk::Device(t) => read_sum(counted.map(|(_, _, at)| t.clone().narrow(0, at.start, at.len()).square().sum()).collect()),
+        }
     }
 
     /// AdamW at learning rate `lr` on this rank's pieces of `stage`'s parameters, with the
     /// reduced gradient `chunk` scaled by `factor` (clipping), then the updated pieces
-    /// all-gathered over `dp` into the weights: the stage after the update.
+    /// all-gathered over `dp` into the weights (as tensors where the chunk is one): the stage
+    /// after the update.
     pub(super) fn update<S: Module, C: Collective>(
         &self,
         optim: &mut AdamW,
         stage: S,
-        chunk: &[f32],
+        chunk: Chunk,
         factor: f64,
         lr: f64,
         dp: &C,
     ) -> Result<S, CommError> {
         let weights: HashMap<ParamId, Tensor<1>> = crate::parallel::flat_params(&stage).into_iter().map(|(_, id, _, t)| (id, t)).collect();
-        let mut mine = vec![0f32; self.chunk];
+        let mut updated = Vec::new();
         for (s, range, at) in self.pieces() {
             let p = weights[&s.id].clone().narrow(0, range.start, range.len());
-            let device = p.device();
-            let g: Vec<f32> =
-                if factor == 1.0 { chunk[at.clone()].to_vec() } else { chunk[at.clone()].iter().map(|&g| g * factor as f32).collect() };
-            let g = traffic::upload::<1, _>(TensorData::new(g, [range.len()]), &device, Kind::Collective);
-            let updated = optim.update_piece(s.id, &s.path, p, g, lr);
-            with_values(&updated, Kind::Collective, |v| mine[at].copy_from_slice(v));
+            let g = match &chunk {
+                Chunk::Host(v) => {
+                    let g: Vec<f32> =
+                        if factor == 1.0 { v[at.clone()].to_vec() } else { v[at.clone()].iter().map(|&g| g * factor as f32).collect() };
+                    traffic::upload::<1, _>(TensorData::new(g, [range.len()]), &p.device(), Kind::Collective)
+                }
+                Chunk::Device(t) => {
+                    let g = t.clone().narrow(0, at.start, at.len());
+                    if factor == 1.0 { g } else { g.mul_scalar(factor) }
+                }
+            };
+            updated.push((at, optim.update_piece(s.id, &s.path, p, g, lr)));
         }
         drop(weights);
-        let all = dp.all_gather(&mine)?;
         let offsets = self.slots.iter().map(|s| (s.id, s.offset)).collect();
-        Ok(stage.map(&mut SetWeights { flat: &all, offsets }))
+        let all = match chunk {
+            Chunk::Host(_) => {
+                let mut mine = vec![0f32; self.chunk];
+                for (at, t) in &updated {
+                    with_values(t, Kind::Collective, |v| mine[at.clone()].copy_from_slice(v));
+                }
+                drop(updated);
+                Flat::Host(dp.all_gather(&mine)?)
+            }
+            Chunk::Device(t) => {
+                let device = t.device();
+                drop(t);
+                let filled: usize = updated.iter().map(|(at, _)| at.len()).sum();
+                let mut parts: Vec<Tensor<1>> = updated.into_iter().map(|(_, t)| t).collect();
+                if filled < self.chunk {
+                    // The padding (the last rank's chunk ends past the parameters).
+                    parts.push(Tensor::zeros([self.chunk - filled], &device));
+                }
+                Flat::Device(dp.all_gather_tensor(Tensor::cat(parts, 0))?)
+            }
+        };
+        Ok(stage.map(&mut SetWeights { flat: all, offsets }))
     }
 }
 
-/// Sets every parameter listed to its values in a flat buffer.
-struct SetWeights<'a> {
-    flat: &'a [f32],
+/// A rank's chunk of the reduced gradient: a host buffer, or a tensor on the rank's device.
+// One per step, moved rather than copied; boxing the tensor would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Chunk {
+    Host(Vec<f32>),
+    Device(Tensor<1>),
+}
+
+/// The updated weights of the whole stage, flat.
+#[allow(clippy::large_enum_variant)]
+enum Flat {
+    Host(Vec<f32>),
+    Device(Tensor<1>),
+}
+
+/// Sets every parameter listed to its values in the flat weights.
+struct SetWeights {
+    flat: Flat,
     offsets: HashMap<ParamId, usize>,
 }
 
-impl ModuleMapper for SetWeights<'_> {
+impl ModuleMapper for SetWeights {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(&at) = self.offsets.get(&id) else { return Param::from_mapped_value(id, tensor, mapper) };
@@ -230,8 +285,10 @@ impl ModuleMapper for SetWeights<'_> {
         let inner = tensor.inner();
         let shape = inner.shape();
         let n = shape.num_elements();
-        let data = TensorData::new(self.flat[at..at + n].to_vec(), shape);
-        let updated = traffic::upload::<D, _>(data, &inner.device(), Kind::Collective);
+        let updated = match &self.flat {
+            Flat::Host(v) => traffic::upload::<D, _>(TensorData::new(v[at..at + n].to_vec(), shape), &inner.device(), Kind::Collective),
+            Flat::Device(t) => t.clone().narrow(0, at, n).reshape(shape),
+        };
         Param::from_mapped_value(id, mark(updated), mapper)
     }
 }
