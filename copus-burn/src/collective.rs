@@ -134,6 +134,12 @@ pub trait Collective: Send + Sized {
     fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
         self.reduce_scatter(&buf, op)
     }
+    /// Whether [`Self::reduce_scatter_tensor`] and [`Self::all_gather_tensor`] work where the
+    /// tensors lie (an in-process group); `false` (the default) when they stage whole buffers
+    /// through host memory.
+    fn scatters_tensors_in_place(&self) -> bool {
+        false
+    }
     /// [`Self::reduce_scatter`] of the tensor `t`: this rank's chunk on `t`'s device. By default
     /// through host memory (counted as collective traffic); an in-process group combines the
     /// ranks' chunks where they lie, in rank order, as through host memory.
@@ -700,6 +706,10 @@ impl Collective for ThreadComm {
     }
 
     fn reduces_tensors_in_place(&self) -> bool {
+        true
+    }
+
+    fn scatters_tensors_in_place(&self) -> bool {
         true
     }
 

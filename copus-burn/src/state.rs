@@ -154,7 +154,9 @@ type ShardKey = (usize, String, String);
 /// field) -> values. Each shard's length is its parameter's, exported by that rank; every
 /// element must come from exactly one piece.
 fn stitch_pieces(exports: &[RankExport], grid: &RankGrid) -> Result<HashMap<ShardKey, Vec<f32>>, StateError> {
-    let mut out: HashMap<ShardKey, (Vec<f32>, usize)> = HashMap::new();
+    // Each shard and the (start, end) of the pieces written into it.
+    type Tiles = Vec<(usize, usize)>;
+    let mut out: HashMap<ShardKey, (Vec<f32>, Tiles)> = HashMap::new();
     for (r, e) in exports.iter().enumerate() {
         let Some(offsets) = &e.optim_offsets else { continue };
         let bad = |m: String| StateError::Incomplete(format!("sharded optimizer state of rank {r}: {m}"));
@@ -169,21 +171,35 @@ fn stitch_pieces(exports: &[RankExport], grid: &RankGrid) -> Result<HashMap<Shar
                 .and_then(|x| x.params.iter().find(|(p, _)| p == n))
                 .map(|(_, p)| p.len())
                 .ok_or_else(|| bad(format!("`{n}` is not a parameter of rank {r0}")))?;
-            let (shard, filled) = out.entry((r0, n.clone(), f.clone())).or_insert_with(|| (vec![0f32; len], 0));
+            let (shard, pieces) = out.entry((r0, n.clone(), f.clone())).or_insert_with(|| (vec![0f32; len], Vec::new()));
             let dst = shard
                 .get_mut(at..at + v.len())
                 .ok_or_else(|| bad(format!("a piece of `{n}` at {at}+{} past its {len} elements", v.len())))?;
             dst.copy_from_slice(v);
-            *filled += v.len();
+            pieces.push((at, at + v.len()));
         }
     }
     out.into_iter()
-        .map(|(key, (shard, filled))| {
-            if filled == shard.len() {
-                Ok((key, shard))
-            } else {
-                Err(StateError::Incomplete(format!("the pieces of `{}#{}` cover {filled} of its {} elements", key.1, key.2, shard.len())))
+        .map(|(key, (shard, mut pieces))| {
+            // Sorted, the pieces must tile the shard: each starts where the previous ended.
+            pieces.sort_unstable();
+            let mut end = 0;
+            for (a, b) in pieces {
+                if a != end {
+                    let what = if a < end { "overlap" } else { "leave a gap" };
+                    return Err(StateError::Incomplete(format!("the pieces of `{}#{}` {what} at element {a}", key.1, key.2)));
+                }
+                end = b;
             }
+            if end != shard.len() {
+                return Err(StateError::Incomplete(format!(
+                    "the pieces of `{}#{}` end at {end} of its {} elements",
+                    key.1,
+                    key.2,
+                    shard.len()
+                )));
+            }
+            Ok((key, shard))
         })
         .collect()
 }

@@ -140,8 +140,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             Some(z) => {
                 // On the ranks' devices where the job is device-resident and the group combines
                 // tensors where they lie (as the dp all-reduce below).
-                let on_device = self.device_resident() && self.dp.reduces_tensors_in_place();
-                Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp, on_device)?)
+                let on_device = self.device_resident() && self.dp.scatters_tensors_in_place();
+                let bucket = self.cfg.bucket_elems;
+                Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp, on_device, bucket)?)
             }
             None => None,
         };

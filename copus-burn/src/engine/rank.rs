@@ -367,7 +367,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(FlatState { shards: out, scalars, stepped, has_previous: prev.is_some() })
     }
 
-    /// This rank's state for staging (data only from dp replica 0).
+    /// This rank's state for staging (data only from dp replica 0, but for a sharded
+    /// optimizer's pieces, which every replica hands back).
     pub(super) fn export(&self) -> Result<RankExport, RankError> {
         let mut out = RankExport {
             params: Vec::new(),

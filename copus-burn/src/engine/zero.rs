@@ -5,20 +5,24 @@
 //! A chunk may start or end inside a parameter, so a rank keeps, for each parameter its chunk
 //! overlaps, the moments of that piece only (flat, of the piece's length). One step:
 //! - the accumulated gradient is reduce-scattered over dp (summed in rank order, as the
-//!   unsharded all-reduce sums it): each rank holds the reduced gradient of its chunk only;
+//!   unsharded all-reduce of in-process ranks sums it): each rank holds the reduced gradient of
+//!   its chunk only. A group that cannot reduce-scatter without gathering whole buffers (MPI,
+//!   NCCL here) all-reduces the gradient in buckets, as the unsharded step does, and each rank
+//!   keeps its chunk;
 //! - the squared norm of the reduced gradient is summed over the chunk's counted elements and
 //!   then over the world (the dp chunks and the model-parallel shards are disjoint), so the
-//!   probe and clipping see the number the unsharded step computes;
+//!   probe and clipping see the number the unsharded step computes, to rounding;
 //! - each rank runs AdamW on its pieces (the same arithmetic, element for element) and the
 //!   updated pieces are all-gathered over dp into every replica's weights.
 //!
 //! With dp > 1 a step has at least two micro-batches, so the probe never keeps a previous
-//! gradient here. Staging (checkpoints, exports, a live layout change) all-gathers the moments
-//! over dp into whole tensors, moved and checked as unsharded ones are; a rank built from
-//! whole moments keeps its pieces ([`ZeroPlan::shard`]). Where every rank is on a device and
-//! the group combines tensors where they lie (in-process ranks), the chunk, the update and the
-//! gathered weights stay on the devices; otherwise (Flex, MPI) the collectives go through host
-//! buffers.
+//! gradient here. Checkpoints and exports take each replica's pieces without a collective
+//! ([`ZeroPlan::pieces_for_export`]; `TrainingState::from_exports` stitches them); a live
+//! layout change all-gathers the moments over dp into whole tensors, moved and checked as
+//! unsharded ones are; a rank built from whole moments keeps its pieces ([`ZeroPlan::shard`]).
+//! Where every rank is on a device and the group combines tensors where they lie (in-process
+//! ranks), the chunk, the update and the gathered weights stay on the devices; otherwise (Flex,
+//! MPI, NCCL) the collectives go through host buffers.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -170,6 +174,7 @@ impl ZeroPlan {
     /// group), else through a host buffer. Each gradient is freed once copied into the flat
     /// buffer, which is handed to the collective, so the step holds one copy of the gradient at
     /// a time.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn reduce<S: Module, C: Collective>(
         &self,
         stage: &S,
@@ -177,16 +182,32 @@ impl ZeroPlan {
         mut acc: GradientsParams,
         dp: &C,
         on_device: bool,
+        bucket: usize,
     ) -> Result<Chunk, CommError> {
         if on_device && let Some(flat) = index.flatten_on_device(stage, &acc, |_| true) {
             drop(acc);
             let pad = self.padded() - flat.dims()[0];
-            let flat = if pad > 0 { Tensor::cat(vec![flat.clone(), Tensor::zeros([pad], &flat.device())], 0) } else { flat };
+            let flat = if pad > 0 {
+                let device = flat.device();
+                Tensor::cat(vec![flat, Tensor::zeros([pad], &device)], 0)
+            } else {
+                flat
+            };
             return Ok(Chunk::Device(dp.reduce_scatter_tensor(flat, ReduceOp::Sum)?));
         }
         let mut flat = index.flatten_taking(stage, &mut acc, |_| true);
         flat.resize(self.padded(), 0.0);
-        Ok(Chunk::Host(dp.reduce_scatter_owned(flat, ReduceOp::Sum)?))
+        if dp.reduces_tensors_in_place() {
+            return Ok(Chunk::Host(dp.reduce_scatter_owned(flat, ReduceOp::Sum)?));
+        }
+        // MPI's and the GPU libraries' host reduce-scatter here gathers every rank's whole
+        // buffer: all-reduce in buckets instead, and keep this rank's chunk.
+        for part in flat.chunks_mut(bucket.max(1)) {
+            dp.all_reduce(part, ReduceOp::Sum)?;
+        }
+        let mine = self.dp_rank * self.chunk..(self.dp_rank + 1) * self.chunk;
+        flat.truncate(mine.end);
+        Ok(Chunk::Host(flat.split_off(mine.start)))
     }
 
     /// Sum of squares of the counted elements of a reduced `chunk`, in f64 (on a device, each
@@ -216,6 +237,15 @@ impl ZeroPlan {
         let mut updated = Vec::new();
         for (s, range, at) in self.pieces() {
             let p = weights[&s.id].clone().narrow(0, range.start, range.len());
+            // On the host the piece gets a buffer of its own (a view would make the update copy
+            // its whole parameter before writing the piece).
+            let p = match &chunk {
+                Chunk::Host(_) => {
+                    let values = with_values(&p, Kind::State, <[f32]>::to_vec);
+                    traffic::upload::<1, _>(TensorData::new(values, [range.len()]), &p.device(), Kind::State)
+                }
+                Chunk::Device(_) => p,
+            };
             let g = match &chunk {
                 Chunk::Host(v) => {
                     let g: Vec<f32> =
