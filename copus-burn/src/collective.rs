@@ -100,6 +100,14 @@ pub enum CommError {
     },
 }
 
+/// A group's tensor all-reduce as an owned handle, for where a [`Collective`] cannot go: inside
+/// an operation of Burn's autodiff graph, whose backward pass runs on the rank's thread after
+/// the forward call has returned (Megatron's conjugate operators, `engine::tp_graph`).
+pub trait TensorSum: Send + Sync {
+    /// As [`Collective::all_reduce_tensor`] of the group the handle came from.
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError>;
+}
+
 /// Communication among the ranks of one group.
 pub trait Collective: Send + Sized {
     /// This rank's index in the group.
@@ -118,6 +126,11 @@ pub trait Collective: Send + Sized {
         self.all_reduce(&mut v, op)?;
         let n = v.len();
         Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
+    }
+    /// An owned handle on this group's tensor all-reduce ([`TensorSum`]), where the group can
+    /// give one (an in-process group); `None` by default.
+    fn tensor_sum(&self) -> Option<Arc<dyn TensorSum>> {
+        None
     }
     /// Whether [`Self::all_reduce_tensor`] combines the tensors where they lie (an in-process
     /// group); `false` (the default) when it stages them through host memory in one buffer,
@@ -682,6 +695,17 @@ impl ThreadComm {
     }
 }
 
+/// [`ThreadComm::tensor_sum`]'s handle: the rank's place in the group's exchange, for tensor
+/// all-reduces only (a copy of the communicator that never splits, so its sub-group ids
+/// cannot collide with the original's).
+struct ThreadSum(ThreadComm);
+
+impl TensorSum for ThreadSum {
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        self.0.all_reduce_tensor(t, op)
+    }
+}
+
 impl Collective for ThreadComm {
     fn rank(&self) -> usize {
         self.rank
@@ -707,6 +731,17 @@ impl Collective for ThreadComm {
 
     fn reduces_tensors_in_place(&self) -> bool {
         true
+    }
+
+    fn tensor_sum(&self) -> Option<Arc<dyn TensorSum>> {
+        Some(Arc::new(ThreadSum(ThreadComm {
+            world: self.world.clone(),
+            members: self.members.clone(),
+            rank: self.rank,
+            exchange: self.exchange.clone(),
+            group_id: self.group_id,
+            splits: AtomicU64::new(self.splits.load(Ordering::Relaxed)),
+        })))
     }
 
     fn scatters_tensors_in_place(&self) -> bool {

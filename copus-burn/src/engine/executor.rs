@@ -247,9 +247,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// Receives a stage boundary's values from pipeline rank `from`: as a tensor on this rank's
-    /// device when a stage runs as one graph (tp = 1), else into host memory.
+    /// device when a stage runs as one graph (tp = 1) or on a device, else (Flex's
+    /// tensor-parallel regions) into host memory.
     pub(super) fn receive(&self, from: usize, tag: u32) -> Result<Boundary, RankError> {
-        Ok(if self.cfg.dims.tp == 1 {
+        Ok(if self.cfg.dims.tp == 1 || self.device_resident() {
             Boundary::Device(self.pp.recv_tensor(from, tag, &self.device)?)
         } else {
             Boundary::Host(self.pp.recv(from, tag)?)

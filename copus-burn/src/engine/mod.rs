@@ -48,6 +48,7 @@ pub(crate) mod messages;
 mod processes;
 mod rank;
 mod regions;
+mod tp_graph;
 mod zero;
 
 use std::collections::HashMap;

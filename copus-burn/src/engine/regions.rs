@@ -9,13 +9,18 @@
 //! Without tensor parallelism (tp = 1) there is nothing to sum: the stage runs as one autodiff
 //! graph from its input (the tokens, or the activation received from the previous stage) to
 //! its output (the loss, or the activation sent on), and only the pipeline's boundaries and
-//! the loss's scalar leave the device.
+//! the loss's scalar leave the device. Under tensor parallelism on a device, without
+//! activation checkpointing and where the tp group can hand its sum to the graph (ranks in one
+//! process), the stage is one graph too, with Megatron's conjugate operators at the regions'
+//! edges ([`super::tp_graph`]): the sums of the forward pass (g) and of the backward pass (f)
+//! run inside it, and the vocabulary-parallel loss seeds it with its gradient.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::{Checkpointing, RankDevice};
 use super::rank::{RankError, RankState};
+use super::tp_graph::{Group, copy_to_group, reduce_from_group};
 use crate::collective::{Collective, ReduceOp};
 use crate::fused;
 use crate::grads;
@@ -32,9 +37,12 @@ pub(super) struct InFlight {
     pub(super) activation_out: Option<Boundary>,
     pub(super) grad_in: Option<Boundary>,
     pub(super) grad_out: Option<Boundary>,
-    /// tp = 1: the stage's input leaf (after the first stage) and its output, the loss on the
-    /// last stage, one graph.
+    /// A stage run as one graph: its input leaf (after the first stage) and its output, the
+    /// loss on the last stage.
     pub(super) whole: Option<(Option<Tensor<3>>, Output)>,
+    /// Under tensor parallelism, the group whose sums the graph's operators run (and where a
+    /// sum that failed in the backward pass is kept).
+    pub(super) group: Option<Group>,
     /// Under activation checkpointing: each segment of blocks `[start, end)` and the residual
     /// stream at its start (no graph), from which the backward pass recomputes the segment.
     pub(super) saved: Vec<(usize, usize, Boundary)>,
@@ -68,9 +76,14 @@ impl Boundary {
 }
 
 /// The output of a stage run as one graph.
+// One per micro-batch, moved rather than copied; boxing the tensors would only add allocations.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Output {
     /// The last stage's loss share, `[1]`.
     Loss(Tensor<1>),
+    /// The last stage's logits slice under tensor parallelism and the vocabulary-parallel
+    /// loss's gradient with respect to it, the seed of the backward pass.
+    Seeded(Tensor<3>, Tensor<3>),
     /// The residual stream handed to the next stage.
     Activation(Tensor<3>),
 }
@@ -156,8 +169,15 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
-        if self.cfg.dims.tp == 1 && self.cfg.checkpointing == Checkpointing::None {
-            return Ok(self.forward_whole(rows, scale, fl, ctx));
+        if self.cfg.checkpointing == Checkpointing::None {
+            if self.cfg.dims.tp == 1 {
+                return self.forward_whole(rows, scale, fl, ctx, None);
+            }
+            if self.device_resident()
+                && let Some(sum) = self.tp.tensor_sum()
+            {
+                return self.forward_whole(rows, scale, fl, ctx, Some(Group::new(sum)));
+            }
         }
         if self.device_resident() {
             return self.forward_regions_on_device(rows, scale, fl, ctx);
@@ -381,13 +401,31 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(acc.unwrap_or_default())
     }
 
-    /// [`Self::forward`] without tensor parallelism: the stage as one graph.
-    fn forward_whole(&self, rows: &[i64], scale: f64, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> f64 {
+    /// [`Self::forward`] as one graph: without tensor parallelism (`group` `None`), or with
+    /// its sums as the graph's operators over `group` (g where a block's or the embedding's
+    /// partial output joins the residual stream, f where the stream enters a block or the
+    /// head; the loss vocabulary-parallel, its gradient kept as the backward pass's seed).
+    fn forward_whole(
+        &self,
+        rows: &[i64],
+        scale: f64,
+        fl: &mut InFlight,
+        ctx: &<L::Stage as StageModel>::Ctx,
+        group: Option<Group>,
+    ) -> Result<f64, RankError> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
         let (inputs, targets) = self.stage_tokens(rows);
+        let enter = |h: Tensor<3>| match &group {
+            Some(g) => copy_to_group(h, g),
+            None => Ok(h),
+        };
+        let join = |y: Tensor<3>| match &group {
+            Some(g) => reduce_from_group(y, g),
+            None => Ok(y),
+        };
         let (input, mut h) = if let Some(inputs) = inputs {
-            (None, stage.embed(inputs))
+            (None, join(stage.embed(inputs))?)
         } else {
             let x = match fl.activation_in.take().expect("activation received before forward") {
                 Boundary::Device(t) => t.reshape(shape).require_grad(),
@@ -396,25 +434,36 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             (Some(x.clone()), x)
         };
         for i in 0..stage.num_blocks() {
-            h = h.clone() + stage.block(i, h, ctx);
+            h = h.clone() + join(stage.block(i, enter(h)?, ctx))?;
         }
         if !self.plan.is_last() {
             let n = h.shape().num_elements();
             fl.activation_out = Some(Boundary::Device(h.clone().detach().reshape([n])));
             fl.whole = Some((input, Output::Activation(h)));
-            return 0.0;
+            fl.group = group;
+            return Ok(0.0);
         }
         let targets = targets.expect("the last stage has its targets");
-        let loss = fused::cross_entropy_sum(stage.logits(h, ctx), targets).mul_scalar(scale);
-        let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
-        fl.whole = Some((input, Output::Loss(loss)));
-        value
+        let z = stage.logits(enter(h)?, ctx);
+        let (value, out) = if group.is_some() {
+            let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
+            (loss, Output::Seeded(z, dz))
+        } else {
+            let loss = fused::cross_entropy_sum(z, targets).mul_scalar(scale);
+            let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
+            (value, Output::Loss(loss))
+        };
+        fl.whole = Some((input, out));
+        fl.group = group;
+        Ok(value)
     }
 
-    /// [`Self::backward`] of a stage run as one graph.
-    fn backward_whole(&self, input: Option<Tensor<3>>, out: Output, fl: &mut InFlight) -> GradientsParams {
+    /// [`Self::backward`] of a stage run as one graph; under tensor parallelism, an error when a
+    /// sum of the graph's backward pass failed.
+    fn backward_whole(&self, input: Option<Tensor<3>>, out: Output, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
         let grads = match out {
             Output::Loss(loss) => loss.backward(),
+            Output::Seeded(z, dz) => (z * dz).sum().backward(),
             Output::Activation(h) => {
                 let seed = match fl.grad_in.take().expect("gradient received before backward") {
                     Boundary::Device(t) => t.reshape(h.dims()),
@@ -423,11 +472,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 (h * seed).sum().backward()
             }
         };
+        if let Some(e) = fl.group.take().and_then(|g| g.failure()) {
+            return Err(e.into());
+        }
         if let Some(x) = input {
             let n: usize = self.residual_shape().iter().product();
             fl.grad_out = Some(Boundary::Device(x.grad(&grads).map_or_else(|| Tensor::zeros([n], &self.device), |g| g.reshape([n]))));
         }
-        GradientsParams::from_grads(grads, self.stage())
+        Ok(GradientsParams::from_grads(grads, self.stage()))
     }
 
     /// Loss share of one micro-batch (its summed cross entropy times `scale`) and its gradient
@@ -456,7 +508,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Backward of one micro-batch through this stage; returns its parameter gradients.
     pub(super) fn backward(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<GradientsParams, RankError> {
         if let Some((input, out)) = fl.whole.take() {
-            return Ok(self.backward_whole(input, out, fl));
+            return self.backward_whole(input, out, fl);
         }
         if self.device_resident() {
             return self.backward_regions_on_device(fl, ctx);
