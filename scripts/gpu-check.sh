@@ -1,60 +1,144 @@
 #!/usr/bin/env bash
-# gpu-check.sh: throughput profile of the 20M and ~100M presets on one NVIDIA GPU, with the
-# throughput-optimal micro-batch per global batch. For a machine with a GPU, no network and no
-# Rust toolchain; it runs a `recipes` binary built beforehand.
+# gpu-check.sh: copus on one NVIDIA GPU, from a bundle built elsewhere, in under 10 minutes.
+# For a machine with a GPU, no network, no Rust toolchain and PyTorch in its Python.
 #
-# Build (on a machine with Rust, network and a C toolchain; Burn's CUDA build fetches LLVM):
-#     cargo build --profile dist -p recipes --features cuda
-# The `dist` profile strips symbols; the binary is target/dist/recipes (check it is under
-# 64 MiB: `du -m target/dist/recipes`).
-# Copy both files to the GPU machine, next to each other:
-#     scp target/dist/recipes scripts/gpu-check.sh gpu-host:copus/
-# Run there:
-#     cd copus && ./gpu-check.sh            # or COPUS_BIN=/path/to/recipes ./gpu-check.sh
-# Needs on the GPU machine: the NVIDIA driver (libcuda.so) and NVRTC (libnvrtc.so, from the
-# CUDA toolkit or the nvidia-cuda-nvrtc wheel); CubeCL compiles its kernels at run time.
-# Results go to ./gpu-check-out/ (profiles as RON and CSV) and to stdout.
+# Build the bundle (on a machine with Rust and the package registries; see the README's "The
+# GPU check"):
+#     scripts/build-gpu-bundle.sh            # writes target/gpu-bundle.tar.gz
+# Copy it to the GPU machine, unpack and run:
+#     tar xzf gpu-bundle.tar.gz && cd gpu-bundle && ./gpu-check.sh
+#
+# The bundle has two builds of `recipes`, one per GPU backend (neither needs LLVM to build):
+# - recipes-tch, backend `Tch`: Burn's LibTorch backend, linked against the libtorch of a
+#   PyTorch wheel and run against the libtorch of this machine's PyTorch (found with
+#   `python3 -c 'import torch'`, or COPUS_LIBTORCH=/path/to/torch/lib); the versions must match
+#   (`torch-version` in the bundle);
+# - recipes-wgpu, backend `Wgpu` with Burn's kernel fusion and autotuning: Vulkan through the
+#   loader in the bundle's lib/ (Debian's libvulkan1) and the NVIDIA driver's Vulkan ICD (its
+#   json, or one written here for libGLX_nvidia.so.0).
+# For each: `recipes bench device`, which trains tiny-1m three steps on the GPU and on the CPU
+# (Flex) on serial, dp2, tp2, pp2 and dp2 x tp2 and fails on a loss difference above 1e-3 or a
+# NaN, then measures samples/s, model-FLOPs utilisation and host bytes per step of tiny-20m and
+# small-100m on 1 and 8 ranks sharing the GPU, in f32 and bf16 (wgpu: f32 only). The GPU's
+# memory in use is sampled through each part (nvidia-smi) and its peak printed.
+#
+# Without a GPU: `./gpu-check.sh --cpu` runs the same checks on LibTorch's CPU device (and on
+# lavapipe, where Mesa's Vulkan driver is installed) with tiny-1m, to check the bundle itself.
+# Without PyTorch the Tch part is skipped (and reported as failed); recipes-wgpu needs none.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-bin="${COPUS_BIN:-$here/recipes}"
 out="${COPUS_OUT:-$PWD/gpu-check-out}"
-steps="${COPUS_PROFILE_STEPS:-3}"
+cpu=0
+[ "${1:-}" = "--cpu" ] && cpu=1
 
-fail() { echo "gpu-check: $*" >&2; exit 1; }
+fail() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
+say() { echo "gpu-check: $*"; }
 
-[ -x "$bin" ] || fail "no recipes binary at $bin (build it with: cargo build --profile dist -p recipes --features cuda; or set COPUS_BIN)"
-command -v nvidia-smi >/dev/null 2>&1 || fail "nvidia-smi not found: this machine has no NVIDIA driver, so no GPU to measure"
-gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
-[ "$gpus" -ge 1 ] || fail "nvidia-smi lists no GPU ($(nvidia-smi -L 2>&1 | head -1))"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1 | sed 's/^/gpu-check: GPU 0: /'
-mem_gib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%d", $1 / 1024 * 0.9}')"
-
-mkdir -p "$out"
-recipe() { # name preset seq global_batches micro_batches
-  cat > "$out/$1.ron" <<RON
-(
-    name: "$1",
-    output_dir: "$out",
-    model: (preset: "$2", seq_len: Some($3)),
-    train: (global_batch: 8, micro_batch: 1, max_steps: 1),
-    backend: Cuda,
-    parallel: (
-        world_size: 1,
-        layout: Some((dp: 1, tp: 1, pp: 1)),
-        global_batches: $4,
-        micro_batches: $5,
-        device_memory_gib: $mem_gib,
-        profile_steps: $steps,
-    ),
-)
-RON
-}
-recipe gpu-20m tiny-20m 512 "[8, 16, 32, 64, 128]" "[1, 2, 4, 8, 16, 32]"
-recipe gpu-100m small-100m 1024 "[8, 16, 32, 64]" "[1, 2, 4, 8, 16]"
-
-for r in gpu-20m gpu-100m; do
-  echo "gpu-check: profiling $r (every feasible B_g x B_m, $steps timed steps each)"
-  "$bin" profile "$out/$r.ron" --out "$out/$r-profile.ron" || fail "profiling $r failed (see above)"
+for b in recipes-tch recipes-wgpu; do
+  [ -x "$here/$b" ] || fail "no $b next to this script (build the bundle with scripts/build-gpu-bundle.sh)"
 done
-echo "gpu-check: done; profiles in $out"
+mkdir -p "$out"
+
+# LibTorch: this machine's PyTorch, whose version must be the one the bundle was built against.
+status=0
+no_torch=""
+libtorch="${COPUS_LIBTORCH:-}"
+if [ -z "$libtorch" ]; then
+  py="$(command -v python3 || command -v python || true)"
+  if [ -z "$py" ]; then
+    no_torch="no python3 to find PyTorch's libtorch (or set COPUS_LIBTORCH to its lib directory)"
+  elif ! libtorch="$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)"; then
+    no_torch="python3 cannot import torch (or set COPUS_LIBTORCH to a libtorch lib directory)"
+  else
+    have="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    want="$(cat "$here/torch-version" 2>/dev/null || echo unknown)"
+    if [ "$want" != unknown ] && [ "$have" != "$want" ]; then
+      no_torch="this machine's PyTorch is $have; the bundle was built against $want (rebuild it against $have)"
+    else
+      say "LibTorch from PyTorch $have at $libtorch"
+    fi
+  fi
+fi
+[ -n "$no_torch" ] || [ -f "$libtorch/libtorch.so" ] || no_torch="no libtorch.so in $libtorch"
+if [ -n "$no_torch" ]; then
+  say "Tch: skipped: $no_torch"
+  status=1
+else
+  export LD_LIBRARY_PATH="$libtorch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if [ "$cpu" = 1 ]; then
+  backends="TchCpu"
+  # lavapipe, where Mesa's Vulkan driver is installed.
+  if compgen -G '/usr/share/vulkan/icd.d/lvp_icd*' >/dev/null || compgen -G '/etc/vulkan/icd.d/lvp_icd*' >/dev/null; then
+    backends="$backends Wgpu"
+  else
+    say "Wgpu: skipped: no lavapipe (Mesa's mesa-vulkan-drivers) on this machine"
+  fi
+  presets=(--preset tiny-1m)
+  ranks=2
+  peaks=()
+else
+  command -v nvidia-smi >/dev/null 2>&1 || fail "nvidia-smi not found: no NVIDIA driver on this machine (run with --cpu to check the bundle without a GPU)"
+  gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+  [ "$gpus" -ge 1 ] || fail "nvidia-smi lists no GPU ($(nvidia-smi -L 2>&1 | head -1))"
+  name="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  say "GPU 0: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  # Peak dense TFLOP/s (f32 without tensor cores, bf16 with), from the vendor's data sheets.
+  case "$name" in
+    *H200* | *H100*SXM* | *H100\ 80GB\ HBM3*) peaks=(--peak-tflops 67,989) ;;
+    *H100*) peaks=(--peak-tflops 51,756) ;;
+    *A100*) peaks=(--peak-tflops 19.5,312) ;;
+    *) peaks=(); say "no peak FLOP/s known for $name: utilisation not computed" ;;
+  esac
+  backends="Tch Wgpu"
+  presets=(--preset tiny-20m --preset small-100m)
+  ranks=8
+  # The NVIDIA driver's Vulkan ICD, where the container has the library but not its json.
+  if ! compgen -G '/usr/share/vulkan/icd.d/nvidia*' >/dev/null && ! compgen -G '/etc/vulkan/icd.d/nvidia*' >/dev/null \
+    && [ -z "${VK_ICD_FILENAMES:-}" ]; then
+    glx="$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia.so.0/ {print $NF; exit}')"
+    if [ -n "$glx" ]; then
+      printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3"}}\n' "$glx" > "$out/nvidia_icd.json"
+      export VK_ICD_FILENAMES="$out/nvidia_icd.json"
+      say "Vulkan: the driver's ICD json was missing; wrote $out/nvidia_icd.json for $glx"
+    else
+      say "Vulkan: no NVIDIA ICD (json or libGLX_nvidia.so.0); the Wgpu part may fail"
+    fi
+  fi
+fi
+
+# Peak memory in use on GPU 0 while a part runs (MiB), sampled every 200 ms; the sampler stops
+# with the script, however it ends.
+sample() { nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" 2>/dev/null & echo $!; }
+sampler=""
+trap '[ -z "$sampler" ] || kill "$sampler" 2>/dev/null || true' EXIT
+for backend in $backends; do
+  case "$backend" in Tch*) [ -z "$no_torch" ] || continue ;; esac
+  log="$out/$backend.md"
+  say "$backend: parity against Flex, then throughput (log: $log)"
+  [ "$cpu" = 1 ] || sampler="$(sample "$out/$backend-memory.txt")"
+  set +e
+  bin="$here/recipes-wgpu"
+  case "$backend" in Tch*) bin="$here/recipes-tch" ;; esac
+  timeout 270 "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 ${peaks[@]+"${peaks[@]}"} 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2>/dev/null || true
+    sampler=""
+    peak="$(sort -n "$out/$backend-memory.txt" 2>/dev/null | tail -1)"
+    say "$backend: peak memory in use on GPU 0: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB"
+  fi
+  if [ "$rc" != 0 ]; then
+    say "$backend: FAILED (exit $rc; 124 is the 270 s limit)"
+    status=1
+  elif grep -qiw 'nan' "$log"; then
+    say "$backend: FAILED (a NaN in the output)"
+    status=1
+  fi
+done
+[ "$status" = 0 ] || fail "see above; logs in $out"
+say "done; logs in $out"

@@ -167,7 +167,7 @@ pub fn on_this_node(device: RankDevice, ranks_per_device: Option<usize>) -> Rank
     let local = first(&["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"]);
     let on_node = first(&["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]);
     match (device, local) {
-        (RankDevice::Cuda(_) | RankDevice::Rocm(_), Some(l)) => {
+        (RankDevice::Cuda(_) | RankDevice::Rocm(_) | RankDevice::TchCuda(_), Some(l)) => {
             // Without the node's rank count, one rank per device.
             let visible = on_node.and(device.visible());
             device.with_index(device_index(l, on_node.unwrap_or(l + 1), visible, ranks_per_device))

@@ -58,7 +58,8 @@ impl ProcessComm {
             RankDevice::Cuda(_) => Some("this build has no NCCL (feature `nccl`)".to_string()),
             #[cfg(not(feature = "rccl"))]
             RankDevice::Rocm(_) => Some("this build has no RCCL (feature `rccl`)".to_string()),
-            RankDevice::Flex | RankDevice::Wgpu => None,
+            RankDevice::TchCuda(_) => Some("NCCL takes CubeCL's CUDA tensors only, not LibTorch's".to_string()),
+            RankDevice::Flex | RankDevice::Wgpu | RankDevice::TchCpu => None,
         };
         if let Some(why) = fallback {
             tracing::warn!("collectives of the {device:?} ranks go over MPI through host memory: {why}");

@@ -57,6 +57,7 @@ use clap::{Parser, Subcommand};
 
 use copus_service::PolicyName;
 use recipes::bench::reconfig::{Change, parse_change};
+use recipes::recipe::Backend;
 use recipes::report::progress;
 use recipes::{Usage, bench, experiments, interop, learner, load_recipe, profile, run};
 
@@ -216,6 +217,38 @@ enum BenchMode {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
+    /// A device backend against Flex (losses of five layouts over three steps; fails on a
+    /// difference above 1e-3 or a NaN), then its samples/s, model-FLOPs utilisation and host
+    /// bytes per step on one and several ranks, in f32 and bf16 (scripts/gpu-check.sh).
+    Device {
+        /// The backend under test (the build needs its feature).
+        #[arg(long, value_parser = backend_name())]
+        backend: Backend,
+        /// Presets of the throughput table (repeatable); tiny-20m and small-100m by default.
+        #[arg(long = "preset", value_parser = ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m"])]
+        presets: Vec<String>,
+        /// Ranks sharing the device in each preset's second row.
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+        ranks: u64,
+        /// Sequences per step of the throughput rows (a multiple of `--ranks` x `--micro-batch`).
+        #[arg(long, default_value_t = 32)]
+        global_batch: usize,
+        /// Sequences per micro-batch of the throughput rows.
+        #[arg(long, default_value_t = 4)]
+        micro_batch: usize,
+        /// Sequence length of the throughput rows (default: the preset's).
+        #[arg(long)]
+        seq: Option<usize>,
+        /// Timed steps per throughput row, after one warm-up step.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// The device's peak dense TFLOP/s as `F32,BF16` (an H200: `67,989`), for utilisation.
+        #[arg(long, value_parser = parse_peaks)]
+        peak_tflops: Option<(f64, f64)>,
+        /// Only the parity table.
+        #[arg(long)]
+        parity_only: bool,
+    },
     /// The parallel engine: all-reduce bandwidth and the step time of every layout.
     Engine {
         /// Timed steps per layout.
@@ -297,6 +330,20 @@ enum BenchMode {
     },
 }
 
+/// `--backend`: a recipe's backend name, as the recipe spells it.
+fn backend_name() -> impl clap::builder::TypedValueParser<Value = Backend> {
+    clap::builder::PossibleValuesParser::new(["Flex", "Wgpu", "Cuda", "Rocm", "Tch", "TchCpu"])
+        .map(|s| ron::from_str::<Backend>(&s).expect("one of the listed names"))
+}
+
+/// `--peak-tflops F32,BF16`: two positive numbers.
+fn parse_peaks(s: &str) -> Result<(f64, f64), String> {
+    let bad = || format!("`{s}`: expected two positive TFLOP/s figures as F32,BF16 (an H200: 67,989)");
+    let (a, b) = s.split_once(',').ok_or_else(bad)?;
+    let (a, b) = (a.trim().parse::<f64>().map_err(|_| bad())?, b.trim().parse::<f64>().map_err(|_| bad())?);
+    if a > 0.0 && b > 0.0 && a.is_finite() && b.is_finite() { Ok((a, b)) } else { Err(bad()) }
+}
+
 /// `--policy`: one of the service's policy names, listed in `--help` and in the error.
 fn policy_name() -> impl clap::builder::TypedValueParser<Value = PolicyName> {
     clap::builder::PossibleValuesParser::new(PolicyName::ALL.map(PolicyName::as_str))
@@ -365,6 +412,18 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             match mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
                 BenchMode::Step { steps, warmup, no_torch, threads } => bench::step::run(steps.max(1), warmup, !no_torch, threads.max(1)),
                 BenchMode::Engine { steps } => bench::engine::run(steps.max(1)),
+                BenchMode::Device { backend, presets, ranks, global_batch, micro_batch, seq, steps, peak_tflops, parity_only } => {
+                    let ranks = ranks as usize;
+                    if global_batch == 0 || micro_batch == 0 || !global_batch.is_multiple_of(ranks * micro_batch) {
+                        return Err(Usage(format!(
+                            "--global-batch {global_batch} must be a positive multiple of --ranks {ranks} x --micro-batch {micro_batch}"
+                        ))
+                        .into());
+                    }
+                    let presets = if presets.is_empty() { vec!["tiny-20m".to_string(), "small-100m".to_string()] } else { presets };
+                    let opts = bench::device::Options { presets, ranks, global_batch, micro_batch, seq, steps: steps.max(1), peak_tflops };
+                    if parity_only { bench::device::parity(backend)? } else { bench::device::run(backend, &opts)? }
+                }
                 BenchMode::Reconfig { presets, trials, changes } => bench::reconfig::run_reconfig(&presets, trials as usize, &changes),
                 BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
                     bench::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?

@@ -334,11 +334,12 @@ pub struct Recipe {
     /// shape must be the recipe's model with the run's tokenizer.
     #[serde(default)]
     pub init_from: Option<String>,
-    /// Where the ranks train: `Flex` (CPU, the default), `Wgpu`, `Cuda` or `Rocm`. All but
-    /// Flex need `recipes` built with the feature of the same name (`--features wgpu`).
+    /// Where the ranks train: `Flex` (CPU, the default), `Wgpu`, `Cuda`, `Rocm`, `Tch` (LibTorch
+    /// on NVIDIA GPUs) or `TchCpu` (LibTorch on the CPU). All but Flex need `recipes` built with
+    /// the backend's feature (`--features wgpu`; `tch` for both LibTorch backends).
     #[serde(default)]
     pub backend: Backend,
-    /// `Cuda` and `Rocm`: how many ranks share one GPU (8 ranks on one H200: 8). Default: the
+    /// `Cuda`, `Rocm` and `Tch`: how many ranks share one GPU (8 ranks on one H200: 8). Default: the
     /// ranks spread evenly over the GPUs the process may use (`CUDA_VISIBLE_DEVICES`, or the
     /// driver's count), one per GPU where nothing says how many there are.
     #[serde(default)]
@@ -357,6 +358,11 @@ pub enum Backend {
     Cuda,
     /// AMD GPUs, shared by the ranks as `ranks_per_device` says.
     Rocm,
+    /// NVIDIA GPUs through LibTorch (Burn's `tch` backend, linked against a PyTorch
+    /// installation's libtorch), shared by the ranks as `ranks_per_device` says.
+    Tch,
+    /// LibTorch on the CPU: the `Tch` build's path, checked without a GPU.
+    TchCpu,
 }
 
 impl Backend {
@@ -367,6 +373,19 @@ impl Backend {
             Backend::Wgpu => RankDevice::Wgpu,
             Backend::Cuda => RankDevice::Cuda(0),
             Backend::Rocm => RankDevice::Rocm(0),
+            Backend::Tch => RankDevice::TchCuda(0),
+            Backend::TchCpu => RankDevice::TchCpu,
+        }
+    }
+
+    /// The cargo feature of `recipes` that builds this backend.
+    pub fn feature(self) -> &'static str {
+        match self {
+            Backend::Flex => "",
+            Backend::Wgpu => "wgpu",
+            Backend::Cuda => "cuda",
+            Backend::Rocm => "rocm",
+            Backend::Tch | Backend::TchCpu => "tch",
         }
     }
 
@@ -490,11 +509,11 @@ impl Recipe {
             return Err(field(
                 "parallel.precision",
                 "Bf16Mixed",
-                "F32 on the Wgpu backend (its shaders have no bf16 arithmetic); Bf16Mixed runs on Flex and Cuda",
+                "F32 on the Wgpu backend (its shaders have no bf16 arithmetic); Bf16Mixed runs on Flex, Cuda, Tch and TchCpu",
             ));
         }
         if !self.backend.rank_device().built() {
-            let feature = format!("{:?}", self.backend).to_lowercase();
+            let feature = self.backend.feature();
             return Err(field(
                 "backend",
                 format!("{:?}", self.backend),
@@ -503,8 +522,8 @@ impl Recipe {
         }
         match (self.ranks_per_device, self.backend) {
             (Some(0), _) => return Err(field("ranks_per_device", 0, "at least 1, or absent (the ranks spread over the visible GPUs)")),
-            (Some(k), Backend::Flex | Backend::Wgpu) => {
-                return Err(field("ranks_per_device", k, "absent: it applies to the `Cuda` and `Rocm` backends only"));
+            (Some(k), Backend::Flex | Backend::Wgpu | Backend::TchCpu) => {
+                return Err(field("ranks_per_device", k, "absent: it applies to the `Cuda`, `Rocm` and `Tch` backends only"));
             }
             _ => {}
         }
@@ -615,10 +634,13 @@ mod tests {
         // This build has Flex only (the default features).
         let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Cuda,"), "cuda").unwrap_err().to_string();
         assert!(e.contains("backend") && e.contains("--features cuda"), "{e}");
+        // Both LibTorch backends come with feature `tch`.
+        let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: TchCpu,"), "tch").unwrap_err().to_string();
+        assert!(e.contains("backend") && e.contains("TchCpu") && e.contains("--features tch "), "{e}");
         assert!(Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", backend: Flex,"), "flex").is_ok());
         // Ranks per GPU: at least 1, and only where there are GPUs.
         let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", ranks_per_device: Some(2),"), "rpd").unwrap_err().to_string();
-        assert!(e.contains("ranks_per_device") && e.contains("`Cuda` and `Rocm`"), "{e}");
+        assert!(e.contains("ranks_per_device") && e.contains("`Cuda`, `Rocm` and `Tch`"), "{e}");
         let e = Recipe::parse(&GOOD.replace("name: \"t\",", "name: \"t\", ranks_per_device: Some(0),"), "rpd").unwrap_err().to_string();
         assert!(e.contains("ranks_per_device") && e.contains("at least 1"), "{e}");
         // bf16 mixed precision where the backend has bf16 arithmetic only.

@@ -8,6 +8,7 @@ use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{Llama, LlamaConfig};
 
+pub mod device;
 pub mod fuzz;
 
 /// Tokens per training sequence in these tests.
@@ -20,8 +21,14 @@ pub fn config() -> LlamaConfig {
     LlamaConfig::from_spec(&spec)
 }
 
-/// The initial weights of `config`, the same for every test (seeded).
+/// The initial weights of `config`, the same for every test (seeded). The device's generator is
+/// shared by the tests a binary runs in parallel, so the seed and the draws happen under one
+/// lock: two tests drawing at once would each get the other's numbers (the held-out check of
+/// `an_untied_head_matches_serial_training`, whose two means differ by little more than its
+/// margin, failed that way).
 pub fn initial_of(config: &LlamaConfig) -> Llama {
+    static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = DRAWS.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::flex().autodiff();
     device.seed(11);
     config.init(&device)

@@ -24,6 +24,10 @@ pub enum RankDevice {
     Cuda(usize),
     /// ROCm device `i` (feature `rocm`).
     Rocm(usize),
+    /// LibTorch (Burn's `tch` backend) on the CPU (feature `tch`).
+    TchCpu,
+    /// LibTorch on CUDA device `i` (feature `tch`).
+    TchCuda(usize),
 }
 
 /// The device index of rank `local` of the `on_node` ranks that share a node's GPUs:
@@ -54,6 +58,7 @@ impl RankDevice {
             RankDevice::Wgpu => cfg!(feature = "wgpu"),
             RankDevice::Cuda(_) => cfg!(feature = "cuda"),
             RankDevice::Rocm(_) => cfg!(feature = "rocm"),
+            RankDevice::TchCpu | RankDevice::TchCuda(_) => cfg!(feature = "tch"),
         }
     }
 
@@ -62,17 +67,19 @@ impl RankDevice {
         match self {
             RankDevice::Cuda(_) => RankDevice::Cuda(i),
             RankDevice::Rocm(_) => RankDevice::Rocm(i),
+            RankDevice::TchCuda(_) => RankDevice::TchCuda(i),
             other => other,
         }
     }
 
     /// How many devices of this kind this process may use, where something says: the
     /// launcher's list (`CUDA_VISIBLE_DEVICES`; for ROCm `HIP_VISIBLE_DEVICES`,
-    /// `ROCR_VISIBLE_DEVICES`, then `CUDA_VISIBLE_DEVICES`), else for CUDA the driver's count.
-    /// `None` for Flex and wgpu, and where nothing says.
+    /// `ROCR_VISIBLE_DEVICES`, then `CUDA_VISIBLE_DEVICES`), else for CUDA the driver's count
+    /// (LibTorch's, for LibTorch's CUDA devices). `None` for Flex, wgpu and LibTorch's CPU, and
+    /// where nothing says.
     pub fn visible(self) -> Option<usize> {
         let vars: &[&str] = match self {
-            RankDevice::Cuda(_) => &["CUDA_VISIBLE_DEVICES"],
+            RankDevice::Cuda(_) | RankDevice::TchCuda(_) => &["CUDA_VISIBLE_DEVICES"],
             RankDevice::Rocm(_) => &["HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"],
             _ => return None,
         };
@@ -82,13 +89,15 @@ impl RankDevice {
         match self {
             #[cfg(feature = "cuda")]
             RankDevice::Cuda(_) => cuda_driver_count(),
+            #[cfg(feature = "tch")]
+            RankDevice::TchCuda(_) => usize::try_from(tch::Cuda::device_count()).ok(),
             _ => None,
         }
     }
 
     /// The devices of `world` ranks in one process, spread over the visible devices of this
-    /// kind by [`device_index`] (`ranks_per_device` ranks each when given). Flex and wgpu ranks
-    /// all share their one device.
+    /// kind by [`device_index`] (`ranks_per_device` ranks each when given). Flex, wgpu and
+    /// LibTorch's CPU ranks all share their one device.
     pub fn for_ranks(self, world: usize, ranks_per_device: Option<usize>) -> Vec<RankDevice> {
         let visible = self.visible();
         (0..world).map(|r| self.with_index(device_index(r, world, visible, ranks_per_device))).collect()
@@ -99,7 +108,7 @@ impl RankDevice {
         let device = self.device()?;
         if precision == Precision::Bf16Mixed && !device.supports_dtype(burn::tensor::FloatDType::BF16) {
             return Err(EngineError::Device(format!(
-                "{self:?} has no bf16 arithmetic, so precision Bf16Mixed cannot run on it; use precision F32 there (Flex and CUDA compute in bf16)"
+                "{self:?} has no bf16 arithmetic, so precision Bf16Mixed cannot run on it; use precision F32 there (Flex, CUDA and LibTorch compute in bf16)"
             )));
         }
         Ok(device)
@@ -108,7 +117,13 @@ impl RankDevice {
     /// The Burn device, or an error naming the feature this build lacks or the devices this
     /// process may see.
     pub fn device(self) -> Result<Device, EngineError> {
-        if let (RankDevice::Cuda(i) | RankDevice::Rocm(i), Some(v)) = (self, self.visible())
+        #[cfg(feature = "tch")]
+        if matches!(self, RankDevice::TchCuda(_)) && !tch::Cuda::is_available() {
+            return Err(EngineError::Device(format!(
+                "{self:?}: LibTorch sees no CUDA device (no NVIDIA driver, or a libtorch built without CUDA)"
+            )));
+        }
+        if let (RankDevice::Cuda(i) | RankDevice::Rocm(i) | RankDevice::TchCuda(i), Some(v)) = (self, self.visible())
             && i >= v
         {
             return Err(EngineError::Device(format!(
@@ -130,6 +145,16 @@ impl RankDevice {
             RankDevice::Rocm(i) => Ok(Device::rocm(i)),
             #[cfg(not(feature = "rocm"))]
             RankDevice::Rocm(_) => Err(missing("rocm")),
+            // Burn marks its LibTorch backend deprecated; it is the backend that links against
+            // a PyTorch installation's CUDA libraries without building LLVM.
+            #[cfg(feature = "tch")]
+            #[allow(deprecated)]
+            RankDevice::TchCpu => Ok(Device::libtorch()),
+            #[cfg(feature = "tch")]
+            #[allow(deprecated)]
+            RankDevice::TchCuda(i) => Ok(Device::libtorch_cuda(i)),
+            #[cfg(not(feature = "tch"))]
+            RankDevice::TchCpu | RankDevice::TchCuda(_) => Err(missing("tch")),
         }
     }
 }

@@ -1,7 +1,8 @@
-//! The benchmarks (`recipes bench step|engine|reconfig|probe|memory`), each printing a table, and what
+//! The benchmarks (`recipes bench step|engine|reconfig|probe|memory|device`), each printing a table, and what
 //! they share: the reference shapes, the synthetic tokens every side of a comparison sees, and
 //! medians.
 
+pub mod device;
 pub mod engine;
 pub mod memory;
 pub mod probe;

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# build-gpu-bundle.sh: the bundle scripts/gpu-check.sh runs on a GPU machine without Rust or
+# network: `recipes-tch` (the LibTorch backend) and `recipes-wgpu` (wgpu, with Burn's kernel
+# fusion and autotuning), stripped; the Vulkan loader (Debian's libvulkan1) in lib/; the PyTorch
+# version recipes-tch links against; gpu-check.sh. Two binaries, each under 64 MiB (one with
+# both backends is 72 MiB), and recipes-wgpu runs without PyTorch.
+# Needs the Rust toolchain, pip, apt-get download, and the package registries.
+#
+# LibTorch comes from the PyTorch wheel of COPUS_TORCH_VERSION (default 2.11.0, the GPU
+# machines' version), installed with its CUDA libraries into a virtual environment
+# (COPUS_TORCH_ENV, default target/torch-env; needs Python's venv module) and linked dynamically: the binary runs against
+# the GPU machine's own PyTorch of the same version. tch 0.22 names PyTorch 2.9; its wrapper
+# compiles against 2.11 (LIBTORCH_BYPASS_VERSION_CHECK), and the `tch` test runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version="${COPUS_TORCH_VERSION:-2.11.0}"
+venv="${COPUS_TORCH_ENV:-$PWD/target/torch-env}"
+bundle="target/gpu-bundle"
+
+if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
+  echo "build-gpu-bundle: installing PyTorch $version into $venv (about 4.6 GB with its CUDA libraries)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==$version"
+fi
+export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1
+rm -rf "$bundle" && mkdir -p "$bundle/lib"
+for features in tch wgpu,fusion; do
+  name="recipes-${features%%,*}"
+  cargo build --profile dist -p recipes --features "$features"
+  cp target/dist/recipes "$bundle/$name"
+  size=$(du -m "$bundle/$name" | cut -f1)
+  echo "build-gpu-bundle: $name is $size MiB stripped (libtorch not included)"
+  [ "$size" -le 64 ] || { echo "build-gpu-bundle: $name is over 64 MiB" >&2; exit 1; }
+done
+cp scripts/gpu-check.sh "$bundle/"
+echo "$version" > "$bundle/torch-version"
+
+# The Vulkan loader, for machines whose image has the NVIDIA driver but no libvulkan.
+deb_dir="$(mktemp -d)"
+trap 'rm -rf "$deb_dir"' EXIT
+(cd "$deb_dir" && apt-get download libvulkan1 >/dev/null) \
+  || { echo "build-gpu-bundle: apt-get download libvulkan1 failed (run apt-get update first)" >&2; exit 1; }
+dpkg-deb -x "$deb_dir"/libvulkan1_*.deb "$deb_dir/x"
+cp -a "$deb_dir"/x/usr/lib/*/libvulkan.so.1* "$bundle/lib/"
+
+tar -C target -czf target/gpu-bundle.tar.gz gpu-bundle
+echo "build-gpu-bundle: target/gpu-bundle.tar.gz ($(du -m target/gpu-bundle.tar.gz | cut -f1) MiB); check it here with"
+echo "  (cd $bundle && COPUS_LIBTORCH=$("$venv/bin/python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') ./gpu-check.sh --cpu)"

@@ -1,0 +1,201 @@
+//! Ranks on a device backend (wgpu, LibTorch) against ranks on Flex: the shared body of the
+//! `wgpu` and `tch` tests.
+//!
+//! Tolerance, over five steps on dp1, dp2, pp2, tp2, dp2xtp2 and tp2xpp2 and across a layout
+//! change:
+//! per-step losses within 1e-6 relative; gradient norms and the probe's |g|^2 within 1e-5
+//! relative, the estimator's tr(Sigma) within 1e-4; the weights after the last step within
+//! 1e-5 of their norm and each within 1e-4 (see [`assert_weights_close`]). Both backends
+//! compute in f32 from the same weights and batches; they differ only in the order of
+//! floating-point sums (a device's tiled matmuls and tree reductions against Flex's blocked
+//! loops) and in exp/log approximations of a few ulps, about 1e-7 relative per operation. Adam
+//! turns those into weight differences of order lr x 1e-7 / sqrt(v), larger where a gradient is
+//! near zero. After a few steps the loss, a mean over every token, moves by about 1e-8 (4.5e-8
+//! measured on wgpu), while gradient norms, sums over parameters that include near-zero ones,
+//! move by up to about 1e-6 (7.7e-7 measured on wgpu, with its squared norms summed in f32 on
+//! the device per parameter and the sums added in f64); the weights by 9e-7 of their norm,
+//! 1.9e-5 at most. The bounds are 5 to 20 times what this machine measures; the tests print
+//! the differences.
+//!
+//! Host traffic: the probe's reads on a device are a few sums per step, a hundredth or less of
+//! Flex's whole-gradient reads. Ranks sharing the device add their gradients there (the
+//! data-parallel reduction, tp-replicated parameters, a tied embedding's sum across pipeline
+//! stages) and their tensor-parallel regions' outputs and input gradients, and compute the
+//! vocabulary-parallel cross entropy there, where Flex's ranks use host buffers; a pipeline's
+//! stages hand activations to each other where they lie on both. A device step moves at most
+//! its token ids and 64 KiB (each micro-batch's loss scalar and the probe's sums).
+
+use std::sync::Arc;
+
+use copus_burn::traffic::HostTraffic;
+use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
+
+use crate::{SEQ, config, dims, initial_full, rel, structured_batch};
+
+/// Steps each comparison trains.
+pub const STEPS: usize = 5;
+
+/// One step's numbers: loss, gradient norm, mean micro-batch |g|^2, the estimator's tr(Sigma).
+type Step = (f64, f64, f64, Option<f64>);
+
+/// Held-out sequences evaluated after the steps: an odd count, so a micro-batch is short.
+const EVAL_SEQS: usize = 7;
+
+/// A run's results: per step its numbers, the last step's host traffic (without the
+/// evaluation's), the weights after the last step, the held-out loss on the ranks before the
+/// last step, and the evaluation's host bytes.
+struct Run {
+    steps: Vec<Step>,
+    host: HostTraffic,
+    weights: Weights,
+    eval_loss: f64,
+    eval_bytes: u64,
+}
+
+fn run(devices: Vec<RankDevice>, dp: usize, tp: usize, pp: usize) -> Run {
+    let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
+    let ec = EngineConfig::new(dims(dp, tp, pp), 4, 2, SEQ, optim).with_devices(devices);
+    let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
+    let (mut host, mut eval_loss) = (HostTraffic::default(), f64::NAN);
+    let steps = (0..STEPS)
+        .map(|s| {
+            if s + 1 == STEPS {
+                // Before the last step; its bytes are reported with that step, as `evaluation`.
+                eval_loss = engine.evaluate(structured_batch(100, config().shape.vocab_size, EVAL_SEQS), 2).unwrap();
+            }
+            let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
+            assert!(!out.skipped);
+            host = out.host;
+            (out.metrics.loss, out.metrics.grad_norm, out.stats.mean_micro_sq_norm, out.metrics.trace)
+        })
+        .collect();
+    let weights = engine.gather().unwrap();
+    let eval_bytes = std::mem::take(&mut host.evaluation);
+    Run { steps, host, weights, eval_loss, eval_bytes }
+}
+
+/// How far the weights `b` are from `a`: the difference's norm over `a`'s, and the largest
+/// single difference. Adam divides each gradient by its own running scale, so where a gradient
+/// is near zero the backends' rounding differences reach the update almost whole (up to lr =
+/// 1e-3 a step): single weights may differ by some 1e-5, the whole weight vector by far less.
+/// Bounds: the difference's norm within 1e-5 of the weights' norm, and every weight within
+/// 1e-4 (the engine's bound against serial training on Flex).
+pub fn assert_weights_close(a: &Weights, b: &Weights, what: &str) {
+    let (mut worst, mut diff_sq, mut norm_sq) = (0f64, 0f64, 0f64);
+    assert_eq!(a.len(), b.len());
+    for (name, x) in a {
+        for (p, q) in x.iter().zip(&b[name]) {
+            let d = f64::from(p - q);
+            worst = worst.max(d.abs());
+            diff_sq += d * d;
+            norm_sq += f64::from(*p) * f64::from(*p);
+        }
+    }
+    let relative = (diff_sq / norm_sq).sqrt();
+    eprintln!("{what}: weights differ by {relative:.2e} of their norm, at most {worst:.2e}");
+    assert!(relative <= 1e-5, "{what}: weights differ by {relative} of their norm");
+    assert!(worst <= 1e-4, "{what}: a weight differs by {worst}");
+}
+
+/// Ranks on `device` against ranks on Flex over [`STEPS`] steps of dp1, dp2, pp2, tp2, dp2xtp2
+/// and tp2xpp2 (the module's bounds), and their host traffic: a step on `device` moves its token ids
+/// and at most 64 KiB more, its evaluation the same.
+pub fn ranks_train_like_flex_ranks(device: RankDevice) {
+    for (dp, tp, pp) in [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 2, 1), (1, 2, 2)] {
+        let (f, w) = (run(Vec::new(), dp, tp, pp), run(vec![device; dp * tp * pp], dp, tp, pp));
+        let (flex, flex_host, flex_weights) = (f.steps, f.host, f.weights);
+        let (dev, dev_host, dev_weights) = (w.steps, w.host, w.weights);
+        // The held-out loss on the ranks' devices; what leaves them is the ranks' token ids and
+        // each micro-batch's loss scalar.
+        eprintln!(
+            "{device:?} dp{dp} tp{tp} pp{pp} evaluation: loss rel {:.2e}; host bytes Flex {}, {device:?} {}",
+            rel(w.eval_loss, f.eval_loss),
+            f.eval_bytes,
+            w.eval_bytes
+        );
+        assert!(
+            rel(w.eval_loss, f.eval_loss) <= 1e-6,
+            "dp{dp} tp{tp} pp{pp}: held-out loss {} on {device:?}, {} on Flex",
+            w.eval_loss,
+            f.eval_loss
+        );
+        let ids = (EVAL_SEQS * (SEQ + 1) * 8 * tp * pp) as u64;
+        assert!(w.eval_bytes <= ids + (64 << 10), "dp{dp} tp{tp} pp{pp}: the evaluation moved {} bytes", w.eval_bytes);
+        eprintln!("dp{dp} tp{tp} pp{pp} host traffic of a step, bytes: Flex {flex_host:?}; {device:?} {dev_host:?}");
+        // The probe's norms are reduced on the device: a few sums read back, against the whole
+        // gradient read per micro-batch where it lies in host memory.
+        assert!(dev_host.probe * 100 <= flex_host.probe, "probe bytes: {device:?} {}, Flex {}", dev_host.probe, flex_host.probe);
+        // Gradient sums (dp, tp-replicated parameters, a tied embedding across stages) and
+        // activations stay on the device: the step moves its token ids, each micro-batch's
+        // loss scalar and the probe's sums.
+        assert_eq!(flex_host.collective > 0, dp > 1 || tp > 1 || pp > 1);
+        assert_eq!(dev_host.collective, 0, "dp{dp} tp{tp} pp{pp}: gradients staged on the host");
+        assert!(dev_host.beyond_batch() <= 64 << 10, "dp{dp} tp{tp} pp{pp}: {dev_host:?} beyond the token ids");
+        for (s, (f, w)) in flex.iter().zip(&dev).enumerate() {
+            eprintln!(
+                "dp{dp} tp{tp} pp{pp} step {s}: loss rel {:.2e}, grad norm rel {:.2e}, |g|^2 rel {:.2e}",
+                rel(w.0, f.0),
+                rel(w.1, f.1),
+                rel(w.2, f.2)
+            );
+            assert!(rel(w.0, f.0) <= 1e-6, "dp{dp} tp{tp} pp{pp} step {s}: loss {} on {device:?}, {} on Flex", w.0, f.0);
+            assert!(rel(w.1, f.1) <= 1e-5, "dp{dp} tp{tp} pp{pp} step {s}: gradient norm {} on {device:?}, {} on Flex", w.1, f.1);
+            assert!(rel(w.2, f.2) <= 1e-5, "dp{dp} tp{tp} pp{pp} step {s}: |g|^2 {} on {device:?}, {} on Flex", w.2, f.2);
+            if let (Some(tw), Some(tf)) = (w.3, f.3) {
+                assert!(rel(tw, tf) <= 1e-4, "dp{dp} tp{tp} pp{pp} step {s}: tr(Sigma) {tw} on {device:?}, {tf} on Flex");
+            } else {
+                assert_eq!(w.3.is_some(), f.3.is_some(), "dp{dp} tp{tp} pp{pp} step {s}: an estimate on one backend only");
+            }
+        }
+        assert_weights_close(&flex_weights, &dev_weights, &format!("dp{dp} tp{tp} pp{pp} after {STEPS} steps"));
+    }
+}
+
+/// Full parameters by name.
+pub type Weights = std::collections::HashMap<String, Vec<f32>>;
+
+/// Trains two steps on dp2, changes the layout to tp2 in memory, trains two more: per step
+/// (loss, tr(Sigma) of the smoothed estimate), the weights at the end, and the host traffic of
+/// the second step (on dp2). `zero1`: the optimizer sharded over dp (its moments gathered for
+/// the change).
+fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f64>)>, Weights, HostTraffic) {
+    let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
+    let ec = EngineConfig::new(dims(2, 1, 1), 4, 2, SEQ, optim).with_devices(devices).with_zero1(zero1);
+    let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
+    let (mut steps, mut host) = (Vec::new(), HostTraffic::default());
+    for s in 0..4 {
+        if s == 2 {
+            engine.reconfigure(dims(1, 2, 1), 4, 2).unwrap();
+        }
+        let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
+        assert!(!out.skipped);
+        if s == 1 {
+            host = out.host;
+        }
+        steps.push((out.metrics.loss, out.metrics.trace));
+    }
+    (steps, engine.gather().unwrap(), host)
+}
+
+/// Two steps on dp2, a live change to tp2, two more steps, on `device` against Flex: also with
+/// ZeRO-1 on the `device` ranks (the reduce-scatter, the pieces' updates and the
+/// all-gather on the device: a dp2 step stages no gradient or weight on the host), against the
+/// unsharded Flex run (ZeRO-1 on Flex matches it within 1e-6:
+/// `zero1_trains_as_the_unsharded_optimizer`).
+pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
+    let (flex, flex_weights, _) = run_with_switch(Vec::new(), false);
+    for zero1 in [false, true] {
+        let (dev, dev_weights, host) = run_with_switch(vec![device; 2], zero1);
+        eprintln!("{device:?} zero1 {zero1}: host traffic of a dp2 step {host:?}");
+        assert_eq!(host.collective, 0, "zero1 {zero1}: gradients or weights staged on the host");
+        assert!(host.beyond_batch() <= 64 << 10, "zero1 {zero1}: {host:?} beyond the token ids");
+        for (s, (f, w)) in flex.iter().zip(&dev).enumerate() {
+            assert!(rel(w.0, f.0) <= 1e-6, "zero1 {zero1} step {s}: loss {} on {device:?}, {} on Flex", w.0, f.0);
+            // The estimator's tr(Sigma), from the probe's norms of every step so far.
+            let (Some(tw), Some(tf)) = (w.1, f.1) else { panic!("step {s}: no noise estimate ({:?}, {:?})", w.1, f.1) };
+            eprintln!("zero1 {zero1} step {s}: loss rel {:.2e}, tr(Sigma) rel {:.2e}", rel(w.0, f.0), rel(tw, tf));
+            assert!(rel(tw, tf) <= 1e-4, "zero1 {zero1} step {s}: tr(Sigma) {tw} on {device:?}, {tf} on Flex");
+        }
+        assert_weights_close(&flex_weights, &dev_weights, &format!("zero1 {zero1}: after the switch and four steps"));
+    }
+}
