@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # build-gpu-bundle.sh: the bundle scripts/gpu-check.sh runs on a GPU machine without Rust or
-# network: `recipes-tch` (the LibTorch backend) and `recipes-wgpu` (wgpu, with Burn's kernel
-# fusion and autotuning), stripped; the Vulkan loader (Debian's libvulkan1) in lib/; the PyTorch
+# network: `recipes-tch` (the LibTorch backend) and `recipes-wgpu` (wgpu), stripped; the Vulkan loader (Debian's libvulkan1) in lib/; the PyTorch
 # version recipes-tch links against; gpu-check.sh. Two binaries (one with both backends is 72
-# MiB; recipes-tch is 27 MiB, recipes-wgpu 71), and recipes-wgpu runs without PyTorch.
+# MiB; recipes-tch is 27 MiB, recipes-wgpu 71 with fusion), and recipes-wgpu runs without
+# PyTorch.
 # Needs the Rust toolchain, pip, apt-get download, and the package registries.
 #
 # LibTorch comes from the PyTorch wheel of COPUS_TORCH_VERSION (default 2.11.0, the GPU
@@ -24,7 +24,9 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 export VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1
 rm -rf "$bundle" && mkdir -p "$bundle/lib"
-for features in tch wgpu,fusion; do
+# recipes-wgpu without fusion: the fused wgpu build trains tp2 x pp2 1.7e-3 away from Flex
+# (`bench device` parity on lavapipe; every other layout within 5e-8), not yet understood.
+for features in tch wgpu; do
   name="recipes-${features%%,*}"
   cargo build --profile dist -p recipes --features "$features"
   cp target/dist/recipes "$bundle/$name"

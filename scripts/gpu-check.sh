@@ -13,7 +13,7 @@
 #   PyTorch wheel and run against the libtorch of this machine's PyTorch (found with
 #   `python3 -c 'import torch'`, or COPUS_LIBTORCH=/path/to/torch/lib); the versions must match
 #   (`torch-version` in the bundle);
-# - recipes-wgpu, backend `Wgpu` with Burn's kernel fusion and autotuning: Vulkan through the
+# - recipes-wgpu, backend `Wgpu`: Vulkan through the
 #   loader in the bundle's lib/ (Debian's libvulkan1) and the NVIDIA driver's Vulkan ICD (its
 #   json, or one written here for libGLX_nvidia.so.0).
 # For each: `recipes bench device`, which trains tiny-1m three steps on the GPU and on the CPU
