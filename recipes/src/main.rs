@@ -420,6 +420,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                         ))
                         .into());
                     }
+                    if let Some(n) = seq
+                        && !(1..=copus_core::model::MAX_SIZE).contains(&n)
+                    {
+                        return Err(Usage(format!("--seq {n}: 1..={} tokens", copus_core::model::MAX_SIZE)).into());
+                    }
                     let presets = if presets.is_empty() { vec!["tiny-20m".to_string(), "small-100m".to_string()] } else { presets };
                     let opts = bench::device::Options { presets, ranks, global_batch, micro_batch, seq, steps: steps.max(1), peak_tflops };
                     if parity_only { bench::device::parity(backend)? } else { bench::device::run(backend, &opts)? }

@@ -90,6 +90,7 @@ fn parity_run(backend: Backend, dims: ParallelDims) -> anyhow::Result<(Vec<f64>,
 
 /// Part 1; an error names the layouts that failed.
 pub fn parity(backend: Backend) -> anyhow::Result<()> {
+    built(backend)?;
     println!("Parity on {backend:?} against Flex: tiny-1m (seq 64, B_g 8, B_m 2), 3 steps, same weights and batches");
     println!(
         "| layout | loss after 3 steps ({backend:?}) | (Flex) | largest step rel. difference | host bytes beyond token ids, last step ({backend:?}) | (Flex) |"
@@ -146,6 +147,7 @@ fn throughput_run(
 
 /// Part 2; an error names the rows whose loss was not finite.
 pub fn throughput(backend: Backend, opts: &Options) -> anyhow::Result<()> {
+    built(backend)?;
     println!(
         "Throughput on {backend:?}: B_g {}, B_m {}, {} timed steps after one warm-up; 1 rank and {} ranks sharing the device (data parallel)",
         opts.global_batch, opts.micro_batch, opts.steps, opts.ranks
@@ -192,11 +194,16 @@ pub fn throughput(backend: Backend, opts: &Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Both parts.
-pub fn run(backend: Backend, opts: &Options) -> anyhow::Result<()> {
+/// An error naming the feature when this build lacks `backend`.
+fn built(backend: Backend) -> anyhow::Result<()> {
     if !backend.rank_device().built() {
         bail!("this build has no {backend:?} backend: build recipes with `--features {}`", backend.feature());
     }
+    Ok(())
+}
+
+/// Both parts.
+pub fn run(backend: Backend, opts: &Options) -> anyhow::Result<()> {
     parity(backend)?;
     println!();
     throughput(backend, opts)
