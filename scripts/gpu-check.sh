@@ -20,17 +20,29 @@
 # (Flex) on serial, dp2, tp2, pp2 and dp2 x tp2 and fails on a loss difference above 1e-3 or a
 # NaN, then measures samples/s, model-FLOPs utilisation and host bytes per step of tiny-20m and
 # small-100m on 1 and 8 ranks sharing the GPU, in f32 and bf16 (wgpu: f32 only). The GPU's
-# memory in use is sampled through each part (nvidia-smi) and its peak printed.
+# memory in use is sampled through each part (nvidia-smi) and its peak printed. Then, on
+# LibTorch, `recipes bench memory --backend Tch`: the peak memory on the GPU of tiny-20m and
+# small-100m on several layouts, micro-batches, with and without checkpointing and ZeRO-1, in
+# f32 and bf16, each beside the memory model's prediction.
 #
 # Without a GPU: `./gpu-check.sh --cpu` runs the same checks on LibTorch's CPU device (and on
 # lavapipe, where Mesa's Vulkan driver is installed) with tiny-1m, to check the bundle itself.
 # Without PyTorch the Tch part is skipped (and reported as failed); recipes-wgpu needs none.
+# `--only Tch` (or Wgpu, TchCpu) runs one backend's parts.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${COPUS_OUT:-$PWD/gpu-check-out}"
 cpu=0
-[ "${1:-}" = "--cpu" ] && cpu=1
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) cpu=1 ;;
+    --only) only="${2:-}"; shift ;;
+    *) echo "usage: gpu-check.sh [--cpu] [--only Tch|Wgpu|TchCpu]" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 fail() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
 say() { echo "gpu-check: $*"; }
@@ -96,18 +108,28 @@ else
   backends="Tch Wgpu"
   presets=(--preset tiny-20m --preset small-100m)
   ranks=8
-  # The NVIDIA driver's Vulkan ICD, where the container has the library but not its json.
-  if ! compgen -G '/usr/share/vulkan/icd.d/nvidia*' >/dev/null && ! compgen -G '/etc/vulkan/icd.d/nvidia*' >/dev/null \
-    && [ -z "${VK_ICD_FILENAMES:-}" ]; then
+  # The NVIDIA driver's Vulkan ICD: the json of the driver's own folder where containers mount
+  # it (/usr/local/nvidia), else one where the loader looks, else one written here for its
+  # libGLX_nvidia.so.0. The ICD loads libglvnd's dispatch libraries, which the bundle's lib/ has.
+  if [ -z "${VK_ICD_FILENAMES:-}" ] && [ -z "${VK_DRIVER_FILES:-}" ]; then
+    mounted="$(compgen -G '/usr/local/nvidia/share/vulkan/icd.d/nvidia*.json' | head -1 || true)"
     glx="$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia.so.0/ {print $NF; exit}')"
-    if [ -n "$glx" ]; then
+    [ -n "$glx" ] || glx="$(compgen -G '/usr/local/nvidia/lib64/libGLX_nvidia.so.0' | head -1 || true)"
+    if [ -n "$mounted" ]; then
+      export VK_DRIVER_FILES="$mounted" VK_ICD_FILENAMES="$mounted"
+      say "Vulkan: the driver's ICD json at $mounted"
+    elif compgen -G '/usr/share/vulkan/icd.d/nvidia*' >/dev/null || compgen -G '/etc/vulkan/icd.d/nvidia*' >/dev/null; then
+      say "Vulkan: the driver's ICD json where the loader looks"
+    elif [ -n "$glx" ]; then
       printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3"}}\n' "$glx" > "$out/nvidia_icd.json"
-      export VK_ICD_FILENAMES="$out/nvidia_icd.json"
+      export VK_DRIVER_FILES="$out/nvidia_icd.json" VK_ICD_FILENAMES="$out/nvidia_icd.json"
       say "Vulkan: the driver's ICD json was missing; wrote $out/nvidia_icd.json for $glx"
     else
       say "Vulkan: no NVIDIA ICD (json or libGLX_nvidia.so.0); the Wgpu part may fail"
     fi
   fi
+  egl="$(compgen -G '/usr/local/nvidia/share/glvnd/egl_vendor.d/*nvidia*.json' | head -1 || true)"
+  [ -z "$egl" ] || [ -n "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] || export __EGL_VENDOR_LIBRARY_FILENAMES="$egl"
 fi
 
 # Peak memory in use on GPU 0 while a part runs (MiB), sampled every 200 ms; the sampler stops
@@ -115,29 +137,45 @@ fi
 sample() { nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" 2>/dev/null & echo $!; }
 sampler=""
 trap '[ -z "$sampler" ] || kill "$sampler" 2>/dev/null || true' EXIT
-for backend in $backends; do
-  case "$backend" in Tch*) [ -z "$no_torch" ] || continue ;; esac
-  log="$out/$backend.md"
-  say "$backend: parity against Flex, then throughput (log: $log)"
-  [ "$cpu" = 1 ] || sampler="$(sample "$out/$backend-memory.txt")"
+# One part: a name, its time limit in seconds, then the command; its output is printed and
+# kept in $out/NAME.md, the GPU's memory in use sampled while it runs. Fails the check on an
+# error, the limit or a NaN.
+part() {
+  local name="$1" limit="$2" rc peak
+  shift 2
+  say "$name (at most $limit s; log: $out/$name.md)"
+  [ "$cpu" = 1 ] || sampler="$(sample "$out/$name-memory.txt")"
   set +e
-  bin="$here/recipes-wgpu"
-  case "$backend" in Tch*) bin="$here/recipes-tch" ;; esac
-  timeout 270 "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 ${peaks[@]+"${peaks[@]}"} 2>&1 | tee "$log"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.md"
   rc=${PIPESTATUS[0]}
   set -e
   if [ -n "$sampler" ]; then
     kill "$sampler" 2>/dev/null || true
     sampler=""
-    peak="$(sort -n "$out/$backend-memory.txt" 2>/dev/null | tail -1)"
-    say "$backend: peak memory in use on GPU 0: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB"
+    peak="$(sort -n "$out/$name-memory.txt" 2>/dev/null | tail -1)"
+    say "$name: peak memory in use on GPU 0: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB"
   fi
   if [ "$rc" != 0 ]; then
-    say "$backend: FAILED (exit $rc; 124 is the 270 s limit)"
+    say "$name: FAILED (exit $rc; 124 is the $limit s limit)"
     status=1
-  elif grep -qiw 'nan' "$log"; then
-    say "$backend: FAILED (a NaN in the output)"
+  elif grep -qiw 'nan' "$out/$name.md"; then
+    say "$name: FAILED (a NaN in the output)"
     status=1
+  fi
+}
+
+# The parts in order of importance, each limited so that the whole check ends within 10 minutes.
+for backend in $backends; do
+  case "$backend" in Tch*) [ -z "$no_torch" ] || continue ;; esac
+  [ -z "$only" ] || [ "$only" = "$backend" ] || continue
+  bin="$here/recipes-wgpu"
+  case "$backend" in Tch*) bin="$here/recipes-tch" ;; esac
+  limit=220
+  [ "$backend" = Wgpu ] && limit=150
+  part "$backend" "$limit" "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 ${peaks[@]+"${peaks[@]}"}
+  # Peak memory against the memory model, each configuration in a process of its own.
+  if [ "$backend" = Tch ]; then
+    part Tch-memory 170 "$bin" bench memory --backend Tch
   fi
 done
 [ "$status" = 0 ] || fail "see above; logs in $out"

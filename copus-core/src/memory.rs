@@ -130,6 +130,10 @@ fn yes() -> bool {
     true
 }
 
+/// A CUDA context's bytes on the GPU as [`MemoryModel::engine_gpu`] counts them (LibTorch's on
+/// an H200 measured 621 MiB).
+pub const GPU_CONTEXT_BYTES: f64 = 640.0 * 1024.0 * 1024.0;
+
 impl MemoryModel {
     /// Plain fp32 training with AdamW, unfused attention (what the CPU engine runs).
     pub fn fp32() -> Self {
@@ -197,6 +201,27 @@ impl MemoryModel {
             Precision::F32 => Self::engine_f32(),
             Precision::Bf16Mixed => Self::engine_bf16_mixed(),
         }
+    }
+
+    /// The engine's model on a GPU in `precision`: [`MemoryModel::engine`] refitted to 32 peaks
+    /// measured on an H200 through LibTorch (`recipes bench memory --backend Tch --csv F`, the
+    /// memory in use on the GPU after three steps less the CUDA context; then
+    /// `scripts/fit-memory.py`, fitted on the 16 small-100m rows, the 16 tiny-20m rows held
+    /// out; data in `recipes/bench/memory-h200-tch.csv`). LibTorch's caching allocator keeps
+    /// what the engine frees for reuse, so a GPU holds more than the live bytes Flex's peak
+    /// counts: in f32 7.35 bytes per activation element (4 on Flex) and 8.5 per weight (4); in
+    /// bf16 mixed 4.75 and 7.8 (4.85 and 5.6). Fitted rows within 9.7% (f32) and 7.5% (bf16),
+    /// held-out rows within 10.7% and 9.8%; the Flex model had predicted as little as 0.57 of
+    /// the measured peak. Each rank also counts a CUDA context (621 MiB measured; 640 counted),
+    /// exact for one rank per GPU and an over-count when ranks share one. Used for every GPU
+    /// backend; measured on LibTorch's CUDA only.
+    pub fn engine_gpu(precision: Precision) -> Self {
+        let (activation_bytes, weight_bytes) = match precision {
+            Precision::F32 => (7.35, 8.5),
+            Precision::Bf16Mixed => (4.75, 7.8),
+        };
+        let engine = Self::engine(precision);
+        Self { activation_bytes, weight_bytes, overhead_bytes: engine.overhead_bytes + GPU_CONTEXT_BYTES, ..engine }
     }
 
     /// bf16 weights, gradients and activations with fp32 master weights and moments, fused

@@ -303,6 +303,10 @@ enum BenchMode {
         /// Only the `Bf16Mixed` rows.
         #[arg(long)]
         bf16: bool,
+        /// Where the ranks train: on a GPU backend the rows of a GPU (tiny-20m and small-100m,
+        /// f32 and bf16), measured on the device.
+        #[arg(long, value_parser = backend_name(), default_value = "Flex")]
+        backend: Backend,
         /// Also write the model's terms beside each measurement to this CSV file (what a refit
         /// of the coefficients reads; `scripts/fit-memory.py`).
         #[arg(long)]
@@ -327,6 +331,8 @@ enum BenchMode {
         precision: String,
         #[arg(long)]
         zero1: bool,
+        #[arg(long, value_parser = backend_name(), default_value = "Flex")]
+        backend: Backend,
     },
 }
 
@@ -434,15 +440,16 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     bench::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
                 }
                 BenchMode::Probe { steps } => bench::probe::run(steps.max(1)),
-                BenchMode::Memory { presets, zero1, bf16, csv } => {
+                BenchMode::Memory { presets, zero1, bf16, backend, csv } => {
                     let group = match (zero1, bf16) {
                         (true, _) => bench::memory::Group::Zero1,
                         (_, true) => bench::memory::Group::Bf16,
+                        _ if !matches!(backend, Backend::Flex | Backend::TchCpu) => bench::memory::Group::Gpu,
                         _ => bench::memory::Group::All,
                     };
-                    bench::memory::run(&presets, group, csv.as_deref())?
+                    bench::memory::run(backend, &presets, group, csv.as_deref())?
                 }
-                BenchMode::MemoryChild { preset, seq, layout, micro_batch, schedule, checkpointing, precision, zero1 } => {
+                BenchMode::MemoryChild { preset, seq, layout, micro_batch, schedule, checkpointing, precision, zero1, backend } => {
                     let row = bench::memory::Row {
                         preset,
                         seq,
@@ -453,6 +460,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                         zero1,
                         precision: ron::from_str(&precision)?,
                         held_out: false,
+                        backend,
                     };
                     bench::memory::child(&row)?
                 }

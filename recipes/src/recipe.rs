@@ -193,6 +193,10 @@ pub struct ParallelRecipe {
     /// `false`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub zero1: bool,
+    /// The recipe's `backend` (not written in this section: [`Recipe::parse`] copies it here),
+    /// which picks the memory model: measured on a GPU for GPU backends.
+    #[serde(skip)]
+    pub backend: Backend,
 }
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {
@@ -246,10 +250,12 @@ impl ParallelRecipe {
         })
     }
 
-    /// The memory model of this recipe's ranks: the engine's as measured in its precision
-    /// ([`MemoryModel::engine`]), with its checkpointing and ZeRO-1.
+    /// The memory model of this recipe's ranks: the engine's as measured in its precision, on
+    /// Flex ([`MemoryModel::engine`]) or, for a GPU backend, on a GPU
+    /// ([`MemoryModel::engine_gpu`]), with its checkpointing and ZeRO-1.
     pub fn memory_model(&self) -> MemoryModel {
-        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..MemoryModel::engine(self.precision) }
+        let measured = if self.backend.is_gpu() { MemoryModel::engine_gpu(self.precision) } else { MemoryModel::engine(self.precision) };
+        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..measured }
     }
 
     /// The candidate space of this recipe.
@@ -378,6 +384,12 @@ impl Backend {
         }
     }
 
+    /// Whether the ranks' memory is a GPU's (wgpu counted so: its devices are GPUs but for
+    /// lavapipe).
+    pub fn is_gpu(self) -> bool {
+        matches!(self, Backend::Wgpu | Backend::Cuda | Backend::Rocm | Backend::Tch)
+    }
+
     /// The cargo feature of `recipes` that builds this backend.
     pub fn feature(self) -> &'static str {
         match self {
@@ -477,10 +489,13 @@ impl Recipe {
 
     /// Parses and validates recipe text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, RecipeError> {
-        let r: Recipe = ron::Options::default()
+        let mut r: Recipe = ron::Options::default()
             .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
             .from_str(text)
             .map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
+        if let Some(par) = r.parallel.as_mut() {
+            par.backend = r.backend;
+        }
         r.validate()?;
         Ok(r)
     }
@@ -659,6 +674,16 @@ mod tests {
         assert_eq!((f32_par.memory_model().activation_bytes, f32_par.memory_model().weight_bytes), (4.0, 4.0));
         let logits = 8.0 * m.seq_len as f64 * 3.0 * m.vocab_size as f64 * 4.0;
         assert!(((want(&par) - logits) / (want(&f32_par) - logits) - 4.85 / 4.0).abs() < 1e-12);
+        // On a GPU backend the model measured on a GPU; parsing copies the recipe's backend
+        // into the section (checked where this build has the backend).
+        assert_eq!(par.backend, Backend::Flex);
+        if Backend::Tch.rank_device().built() {
+            let parsed = Recipe::parse(&bf16.replace("name: \"t\",", "name: \"t\", backend: Tch,"), "bf16").unwrap();
+            assert_eq!(parsed.parallel.unwrap().backend, Backend::Tch);
+        }
+        let gpu = ParallelRecipe { backend: Backend::Tch, ..par.clone() };
+        assert_eq!(gpu.memory_model(), MemoryModel { checkpointing: par.checkpointing, ..MemoryModel::engine_gpu(Precision::Bf16Mixed) });
+        assert_eq!((gpu.memory_model().activation_bytes, gpu.memory_model().weight_bytes), (4.75, 7.8));
         let e = Recipe::parse(&bf16.replace("name: \"t\",", "name: \"t\", backend: Wgpu,"), "bf16").unwrap_err().to_string();
         assert!(e.contains("parallel.precision") && e.contains("Wgpu"), "{e}");
         let e = Recipe::parse(&bf16.replace("Bf16Mixed", "Fp8"), "bf16").unwrap_err().to_string();

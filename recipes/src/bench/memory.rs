@@ -8,6 +8,14 @@
 //! (`MIMALLOC_PURGE_DELAY=0`), so the resident set follows the live bytes. The table sets the
 //! measurement beside the model's prediction for the whole process: the sum over the ranks of
 //! their stage's [`MemoryModel::estimate_stage`].
+//!
+//! On a GPU (`--backend Tch`, or `Wgpu` where `nvidia-smi` answers) the child measures the
+//! device instead: the memory in use on the GPU (`nvidia-smi`) once the backend has started
+//! and holds one small tensor, and again after the steps. Both backends keep what they free in
+//! their own pools (LibTorch's caching allocator, cubecl's memory pages) and hand nothing back
+//! to the driver within a run, so the second reading is the run's peak of those pools: the
+//! difference is the engine's peak as the device sees it, the CUDA context excluded (printed
+//! apart), allocator slack included.
 
 use std::sync::Arc;
 
@@ -15,12 +23,13 @@ use anyhow::{Context, anyhow, bail};
 use burn::tensor::Device;
 use copus_burn::{Engine, EngineConfig, OptimConfig};
 use copus_core::layout::ParallelDims;
-use copus_core::memory::{Checkpointing, MemoryEstimate, MemoryModel, Precision};
+use copus_core::memory::{Checkpointing, GPU_CONTEXT_BYTES, MemoryEstimate, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
 use copus_core::schedule::ScheduleKind;
 use copus_models::{LlamaConfig, full_params};
 
 use crate::profile::synthetic_batch;
+use crate::recipe::Backend;
 
 /// Micro-batches per data-parallel replica in every row (two, so a pipeline holds more than one
 /// in flight under GPipe).
@@ -49,6 +58,8 @@ pub struct Row {
     pub precision: Precision,
     /// Not among the rows [`MemoryModel::engine_f32`] was fitted to.
     pub held_out: bool,
+    /// Where the ranks train (all on the backend's first device).
+    pub backend: Backend,
 }
 
 impl Row {
@@ -60,15 +71,26 @@ impl Row {
         self.dims.dp * self.micro_batch * MICRO_PER_REPLICA
     }
 
-    /// The engine's memory model for this row: [`MemoryModel::engine`] in its precision, with
-    /// its checkpointing and ZeRO-1.
+    /// The engine's memory model for this row, as a recipe of its backend has it
+    /// ([`ParallelRecipe::memory_model`](crate::recipe::ParallelRecipe::memory_model): measured
+    /// on Flex, or on a GPU), in its precision, with its checkpointing and ZeRO-1.
     pub fn model(&self) -> MemoryModel {
-        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..MemoryModel::engine(self.precision) }
+        let measured = if self.backend.is_gpu() { MemoryModel::engine_gpu(self.precision) } else { MemoryModel::engine(self.precision) };
+        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..measured }
     }
 
-    /// The model's bytes for the whole process: every rank's stage estimate, summed.
+    /// The model's bytes for the whole process: every rank's stage estimate, summed, less the
+    /// CUDA context a GPU model counts per rank (the measurement leaves the process's one
+    /// context out).
     pub fn predicted(&self) -> anyhow::Result<f64> {
-        Ok(self.stage_estimates(&self.model())?.iter().map(MemoryEstimate::total).sum::<f64>() * (self.dims.dp * self.dims.tp) as f64)
+        let ranks = (self.dims.dp * self.dims.tp) as f64;
+        let stages = self.stage_estimates(&self.model())?.iter().map(MemoryEstimate::total).sum::<f64>();
+        Ok((stages - self.context_per_rank() * self.dims.pp as f64) * ranks)
+    }
+
+    /// The CUDA context the row's model counts per rank: [`GPU_CONTEXT_BYTES`] on a GPU backend.
+    fn context_per_rank(&self) -> f64 {
+        if self.backend.is_gpu() { GPU_CONTEXT_BYTES } else { 0.0 }
     }
 
     /// `model`'s estimate of a rank on each pipeline stage.
@@ -102,7 +124,7 @@ impl Row {
                     e.grads,
                     e.optimizer,
                     e.step_transient,
-                    e.overhead,
+                    e.overhead - self.context_per_rank(),
                     self.preset,
                     self.dims,
                     self.micro_batch,
@@ -128,6 +150,9 @@ pub enum Group {
     Zero1,
     /// The `Bf16Mixed` rows.
     Bf16,
+    /// The rows for a GPU: small-100m, then tiny-20m, in f32 and bf16 mixed on the layouts and
+    /// micro-batches [`Group::All`] has for them, fewer of them.
+    Gpu,
 }
 
 /// The rows of `bench memory`: tiny-5m and tiny-20m on five layouts, B_m 2 and 8, without
@@ -151,7 +176,31 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
         zero1: false,
         precision: Precision::F32,
         held_out,
+        backend: Backend::Flex,
     };
+    if group == Group::Gpu {
+        // Serial at both micro-batches with and without checkpointing, then tp2, pp2 and dp2
+        // (with and without ZeRO-1) at the larger; each in both precisions. All held out: the
+        // model was fitted on Flex.
+        let mut gpu = Vec::new();
+        for (preset, small, large) in [("small-100m", 1, 4), ("tiny-20m", 2, 8)].into_iter().filter(|(p, ..)| want(p)) {
+            let mut plain = Vec::new();
+            for micro_batch in [small, large] {
+                for ck in [Checkpointing::None, Checkpointing::Regions] {
+                    plain.push(row(preset, d(1, 1, 1), micro_batch, ScheduleKind::OneFOneB, ck, true));
+                }
+            }
+            plain.push(row(preset, d(1, 2, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, true));
+            plain.push(row(preset, d(1, 1, 2), large, ScheduleKind::GPipe, Checkpointing::None, true));
+            let dp2 = row(preset, d(2, 1, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, true);
+            plain.push(Row { zero1: true, ..dp2.clone() });
+            plain.push(dp2);
+            for precision in [Precision::F32, Precision::Bf16Mixed] {
+                gpu.extend(plain.iter().map(|r| Row { precision, ..r.clone() }));
+            }
+        }
+        return gpu;
+    }
     let mut zero_pairs = Vec::new();
     for (preset, dims, micro_batch, ck) in [
         ("tiny-20m", d(2, 1, 1), 2, Checkpointing::None),
@@ -181,7 +230,7 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
     match group {
         Group::Zero1 => return zero_pairs,
         Group::Bf16 => return bf16,
-        Group::All => {}
+        Group::All | Group::Gpu => {}
     }
     let kinds = [Checkpointing::None, Checkpointing::Layers, Checkpointing::Regions];
     for preset in ["tiny-5m", "tiny-20m"].into_iter().filter(|p| want(p)) {
@@ -224,11 +273,19 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
 
 /// Measures every row of `group` in a child process and prints the table; with `csv`, writes
 /// the model's terms beside each measurement there too (what a refit reads).
-pub fn run(presets: &[String], group: Group, csv: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let rows = rows(presets, group);
+pub fn run(backend: Backend, presets: &[String], group: Group, csv: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if !backend.rank_device().built() {
+        bail!("this build has no {backend:?} backend: build recipes with `--features {}`", backend.feature());
+    }
+    let rows: Vec<Row> = rows(presets, group).into_iter().map(|r| Row { backend, ..r }).collect();
     let mut lines = vec![CSV_HEADER.to_string()];
+    let what = if on_gpu(backend) {
+        "on the GPU, read with nvidia-smi after the steps, less the backend's context"
+    } else {
+        "the process's peak resident set"
+    };
     println!(
-        "Peak memory of the engine's ranks (one process, Flex, {STEPS} steps, {MICRO_PER_REPLICA} micro-batches per replica) against the memory model (MemoryModel::engine in the row's precision)\n"
+        "Peak memory of the engine's ranks (one process, {backend:?}: {what}; {STEPS} steps, {MICRO_PER_REPLICA} micro-batches per replica) against the memory model (MemoryModel::engine in the row's precision)\n"
     );
     println!(
         "| model | layout | schedule | B_m | checkpointing | precision | ZeRO-1 | fitted on | measured MiB | predicted MiB | predicted / measured |"
@@ -263,6 +320,10 @@ pub fn run(presets: &[String], group: Group, csv: Option<&std::path::Path>) -> a
         );
     }
     bar.finish();
+    if on_gpu(backend) {
+        let context = CONTEXT_BYTES.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        println!("the backend's context on the GPU (not in the rows): {:.0} MiB", context / MIB);
+    }
     for (name, ratios) in [("fitted", &fitted), ("held-out", &held)] {
         if let Some((lo, hi)) = span(ratios) {
             println!("{name}: {} rows, predicted / measured from {lo:.2} to {hi:.2}", ratios.len());
@@ -294,11 +355,15 @@ pub fn measure_with(exe: &std::path::Path, row: &Row) -> anyhow::Result<u64> {
         .args(["--checkpointing", &format!("{:?}", row.checkpointing)])
         .args(row.zero1.then_some("--zero1"))
         .args(["--precision", &format!("{:?}", row.precision)])
+        .args(["--backend", &format!("{:?}", row.backend)])
         .output()
         .context("starting the measuring child")?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!("the child for {row:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    if let Some(context) = text.lines().find_map(|l| l.strip_prefix("context-bytes ")) {
+        CONTEXT_BYTES.store(context.trim().parse().unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
     }
     text.lines()
         .find_map(|l| l.strip_prefix("peak-bytes "))
@@ -306,9 +371,52 @@ pub fn measure_with(exe: &std::path::Path, row: &Row) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow!("the child for {row:?} reported no peak: {text}"))
 }
 
-/// The child's side: builds the row's engine, trains, prints `peak-bytes N`.
+/// The CUDA context's bytes the last GPU child reported (0 before one has).
+static CONTEXT_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Whether `backend`'s rows are measured on an NVIDIA GPU: LibTorch's CUDA, or wgpu where
+/// `nvidia-smi` answers (else wgpu is lavapipe, in this process's memory).
+fn on_gpu(backend: Backend) -> bool {
+    match backend {
+        Backend::Tch | Backend::Cuda => true,
+        Backend::Wgpu => gpu_memory_used().is_ok(),
+        _ => false,
+    }
+}
+
+/// Bytes in use on the GPU the ranks use (the first of `CUDA_VISIBLE_DEVICES`, else GPU 0), as
+/// `nvidia-smi` reports them (MiB resolution).
+fn gpu_memory_used() -> anyhow::Result<u64> {
+    let index = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .and_then(|l| l.split(',').next().map(|s| s.trim().to_string()))
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "0".to_string());
+    let out = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", &index])
+        .output()
+        .context("running nvidia-smi")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mib: u64 = text.trim().parse().map_err(|_| anyhow!("nvidia-smi -i {index} gave no memory figure: {text}"))?;
+    Ok(mib << 20)
+}
+
+/// The child's side: builds the row's engine, trains, prints `peak-bytes N` (and on a GPU
+/// `context-bytes N`, the backend's own).
 pub fn child(row: &Row) -> anyhow::Result<()> {
-    let before = status_kib("VmRSS")?;
+    let gpu = on_gpu(row.backend);
+    let before = if gpu {
+        let idle = gpu_memory_used()?;
+        // The backend started and holding one small tensor: its context and pools exist.
+        let device = row.backend.rank_device().device()?;
+        let one = burn::tensor::Tensor::<1>::ones([1], &device).into_data();
+        anyhow::ensure!(one.try_to_vec::<f32>().map_err(|e| anyhow!("{e:?}"))? == vec![1.0], "the device gave back a wrong value");
+        let started = gpu_memory_used()?;
+        println!("context-bytes {}", started.saturating_sub(idle));
+        started
+    } else {
+        status_kib("VmRSS")? * 1024
+    };
     let spec = row.spec()?;
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
@@ -318,16 +426,19 @@ pub fn child(row: &Row) -> anyhow::Result<()> {
         .with_schedule(row.schedule)
         .with_checkpointing(row.checkpointing)
         .with_precision(row.precision)
-        .with_zero1(row.zero1);
+        .with_zero1(row.zero1)
+        .with_devices(row.backend.rank_devices(row.dims.world_size(), None));
     let mut engine = Engine::new(Arc::new(cfg), &full, ec)?;
     drop(full);
-    // The peak from here on: the engine's state and its steps.
-    std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak resident set (/proc/self/clear_refs)")?;
+    if !gpu {
+        // The peak from here on: the engine's state and its steps.
+        std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak resident set (/proc/self/clear_refs)")?;
+    }
     for i in 0..STEPS {
         engine.step(synthetic_batch(row.global_batch(), row.seq, spec.vocab_size, i))?;
     }
-    let peak = status_kib("VmHWM")?;
-    println!("peak-bytes {}", peak.saturating_sub(before) * 1024);
+    let peak = if gpu { gpu_memory_used()? } else { status_kib("VmHWM")? * 1024 };
+    println!("peak-bytes {}", peak.saturating_sub(before));
     Ok(())
 }
 
