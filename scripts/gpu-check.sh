@@ -23,7 +23,9 @@
 # memory in use is sampled through each part (nvidia-smi) and its peak printed. Then, on
 # LibTorch, `recipes bench memory --backend Tch`: the peak memory on the GPU of tiny-20m and
 # small-100m on several layouts, micro-batches, with and without checkpointing and ZeRO-1, in
-# f32 and bf16, each beside the memory model's prediction.
+# f32 and bf16, each beside the memory model's prediction. Last, `recipes run` of
+# parallel-tiny-gpu.ron: Copus training tiny-1m on the Shakespeare plays (in the bundle) with 8
+# ranks on the GPU, changing layout and batch size live; its summary is printed.
 #
 # Without a GPU: `./gpu-check.sh --cpu` runs the same checks on LibTorch's CPU device (and on
 # lavapipe, where Mesa's Vulkan driver is installed) with tiny-1m, to check the bundle itself.
@@ -51,6 +53,7 @@ for b in recipes-tch recipes-wgpu; do
   [ -x "$here/$b" ] || fail "no $b next to this script (build the bundle with scripts/build-gpu-bundle.sh)"
 done
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 
 # LibTorch: this machine's PyTorch, whose version must be the one the bundle was built against.
 status=0
@@ -177,6 +180,24 @@ for backend in $backends; do
   if [ "$backend" = Tch ]; then
     part Tch-memory 170 "$bin" bench memory --backend Tch
   fi
+  # Copus itself: parallel-tiny-gpu (tiny-1m on Shakespeare, 8 ranks sharing the device,
+  # layout and batch size changed live), from the bundle's corpus; on the CPU 40 steps.
+  case "$backend" in
+    Tch | TchCpu)
+      rm -rf "$out/copus" && mkdir -p "$out/copus" && cp -r "$here/cache" "$out/copus/cache"
+      sed "s/backend: Tch,/backend: $backend,/" "$here/parallel-tiny-gpu.ron" > "$out/copus/recipe.ron"
+      steps=()
+      [ "$cpu" = 1 ] && steps=(--max-steps 40)
+      back="$PWD"
+      cd "$out/copus"
+      export COPUS_CACHE="$out/copus/cache"
+      part "$backend-copus" 120 "$bin" run recipe.ron ${steps[@]+"${steps[@]}"}
+      unset COPUS_CACHE
+      cd "$back"
+      [ -f "$out/copus/runs/parallel-tiny-gpu/summary.md" ] && cat "$out/copus/runs/parallel-tiny-gpu/summary.md" \
+        || { say "$backend-copus: FAILED (no summary.md)"; status=1; }
+      ;;
+  esac
 done
 [ "$status" = 0 ] || fail "see above; logs in $out"
 say "done; logs in $out"
