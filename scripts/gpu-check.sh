@@ -40,7 +40,11 @@ only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu=1 ;;
-    --only) only="${2:-}"; shift ;;
+    --only)
+      [ $# -ge 2 ] || { echo "gpu-check: --only takes Tch, Wgpu or TchCpu" >&2; exit 2; }
+      only="$2"
+      shift
+      ;;
     *) echo "usage: gpu-check.sh [--cpu] [--only Tch|Wgpu|TchCpu]" >&2; exit 2 ;;
   esac
   shift
@@ -116,7 +120,7 @@ else
   # libGLX_nvidia.so.0. The ICD loads libglvnd's dispatch libraries, which the bundle's lib/ has.
   if [ -z "${VK_ICD_FILENAMES:-}" ] && [ -z "${VK_DRIVER_FILES:-}" ]; then
     mounted="$(compgen -G '/usr/local/nvidia/share/vulkan/icd.d/nvidia*.json' | head -1 || true)"
-    glx="$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia.so.0/ {print $NF; exit}')"
+    glx="$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia.so.0/ && !f {print $NF; f = 1}' || true)"
     [ -n "$glx" ] || glx="$(compgen -G '/usr/local/nvidia/lib64/libGLX_nvidia.so.0' | head -1 || true)"
     if [ -n "$mounted" ]; then
       export VK_DRIVER_FILES="$mounted" VK_ICD_FILENAMES="$mounted"
@@ -133,6 +137,13 @@ else
   fi
   egl="$(compgen -G '/usr/local/nvidia/share/glvnd/egl_vendor.d/*nvidia*.json' | head -1 || true)"
   [ -z "$egl" ] || [ -n "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] || export __EGL_VENDOR_LIBRARY_FILENAMES="$egl"
+fi
+
+if [ -n "$only" ]; then
+  case " $backends " in
+    *" $only "*) ;;
+    *) fail "--only $only: this mode runs $backends" ;;
+  esac
 fi
 
 # Peak memory in use on GPU 0 while a part runs (MiB), sampled every 200 ms; the sampler stops
@@ -173,25 +184,28 @@ for backend in $backends; do
   [ -z "$only" ] || [ "$only" = "$backend" ] || continue
   bin="$here/recipes-wgpu"
   case "$backend" in Tch*) bin="$here/recipes-tch" ;; esac
-  limit=220
-  [ "$backend" = Wgpu ] && limit=150
+  limit=150
   part "$backend" "$limit" "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 ${peaks[@]+"${peaks[@]}"}
   # Peak memory against the memory model, each configuration in a process of its own.
   if [ "$backend" = Tch ]; then
-    part Tch-memory 170 "$bin" bench memory --backend Tch
+    part Tch-memory 160 "$bin" bench memory --backend Tch
   fi
   # Copus itself: parallel-tiny-gpu (tiny-1m on Shakespeare, 8 ranks sharing the device,
   # layout and batch size changed live), from the bundle's corpus; on the CPU 40 steps.
   case "$backend" in
     Tch | TchCpu)
-      rm -rf "$out/copus" && mkdir -p "$out/copus" && cp -r "$here/cache" "$out/copus/cache"
-      sed "s/backend: Tch,/backend: $backend,/" "$here/parallel-tiny-gpu.ron" > "$out/copus/recipe.ron"
+      if ! { rm -rf "$out/copus" && mkdir -p "$out/copus" && cp -r "$here/cache" "$out/copus/cache" \
+        && sed "s/backend: Tch,/backend: $backend,/" "$here/parallel-tiny-gpu.ron" > "$out/copus/recipe.ron"; }; then
+        say "$backend-copus: FAILED (the bundle lacks cache/ or parallel-tiny-gpu.ron: rebuild it)"
+        status=1
+        continue
+      fi
       steps=()
       [ "$cpu" = 1 ] && steps=(--max-steps 40)
       back="$PWD"
       cd "$out/copus"
       export COPUS_CACHE="$out/copus/cache"
-      part "$backend-copus" 120 "$bin" run recipe.ron ${steps[@]+"${steps[@]}"}
+      part "$backend-copus" 90 "$bin" run recipe.ron ${steps[@]+"${steps[@]}"}
       unset COPUS_CACHE
       cd "$back"
       [ -f "$out/copus/runs/parallel-tiny-gpu/summary.md" ] && cat "$out/copus/runs/parallel-tiny-gpu/summary.md" \

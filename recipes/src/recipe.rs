@@ -619,8 +619,6 @@ mod tests {
         train: (global_batch: 8, micro_batch: 2, max_steps: 3),
     )"#;
 
-    /// A scripted switch outside the candidate space, or out of order, names `parallel.script`
-    /// and the entry; a backend this build lacks names `backend` and the feature to build with.
     /// The shipped GPU recipe is `parallel-tiny` on `Tch` and nothing else; a build without
     /// LibTorch refuses it naming the feature.
     #[test]
@@ -640,6 +638,8 @@ mod tests {
         }
     }
 
+    /// A scripted switch outside the candidate space, or out of order, names `parallel.script`
+    /// and the entry; a backend this build lacks names `backend` and the feature to build with.
     #[test]
     fn scripts_and_backends_are_checked() {
         let with = |script: &str| {

@@ -56,7 +56,8 @@ pub struct Row {
     pub zero1: bool,
     /// The arithmetic.
     pub precision: Precision,
-    /// Not among the rows [`MemoryModel::engine_f32`] was fitted to.
+    /// Not among the rows its model was fitted to ([`MemoryModel::engine_f32`] on Flex,
+    /// [`MemoryModel::engine_gpu`] on a GPU).
     pub held_out: bool,
     /// Where the ranks train (all on the backend's first device).
     pub backend: Backend,
@@ -88,9 +89,9 @@ impl Row {
         Ok((stages - self.context_per_rank() * self.dims.pp as f64) * ranks)
     }
 
-    /// The CUDA context the row's model counts per rank: [`GPU_CONTEXT_BYTES`] on a GPU backend.
+    /// The CUDA context the row's model counts per rank: [`GPU_CONTEXT_BYTES`] on a GPU.
     fn context_per_rank(&self) -> f64 {
-        if self.backend.is_gpu() { GPU_CONTEXT_BYTES } else { 0.0 }
+        if on_gpu(self.backend) { GPU_CONTEXT_BYTES } else { 0.0 }
     }
 
     /// `model`'s estimate of a rank on each pipeline stage.
@@ -180,19 +181,19 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
     };
     if group == Group::Gpu {
         // Serial at both micro-batches with and without checkpointing, then tp2, pp2 and dp2
-        // (with and without ZeRO-1) at the larger; each in both precisions. All held out: the
-        // model was fitted on Flex.
+        // (with and without ZeRO-1) at the larger; each in both precisions. The GPU model
+        // (`MemoryModel::engine_gpu`) was fitted to the small-100m rows, tiny-20m's held out.
         let mut gpu = Vec::new();
         for (preset, small, large) in [("small-100m", 1, 4), ("tiny-20m", 2, 8)].into_iter().filter(|(p, ..)| want(p)) {
             let mut plain = Vec::new();
             for micro_batch in [small, large] {
                 for ck in [Checkpointing::None, Checkpointing::Regions] {
-                    plain.push(row(preset, d(1, 1, 1), micro_batch, ScheduleKind::OneFOneB, ck, true));
+                    plain.push(row(preset, d(1, 1, 1), micro_batch, ScheduleKind::OneFOneB, ck, preset == "tiny-20m"));
                 }
             }
-            plain.push(row(preset, d(1, 2, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, true));
-            plain.push(row(preset, d(1, 1, 2), large, ScheduleKind::GPipe, Checkpointing::None, true));
-            let dp2 = row(preset, d(2, 1, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, true);
+            plain.push(row(preset, d(1, 2, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m"));
+            plain.push(row(preset, d(1, 1, 2), large, ScheduleKind::GPipe, Checkpointing::None, preset == "tiny-20m"));
+            let dp2 = row(preset, d(2, 1, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m");
             plain.push(Row { zero1: true, ..dp2.clone() });
             plain.push(dp2);
             for precision in [Precision::F32, Precision::Bf16Mixed] {
@@ -385,7 +386,8 @@ fn on_gpu(backend: Backend) -> bool {
 }
 
 /// Bytes in use on the GPU the ranks use (the first of `CUDA_VISIBLE_DEVICES`, else GPU 0), as
-/// `nvidia-smi` reports them (MiB resolution).
+/// `nvidia-smi` reports them (MiB resolution). nvidia-smi numbers GPUs in PCI order, as CUDA
+/// does with `CUDA_DEVICE_ORDER=PCI_BUS_ID`; a GPU's UUID names the same one either way.
 fn gpu_memory_used() -> anyhow::Result<u64> {
     let index = std::env::var("CUDA_VISIBLE_DEVICES")
         .ok()
@@ -427,7 +429,7 @@ pub fn child(row: &Row) -> anyhow::Result<()> {
         .with_checkpointing(row.checkpointing)
         .with_precision(row.precision)
         .with_zero1(row.zero1)
-        .with_devices(row.backend.rank_devices(row.dims.world_size(), None));
+        .with_devices(row.backend.rank_devices(row.dims.world_size(), Some(row.dims.world_size())));
     let mut engine = Engine::new(Arc::new(cfg), &full, ec)?;
     drop(full);
     if !gpu {
