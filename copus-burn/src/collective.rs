@@ -664,6 +664,7 @@ impl ThreadComm {
     fn combine_tensors(&self, op: &'static str, t: Tensor<1>, how: Option<ReduceOp>, range: Range<usize>) -> Result<Tensor<1>, CommError> {
         let (device, n) = (t.device(), t.dims()[0]);
         let whole = range.start == 0 && range.end == n;
+        fusion_fence(&device)?;
         let all = self.exchange(op, Arc::new(Mutex::new(t)))?;
         let mut out: Option<Tensor<1>> = None;
         let mut parts = Vec::new();
@@ -688,11 +689,33 @@ impl ThreadComm {
                 (Some(acc), ReduceOp::Max) => acc.clone().mask_where(acc.lower(t.clone()), t),
             });
         }
-        Ok(match how {
+        let out = match how {
             Some(_) => out.expect("a group has at least one rank"),
             None => Tensor::cat(parts, 0),
-        })
+        };
+        if cfg!(feature = "fusion") {
+            // No rank lets go of its deposit, or writes over it, before every rank's reads of
+            // it have run.
+            fusion_fence(&device)?;
+            drop(all);
+            self.exchange_vec::<f32>("fence", Vec::new())?;
+        }
+        Ok(out)
     }
+}
+
+/// Under Burn's fusion, runs this thread's queued operations on `device` to completion, so that
+/// a tensor handed to another rank thread exists and no later operation of this thread can
+/// reorder around the other thread's use of it. Fusion queues each thread's operations on a
+/// stream of its own, and a tensor read on another thread's stream is ordered against writes
+/// of its own stream only once both are submitted: with four rank threads (tp2 x pp2 on wgpu)
+/// the fused build trained 1e-3 away from Flex, different from run to run, without this fence.
+/// Without fusion a backend runs each operation as it is issued, and this does nothing.
+fn fusion_fence(device: &Device) -> Result<(), CommError> {
+    if cfg!(feature = "fusion") {
+        device.sync().map_err(|e| CommError::Invalid(format!("waiting for the device's queued work: {e:?}")))?;
+    }
+    Ok(())
 }
 
 /// [`ThreadComm::tensor_sum`]'s handle: the rank's place in the group's exchange, for tensor
@@ -815,6 +838,7 @@ impl Collective for ThreadComm {
     }
 
     fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
+        fusion_fence(&t.device())?;
         self.post(to, tag, Letter::Tensor(Box::new(t)))
     }
 
