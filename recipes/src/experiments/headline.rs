@@ -473,8 +473,13 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
         }
         if let (Some(ceil), Some((_, best))) = (arms.iter().find(|a| a.kind == ArmKind::Ceiling), hindsight) {
             let r = ratios(ceil, best, k, &(0..n).collect::<Vec<_>>()).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 4));
+            let reading = match &r {
+                Some(r) if r.ratio < 1.0 => "below 1: what a schedule could win over the best fixed arm",
+                Some(_) => "not below 1: the scripted schedule did not beat the best fixed arm, so it bounds nothing",
+                None => "not measured",
+            };
             md.push_str(&format!(
-                "Ceiling / best fixed: {} (what there was to win).\n",
+                "Ceiling / best fixed: {} ({reading}).\n",
                 r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3})", r.ratio, r.low, r.high))
             ));
         }

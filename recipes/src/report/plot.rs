@@ -66,6 +66,20 @@ fn bounds(series: &[Series<'_>], log_y: bool) -> Option<((f64, f64), (f64, f64))
     Some(((x0, x1), (y0 - pad, y1 + pad)))
 }
 
+/// One colour per series, ten apart before they repeat (a headline plots eight arms).
+const SERIES_COLORS: [RGBColor; 10] = [
+    BLUE,
+    RED,
+    RGBColor(0, 160, 0),
+    MAGENTA,
+    RGBColor(0, 190, 190),
+    BLACK,
+    RGBColor(255, 140, 0),
+    RGBColor(140, 80, 20),
+    RGBColor(128, 128, 128),
+    RGBColor(110, 0, 170),
+];
+
 /// Draws `series` as lines into a PNG at `path`. `log_y` uses a log scale for y.
 pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], log_y: bool) -> anyhow::Result<()> {
     ensure_font()?;
@@ -75,7 +89,7 @@ pub fn line_plot(path: &Path, title: &str, x_label: &str, y_label: &str, series:
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     let err = |e: &dyn std::fmt::Display| anyhow!("{}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let colors = SERIES_COLORS;
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
@@ -160,7 +174,7 @@ pub fn region_plot(
                 .legend(|(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], BLACK.mix(0.6).stroke_width(1)));
         }
     }
-    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let colors = SERIES_COLORS;
     for (i, s) in series.iter().enumerate() {
         let c = colors[i % colors.len()];
         chart
