@@ -224,6 +224,13 @@ impl MemoryModel {
         Self { activation_bytes, weight_bytes, overhead_bytes: engine.overhead_bytes + GPU_CONTEXT_BYTES, ..engine }
     }
 
+    /// The engine's measured model for ranks in `precision`, on a GPU ([`MemoryModel::engine_gpu`])
+    /// or in host memory ([`MemoryModel::engine`]), with `checkpointing` and `zero1`.
+    pub fn measured(precision: Precision, on_gpu: bool, checkpointing: Checkpointing, zero1: bool) -> Self {
+        let fitted = if on_gpu { Self::engine_gpu(precision) } else { Self::engine(precision) };
+        Self { checkpointing, zero1, ..fitted }
+    }
+
     /// bf16 weights, gradients and activations with fp32 master weights and moments, fused
     /// attention, 2 GiB runtime overhead (GPU training).
     pub fn mixed_bf16() -> Self {

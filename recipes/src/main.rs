@@ -444,7 +444,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     let group = match (zero1, bf16) {
                         (true, _) => bench::memory::Group::Zero1,
                         (_, true) => bench::memory::Group::Bf16,
-                        _ if !matches!(backend, Backend::Flex | Backend::TchCpu) => bench::memory::Group::Gpu,
+                        _ if bench::memory::on_gpu(backend) => bench::memory::Group::Gpu,
                         _ => bench::memory::Group::All,
                     };
                     bench::memory::run(backend, &presets, group, csv.as_deref())?

@@ -254,8 +254,7 @@ impl ParallelRecipe {
     /// Flex ([`MemoryModel::engine`]) or, for a GPU backend, on a GPU
     /// ([`MemoryModel::engine_gpu`]), with its checkpointing and ZeRO-1.
     pub fn memory_model(&self) -> MemoryModel {
-        let measured = if self.backend.is_gpu() { MemoryModel::engine_gpu(self.precision) } else { MemoryModel::engine(self.precision) };
-        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..measured }
+        MemoryModel::measured(self.precision, self.backend.is_gpu(), self.checkpointing, self.zero1)
     }
 
     /// The candidate space of this recipe.

@@ -72,12 +72,11 @@ impl Row {
         self.dims.dp * self.micro_batch * MICRO_PER_REPLICA
     }
 
-    /// The engine's memory model for this row, as a recipe of its backend has it
-    /// ([`ParallelRecipe::memory_model`](crate::recipe::ParallelRecipe::memory_model): measured
-    /// on Flex, or on a GPU), in its precision, with its checkpointing and ZeRO-1.
+    /// The engine's memory model for this row, for where the row is measured (the GPU model
+    /// when it is measured on a GPU, else the host one; wgpu on lavapipe is measured in host
+    /// memory), in its precision, with its checkpointing and ZeRO-1.
     pub fn model(&self) -> MemoryModel {
-        let measured = if self.backend.is_gpu() { MemoryModel::engine_gpu(self.precision) } else { MemoryModel::engine(self.precision) };
-        MemoryModel { checkpointing: self.checkpointing, zero1: self.zero1, ..measured }
+        MemoryModel::measured(self.precision, on_gpu(self.backend), self.checkpointing, self.zero1)
     }
 
     /// The model's bytes for the whole process: every rank's stage estimate, summed, less the
@@ -377,7 +376,7 @@ static CONTEXT_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 
 /// Whether `backend`'s rows are measured on an NVIDIA GPU: LibTorch's CUDA, or wgpu where
 /// `nvidia-smi` answers (else wgpu is lavapipe, in this process's memory).
-fn on_gpu(backend: Backend) -> bool {
+pub fn on_gpu(backend: Backend) -> bool {
     match backend {
         Backend::Tch | Backend::Cuda => true,
         Backend::Wgpu => gpu_memory_used().is_ok(),
