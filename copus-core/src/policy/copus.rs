@@ -39,8 +39,9 @@ pub struct SwitchRule {
     /// Exploration: the log standard deviation assumed for the prior's error on a candidate
     /// the run has not measured, until two candidates are measured (then their spread about
     /// the prior takes over, see [`Copus`]). A candidate whose expected improvement over the
-    /// best measured one, under that error, is at least the switch threshold (and, for a
-    /// layout, repays two layout changes over the horizon) is tried for `trial_steps` steps
+    /// best measured one, under that error, is at least the switch threshold (or
+    /// `trial_threshold`; and, for a layout, repays two layout changes over the horizon) is
+    /// tried for `trial_steps` steps
     /// (only candidates of the running B_g during the dwell or without a noise estimate); 0
     /// turns exploration off.
     #[serde(default = "default_explore")]
@@ -49,6 +50,36 @@ pub struct SwitchRule {
     /// measured yet).
     #[serde(default = "default_trial_steps")]
     pub trial_steps: u64,
+    /// The noise scale exploration and the end of a trial judge at (see [`ExploreNoise`]).
+    #[serde(default)]
+    pub explore_noise: ExploreNoise,
+    /// Exploration: the log-error added per step of distance from an unmeasured candidate to
+    /// the nearest measured one (a doubling or halving of B_g is one step, another layout
+    /// one more), `s_c = sqrt(s^2 + explore_distance^2 d)`: the prior rescaled by the
+    /// measurements is trusted less far from them. 0 (the default) gives every unmeasured
+    /// candidate the same log-error.
+    #[serde(default)]
+    pub explore_distance: f64,
+    /// Exploration: the expected improvement (a share of the best measured value) every trial
+    /// must reach, in place of the switch thresholds (`batch_threshold` for a trial of the
+    /// running layout, `layout_threshold` for another); a layout trial must still repay its
+    /// two changes over the horizon. `None` (the default): the switch thresholds.
+    #[serde(default)]
+    pub trial_threshold: Option<f64>,
+}
+
+/// The noise scale exploration values candidates at, and a trial is judged at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExploreNoise {
+    /// The point estimate of B_simple, or the band's low end while |G|^2 is not positive;
+    /// the end of a trial goes back to another global batch when it wins at that point.
+    #[default]
+    Point,
+    /// The point estimate only while |G|^2 is positive `confidence` standard errors down
+    /// (measured, not noise), else B_simple "very large" (as a non-positive |G|^2 means), so a
+    /// run at a small batch under large noise still tries the faster large batches; the end of
+    /// a trial goes back to another global batch only when that wins across the band.
+    Significant,
 }
 
 fn default_explore() -> f64 {
@@ -84,6 +115,9 @@ impl Default for SwitchRule {
             confirm_steps: default_confirm(),
             explore: default_explore(),
             trial_steps: default_trial_steps(),
+            explore_noise: ExploreNoise::default(),
+            explore_distance: 0.0,
+            trial_threshold: None,
         }
     }
 }
@@ -99,6 +133,10 @@ impl SwitchRule {
         check("cost_smoothing", self.cost_smoothing, (0.0..=1.0).contains(&self.cost_smoothing), "in [0, 1]")?;
         check("confidence", self.confidence, self.confidence >= 0.0, ">= 0 standard errors")?;
         check("explore", self.explore, self.explore >= 0.0, ">= 0 (0: no exploration)")?;
+        check("explore_distance", self.explore_distance, self.explore_distance >= 0.0, ">= 0 (0: the same for all)")?;
+        if let Some(t) = self.trial_threshold {
+            check("trial_threshold", t, t >= 0.0, ">= 0")?;
+        }
         check("trial_steps", self.trial_steps as f64, self.trial_steps >= 1, ">= 1 step")
     }
 }
@@ -237,11 +275,12 @@ impl Copus {
 
     /// A trial of the candidate the run has not measured whose trial is worth most, when `cur`
     /// has run more than `trial_steps` steps (`ran`) and no change is pending. Its value (Goodput
-    /// at the point estimate `phi`; throughput, within the running B_g, without an estimate)
-    /// is taken as log-normal about the prediction with the prior's log-error
-    /// ([`Copus::optimism`]); the trial's worth is its expected improvement over the best
-    /// measured candidate. It is made when that improvement is at least the switch threshold
-    /// (of the best measured value) and, for a layout, when the improvement earned over the
+    /// at the noise scale `phi` of [`Copus::explore_noise`]; throughput, within the running
+    /// B_g, without an estimate) is taken as log-normal about the prediction with the prior's
+    /// log-error ([`Copus::optimism`], widened by `explore_distance`); the trial's worth is its
+    /// expected improvement over the best measured candidate. It is made when that improvement
+    /// is at least the switch threshold or `trial_threshold` (of the best measured value) and,
+    /// for a layout, when the improvement earned over the
     /// horizon pays for the two layout changes a trial may cost (there and back). Among those,
     /// the candidate with the largest net worth is tried; `Keep` if there is none.
     fn explore(&mut self, step: u64, cur: &Candidate, ran: u64, phi: Option<f64>) -> Decision {
@@ -253,6 +292,15 @@ impl Copus {
         let eligible = |c: &Candidate| phi.is_some() || c.global_batch == cur.global_batch;
         let best_known = self.best_measured(phi, eligible).map_or(now, |(_, v)| v.max(now));
         let s = self.optimism();
+        // Where the run has measured (B_g, layout), for the distance of an unmeasured candidate.
+        let mut near = Vec::new();
+        if r.explore_distance > 0.0 {
+            for (c, _, measured) in self.scorer.candidates_measured() {
+                if measured && !near.contains(&(c.global_batch, c.dims)) {
+                    near.push((c.global_batch, c.dims));
+                }
+            }
+        }
         let mut next = None::<(Candidate, f64)>;
         for (c, t, measured) in self.scorer.candidates_measured() {
             if measured || !eligible(c) || c == cur || self.tried.contains(c) {
@@ -260,7 +308,9 @@ impl Copus {
             }
             let layout = c.layout_differs(cur);
             let (th, cost) = if layout { (r.layout_threshold, 2.0 * r.layout_cost) } else { (r.batch_threshold, 0.0) };
-            let gain = expected_improvement(self.value(c, t, phi), best_known, s);
+            let th = r.trial_threshold.unwrap_or(th);
+            let s_c = if near.is_empty() { s } else { (s * s + r.explore_distance.powi(2) * distance(c, &near)).sqrt() };
+            let gain = expected_improvement(self.value(c, t, phi), best_known, s_c);
             // Progress-seconds: the gain over the horizon against the time the changes take.
             let worth = gain * r.horizon - best_known * cost;
             if gain >= th * best_known && worth > 0.0 && next.is_none_or(|(_, w)| worth > w) {
@@ -278,15 +328,38 @@ impl Copus {
     /// configuration the trial started from (`origin`), by Goodput at `phi` (by throughput
     /// without an estimate, the trial's B_g only), when it beats `cur` by the switch
     /// threshold; `Keep` otherwise.
-    fn after_trial(&self, cur: &Candidate, origin: Option<Candidate>, phi: Option<f64>) -> Decision {
+    /// With [`ExploreNoise::Significant`] and a band (`band`: its low end, the point, its
+    /// capped high end), going back to the origin's other B_g must win at all three.
+    fn after_trial(&self, cur: &Candidate, origin: Option<Candidate>, phi: Option<f64>, band: Option<[f64; 3]>) -> Decision {
         let Some(now) = self.scorer.throughput(cur).map(|t| self.value(cur, t, phi)) else { return Decision::Keep };
         let eligible = |c: &Candidate| c.global_batch == cur.global_batch || (phi.is_some() && origin == Some(*c));
         match self.best_measured(phi, eligible) {
             Some((c, v)) if c != *cur => {
                 let th = if c.layout_differs(cur) { self.rule.layout_threshold } else { self.rule.batch_threshold };
-                if v > now * (1.0 + th) { Decision::to(cur, c) } else { Decision::Keep }
+                let wins = match band {
+                    Some(band) if c.global_batch != cur.global_batch => {
+                        band.iter().all(|&p| self.goodput_at(&c, p) > self.goodput_at(cur, p) * (1.0 + th))
+                    }
+                    _ => v > now * (1.0 + th),
+                };
+                if wins { Decision::to(cur, c) } else { Decision::Keep }
             }
             _ => Decision::Keep,
+        }
+    }
+
+    /// The noise scale exploration and the end of a trial judge at, with the band a trial's
+    /// way back must hold across ([`ExploreNoise::Significant`] only); `None` without a band.
+    fn explore_noise(&self, obs: &StepObservation) -> Option<(f64, Option<[f64; 3]>)> {
+        let (low, high) = obs.noise.and_then(|n| n.b_simple_band(self.rule.confidence))?;
+        let point = obs.b_simple();
+        match self.rule.explore_noise {
+            ExploreNoise::Point => Some((point.unwrap_or(low), None)),
+            ExploreNoise::Significant => {
+                // A finite high end: |G|^2 is positive `confidence` standard errors down.
+                let phi = if high.is_finite() { point.unwrap_or(low) } else { Self::PHI_CAP };
+                Some((phi, Some([low, phi.min(Self::PHI_CAP), high.min(Self::PHI_CAP)])))
+            }
         }
     }
 
@@ -294,6 +367,14 @@ impl Copus {
     pub fn layout_cost(&self) -> f64 {
         self.rule.layout_cost
     }
+}
+
+/// Steps from `c` to the nearest of the measured (B_g, layout) pairs `near`: the doublings
+/// between the global batches, plus one for another layout.
+fn distance(c: &Candidate, near: &[(usize, ParallelDims)]) -> f64 {
+    near.iter()
+        .map(|&(b, dims)| (c.global_batch as f64 / b as f64).log2().abs() + if dims == c.dims { 0.0 } else { 1.0 })
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// `E[max(V - best, 0)]` for `V` log-normal with median `median` and log standard deviation
@@ -354,7 +435,13 @@ impl Policy for Copus {
                 self.trial = None;
                 let origin = self.left;
                 (self.left, self.left_layout) = self.before_trial.take().unwrap_or((None, None));
-                let back = self.after_trial(&cur, origin, obs.b_simple());
+                let back = match self.rule.explore_noise {
+                    ExploreNoise::Point => self.after_trial(&cur, origin, obs.b_simple(), None),
+                    ExploreNoise::Significant => {
+                        let noise = self.explore_noise(obs);
+                        self.after_trial(&cur, origin, noise.map(|n| n.0), noise.and_then(|n| n.1))
+                    }
+                };
                 if back != Decision::Keep {
                     return back;
                 }
@@ -404,7 +491,10 @@ impl Policy for Copus {
             _ => (Decision::Keep, r.confirm_steps),
         };
         match self.confirmed(obs.step, &cur, wanted, confirm) {
-            Decision::Keep => self.explore(obs.step, &cur, ran, Some(phi)),
+            Decision::Keep => {
+                let at = self.explore_noise(obs).map_or(phi, |n| n.0);
+                self.explore(obs.step, &cur, ran, Some(at))
+            }
             change => change,
         }
     }
@@ -684,6 +774,121 @@ mod tests {
             assert_eq!(p.decide(&at(step, dp4)), Decision::Keep, "step {step}: tp2 is measured, nothing left to try");
         }
         assert_eq!(p.learned().tried, vec![tp2]);
+    }
+
+    /// `explore_noise` by hand: |G|^2 = 1 with standard error 2 is not positive one standard
+    /// error down, so `Significant` reads B_simple as very large (the band: tr / 3 up to
+    /// infinity); with standard error 0.5 it is measured and the point estimate stands (band
+    /// 100 / 1.5 to 100 / 0.5). A negative |G|^2 whose band still exists: `Point` takes the
+    /// band's low end, 100 / 0.5.
+    #[test]
+    fn an_insignificant_signal_is_explored_as_a_very_large_noise_scale() {
+        let (s, _) = toy();
+        let cur = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let at = |grad_sq: f64, se: f64| StepObservation {
+            step: 10,
+            current: cur,
+            noise: Some(NoiseEstimate { grad_sq, trace: 100.0, biased: false, grad_sq_se: se, trace_se: 0.0 }),
+        };
+        let point = Copus::new(s.clone(), no_dwell()).unwrap();
+        let signif = Copus::new(s, SwitchRule { explore_noise: ExploreNoise::Significant, ..no_dwell() }).unwrap();
+        let cap = Copus::PHI_CAP;
+        assert_eq!(point.explore_noise(&at(1.0, 2.0)), Some((100.0, None)));
+        assert_eq!(signif.explore_noise(&at(1.0, 2.0)), Some((cap, Some([100.0 / 3.0, cap, cap]))));
+        assert_eq!(signif.explore_noise(&at(1.0, 0.5)), Some((100.0, Some([100.0 / 1.5, 100.0, 200.0]))));
+        assert_eq!(point.explore_noise(&at(-0.5, 1.0)), Some((200.0, None)));
+        assert_eq!(signif.explore_noise(&at(-0.5, 1.0)), Some((cap, Some([200.0, cap, cap]))));
+        assert_eq!(signif.explore_noise(&at(-2.0, 1.0)), None, "no band: nothing bounded");
+    }
+
+    /// dp4 at B_g 4 measured at its prior (6.67 samples/s), B_simple estimated at 4 with |G|^2
+    /// = 1 +- 2 (not significant), layout trials priced out. Plain Goodput at 4 (b0 4), by
+    /// hand: B_g 8 11.43 x 8/12 = 7.62, B_g 16 17.78 x 8/20 = 7.11, B_g 128 34.6 x 8/132 = 2.10,
+    /// so `Point` tries B_g 8; at "very large" Goodput is throughput and `Significant` tries
+    /// B_g 128 (34.6 samples/s, 5.2 times B_g 4). With |G|^2 = 1 +- 0.1 both go to B_g 8.
+    #[test]
+    fn an_insignificant_signal_sends_the_trial_to_the_fast_large_batch() {
+        let (s, _) = toy();
+        let b = |g| Candidate::new(d(4, 1, 1), g, 1).unwrap();
+        let first_trial = |mode, se| {
+            let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 1e6, explore_noise: mode, ..no_dwell() };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 4.0, biased: false, grad_sq_se: se, trace_se: 0.0 });
+            (1..=3)
+                .map(|step| {
+                    p.observe_throughput(&b(4), s.throughput(&b(4)).unwrap());
+                    p.decide(&StepObservation { step, current: b(4), noise })
+                })
+                .collect::<Vec<_>>()
+        };
+        let trial = |c| vec![Decision::Keep, Decision::Keep, Decision::ChangeBatch(c)];
+        assert_eq!(first_trial(ExploreNoise::Point, 2.0), trial(b(8)));
+        assert_eq!(first_trial(ExploreNoise::Significant, 2.0), trial(b(128)));
+        // Measured well, the band [3.6, 4, 4.4] holds B_g 8's gain: both modes decide it at once
+        // (a change, not a trial).
+        for mode in [ExploreNoise::Point, ExploreNoise::Significant] {
+            assert_eq!(first_trial(mode, 0.1)[0], Decision::ChangeBatch(b(8)), "{mode:?}");
+        }
+    }
+
+    /// The end of a trial of dp4 B_g 16 measured at 15 samples/s, from dp4 B_g 4 (6.67): at
+    /// B_simple 4 the origin wins (15 x 8/20 = 6.0), at the band's high end 40 the trial does
+    /// (15 x 44/56 = 11.8). Judged at the point the run goes back; across the band
+    /// [2.1, 4, 40] it stays.
+    #[test]
+    fn a_trial_goes_back_to_another_batch_only_when_that_wins_across_the_band() {
+        let (s, _) = toy();
+        let b = |g| Candidate::new(d(4, 1, 1), g, 1).unwrap();
+        let mut p = Copus::new(s.clone(), no_dwell()).unwrap();
+        p.observe_throughput(&b(4), s.throughput(&b(4)).unwrap());
+        p.observe_throughput(&b(16), 15.0);
+        assert_eq!(p.after_trial(&b(16), Some(b(4)), Some(4.0), None), Decision::ChangeBatch(b(4)));
+        assert_eq!(p.after_trial(&b(16), Some(b(4)), Some(4.0), Some([2.1, 4.0, 40.0])), Decision::Keep);
+        // Measured at 5 samples/s the trial loses everywhere (at 40: 3.9), and the run goes back.
+        let mut q = Copus::new(s.clone(), no_dwell()).unwrap();
+        q.observe_throughput(&b(4), s.throughput(&b(4)).unwrap());
+        q.observe_throughput(&b(16), 5.0);
+        assert_eq!(q.after_trial(&b(16), Some(b(4)), Some(4.0), Some([2.1, 4.0, 40.0])), Decision::ChangeBatch(b(4)));
+    }
+
+    /// `trial_threshold` replaces the switch threshold a trial's expected improvement must
+    /// reach: tp2's over dp4 at B_g 4 is `g` (a share of dp4's samples/s, 1.41); with the
+    /// layout threshold just above `g` it is not tried, with a trial threshold just under `g`
+    /// it is, and a trial threshold just above `g` keeps it untried.
+    #[test]
+    fn the_trial_threshold_replaces_the_switch_threshold_for_trials() {
+        let (s, _) = toy();
+        let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
+        let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
+        let (t_dp4, t_tp2) = (s.throughput(&dp4).unwrap(), s.throughput(&tp2).unwrap());
+        let g = expected_improvement(t_tp2, t_dp4, 0.3) / t_dp4;
+        assert!((1.3..1.5).contains(&g), "{g}");
+        for (trial_threshold, tried) in [(None, false), (Some(0.99 * g), true), (Some(1.01 * g), false)] {
+            let rule =
+                SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 0.0, layout_threshold: 1.01 * g, trial_threshold, ..no_dwell() };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            let decisions: Vec<Decision> = (1..=3)
+                .map(|step| {
+                    p.observe_throughput(&dp4, t_dp4);
+                    p.decide(&StepObservation { step, current: dp4, noise: None })
+                })
+                .collect();
+            let want = if tried { Decision::ChangeLayout(tp2) } else { Decision::Keep };
+            assert_eq!(decisions, vec![Decision::Keep, Decision::Keep, want], "{trial_threshold:?}");
+        }
+        let bad = SwitchRule { trial_threshold: Some(-0.1), ..no_dwell() };
+        assert!(Copus::new(s, bad).is_err());
+    }
+
+    /// Distance to the nearest measured (B_g, layout): B_g 32 on dp4 from B_g 4 on dp4 is three
+    /// doublings, from B_g 16 on tp2 one doubling and a layout.
+    #[test]
+    fn the_distance_counts_doublings_and_a_layout() {
+        let c = Candidate::new(d(4, 1, 1), 32, 1).unwrap();
+        assert_eq!(distance(&c, &[(4, d(4, 1, 1))]), 3.0);
+        assert_eq!(distance(&c, &[(4, d(4, 1, 1)), (16, d(2, 2, 1))]), 2.0);
+        assert_eq!(distance(&c, &[(32, d(4, 1, 1))]), 0.0);
+        assert_eq!(distance(&c, &[]), f64::INFINITY);
     }
 
     /// A trial the driver refuses is not proposed again.
