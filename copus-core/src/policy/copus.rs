@@ -66,6 +66,24 @@ pub struct SwitchRule {
     /// two changes over the horizon. `None` (the default): the switch thresholds.
     #[serde(default)]
     pub trial_threshold: Option<f64>,
+    /// How a change is chosen under the band of B_simple (see [`Choice`]).
+    #[serde(default)]
+    pub choice: Choice,
+}
+
+/// How the policy picks the change it then confirms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Choice {
+    /// The best other layout at the point estimate, if it wins across the band, else the best
+    /// batch of the running layout at the point estimate, if that wins across the band.
+    #[default]
+    Point,
+    /// Among every candidate that wins across the band (a layout change also repaying its
+    /// cost at every point of it), the one whose smallest gain over the band is largest: while
+    /// the band is wide, a change that holds wherever the noise scale lies in it (a smaller
+    /// step towards the point estimate's best) is made, where `Point` waits for the band to
+    /// narrow around its best.
+    Robust,
 }
 
 /// The noise scale exploration values candidates at, and a trial is judged at.
@@ -118,6 +136,7 @@ impl Default for SwitchRule {
             explore_noise: ExploreNoise::default(),
             explore_distance: 0.0,
             trial_threshold: None,
+            choice: Choice::default(),
         }
     }
 }
@@ -363,6 +382,44 @@ impl Copus {
         }
     }
 
+    /// [`Choice::Robust`]: the candidate whose smallest Goodput gain over `cur` across `band`
+    /// is largest, among those that beat `cur` by their threshold (`threshold(c, base)`) at
+    /// every point of it and, for another layout, repay the change's cost over the horizon
+    /// against the best of the running layout there.
+    fn robust_choice(&self, cur: &Candidate, band: [f64; 3], threshold: &dyn Fn(&Candidate, f64) -> f64) -> Option<Candidate> {
+        let r = self.rule;
+        let now = band.map(|p| self.goodput_at(cur, p));
+        let stay = std::array::from_fn::<f64, 3, _>(|i| {
+            self.scorer.best(band[i], |c| c.dims == cur.dims).map_or(now[i], |s| s.goodput.max(now[i]))
+        });
+        let mut pick = None::<(Candidate, f64)>;
+        for (c, t, _) in self.scorer.candidates_measured() {
+            if c == cur {
+                continue;
+            }
+            let layout = c.layout_differs(cur);
+            let th = threshold(c, if layout { r.layout_threshold } else { r.batch_threshold });
+            let go = band.map(|p| self.scorer.goodput(t, c.global_batch, p));
+            // Any progress is infinitely more than none (a configuration the objective gives no
+            // progress at must be left, as `Point` leaves it).
+            let gain = |g: f64, n: f64| {
+                if n > 0.0 {
+                    g / n
+                } else if g > 0.0 {
+                    f64::INFINITY
+                } else {
+                    0.0
+                }
+            };
+            let worst = (0..3).map(|i| gain(go[i], now[i])).fold(f64::INFINITY, f64::min);
+            let repays = !layout || (0..3).all(|i| go[i] * (r.horizon - r.layout_cost).max(0.0) > stay[i] * r.horizon);
+            if worst > 1.0 + th && repays && pick.is_none_or(|(_, w)| worst > w) {
+                pick = Some((*c, worst));
+            }
+        }
+        pick.map(|(c, _)| c)
+    }
+
     /// The current estimate of a layout change's cost, seconds.
     pub fn layout_cost(&self) -> f64 {
         self.rule.layout_cost
@@ -466,6 +523,17 @@ impl Policy for Copus {
         // Back to the configuration the run left, or (for a layout change) to its layout.
         let back = |t: &Candidate| self.left == Some(*t) || (t.dims != cur.dims && self.left_layout == Some(t.dims));
         let threshold = |t: &Candidate, base: f64| if back(t) { 2.0 * base } else { base };
+        if r.choice == Choice::Robust {
+            let wanted = self.robust_choice(&cur, band, &threshold);
+            let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
+            return match self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm) {
+                Decision::Keep => {
+                    let at = self.explore_noise(obs).map_or(phi, |n| n.0);
+                    self.explore(obs.step, &cur, ran, Some(at))
+                }
+                change => change,
+            };
+        }
         // Best other layout at the estimate; it must repay across the band.
         if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
             let th = threshold(&o.candidate, r.layout_threshold);
@@ -878,6 +946,59 @@ mod tests {
         }
         let bad = SwitchRule { trial_threshold: Some(-0.1), ..no_dwell() };
         assert!(Copus::new(s, bad).is_err());
+    }
+
+    /// tp2 at B_g 16 with B_simple 8 and |G|^2 = 1 +- 0.7: the band is [8 / 1.7, 8, 8 / 0.3] =
+    /// [4.71, 8, 26.7]. By hand (tp2: B_g 4 15.38 samples/s, 8 19.05, 16 21.62; plain Goodput,
+    /// b0 4): the point estimate's best is B_g 4 (15.38 against 16's 21.62 x 12/24 = 10.81), but
+    /// at 26.7 it gives 15.38 against 16's 15.54, so `Point` waits. B_g 8 wins everywhere in the
+    /// band, by 13.05/9.09 = 1.44, 14.29/10.81 = 1.32 and 16.85/15.54 = 1.084 (its worst, over
+    /// the 2% threshold), and more than any other candidate's worst: `Robust` goes there. With a
+    /// precise estimate both go to B_g 4.
+    #[test]
+    fn a_robust_choice_makes_the_change_that_holds_across_a_wide_band() {
+        let (s, _) = toy();
+        let tp2 = |b| Candidate::new(d(2, 2, 1), b, 1).unwrap();
+        let rule = |choice| SwitchRule { layout_cost: 1.0, horizon: 1e4, choice, ..no_dwell() };
+        let at = |se| StepObservation {
+            step: 10,
+            current: tp2(16),
+            noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 8.0, biased: false, grad_sq_se: se, trace_se: 0.0 }),
+        };
+        let decide = |choice, se| Copus::new(s.clone(), rule(choice)).unwrap().decide(&at(se));
+        assert_eq!(decide(Choice::Point, 0.7), Decision::Keep);
+        assert_eq!(decide(Choice::Robust, 0.7), Decision::ChangeBatch(tp2(8)));
+        assert_eq!(decide(Choice::Point, 0.0), Decision::ChangeBatch(tp2(4)));
+        assert_eq!(decide(Choice::Robust, 0.0), Decision::ChangeBatch(tp2(4)));
+    }
+
+    /// A configuration the objective gives no progress: under a fixed base rate x0 = 0.5 and
+    /// the sqrt rule (b0 4), B_g 128 runs at x = 0.5 sqrt(32) = 2.83 > 2, so no noise scale
+    /// gives it progress. Both choices leave it for a configuration that progresses across the
+    /// band.
+    #[test]
+    fn a_robust_choice_leaves_a_configuration_without_progress() {
+        let (_, profile) = toy();
+        let cands: Vec<Candidate> = [d(4, 1, 1), d(2, 2, 1)]
+            .iter()
+            .flat_map(|&dims| [4usize, 8, 16, 32, 64, 128].map(|b| Candidate::new(dims, b, 1).unwrap()))
+            .collect();
+        let objective = crate::goodput::LrAwareGoodput { x0: 0.5, rule: crate::goodput::LrRule::Sqrt };
+        let s = Scorer::new(&cands, &profile, 4.0, std::sync::Arc::new(objective)).unwrap();
+        let cur = Candidate::new(d(2, 2, 1), 128, 1).unwrap();
+        let band = [4.0 / 1.5, 4.0, 8.0];
+        assert!(band.iter().all(|&p| s.goodput(s.throughput(&cur).unwrap(), 128, p) == 0.0));
+        let at = StepObservation {
+            step: 10,
+            current: cur,
+            noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 4.0, biased: false, grad_sq_se: 0.5, trace_se: 0.0 }),
+        };
+        for choice in [Choice::Point, Choice::Robust] {
+            let rule = SwitchRule { layout_cost: 1.0, horizon: 1e4, choice, ..no_dwell() };
+            let target = Copus::new(s.clone(), rule).unwrap().decide(&at).target(cur);
+            assert_ne!(target, cur, "{choice:?}");
+            assert!(band.iter().all(|&p| s.goodput(s.throughput(&target).unwrap(), target.global_batch, p) > 0.0), "{choice:?}: {target}");
+        }
     }
 
     /// Distance to the nearest measured (B_g, layout): B_g 32 on dp4 from B_g 4 on dp4 is three
