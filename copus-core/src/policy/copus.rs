@@ -389,9 +389,7 @@ impl Copus {
     fn robust_choice(&self, cur: &Candidate, band: [f64; 3], threshold: &dyn Fn(&Candidate, f64) -> f64) -> Option<Candidate> {
         let r = self.rule;
         let now = band.map(|p| self.goodput_at(cur, p));
-        let stay = std::array::from_fn::<f64, 3, _>(|i| {
-            self.scorer.best(band[i], |c| c.dims == cur.dims).map_or(now[i], |s| s.goodput.max(now[i]))
-        });
+        let stay = std::array::from_fn::<f64, 3, _>(|i| self.stay_goodput(cur, band[i], now[i]));
         let mut pick = None::<(Candidate, f64)>;
         for (c, t, _) in self.scorer.candidates_measured() {
             if c == cur {
@@ -418,6 +416,22 @@ impl Copus {
             }
         }
         pick.map(|(c, _)| c)
+    }
+
+    /// Goodput at `phi` of staying on `cur`'s layout: its best batch there, or `now` (`cur`'s
+    /// own) if higher; what a layout change must out-earn over the horizon.
+    fn stay_goodput(&self, cur: &Candidate, phi: f64, now: f64) -> f64 {
+        self.scorer.best(phi, |c| c.dims == cur.dims).map_or(now, |s| s.goodput.max(now))
+    }
+
+    /// `decided` if it is a change; else a trial if one is worth it, valued at the noise scale
+    /// of [`Copus::explore_noise`] (`phi`, the decision's, when that has none).
+    fn or_explore(&mut self, decided: Decision, obs: &StepObservation, ran: u64, phi: f64) -> Decision {
+        if decided != Decision::Keep {
+            return decided;
+        }
+        let at = self.explore_noise(obs).map_or(phi, |n| n.0);
+        self.explore(obs.step, &obs.current, ran, Some(at))
     }
 
     /// The current estimate of a layout change's cost, seconds.
@@ -526,20 +540,15 @@ impl Policy for Copus {
         if r.choice == Choice::Robust {
             let wanted = self.robust_choice(&cur, band, &threshold);
             let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
-            return match self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm) {
-                Decision::Keep => {
-                    let at = self.explore_noise(obs).map_or(phi, |n| n.0);
-                    self.explore(obs.step, &cur, ran, Some(at))
-                }
-                change => change,
-            };
+            let decided = self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm);
+            return self.or_explore(decided, obs, ran, phi);
         }
         // Best other layout at the estimate; it must repay across the band.
         if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
             let th = threshold(&o.candidate, r.layout_threshold);
             let holds = band.iter().all(|&p| {
                 let now = self.goodput_at(&cur, p);
-                let stay = self.scorer.best(p, |c| c.dims == cur.dims).map_or(now, |s| s.goodput.max(now));
+                let stay = self.stay_goodput(&cur, p, now);
                 let go = self.goodput_at(&o.candidate, p);
                 // Progress over the horizon with the switch (paying its cost) must beat staying.
                 go > now * (1.0 + th) && go * (r.horizon - r.layout_cost).max(0.0) > stay * r.horizon
@@ -558,13 +567,8 @@ impl Policy for Copus {
             }
             _ => (Decision::Keep, r.confirm_steps),
         };
-        match self.confirmed(obs.step, &cur, wanted, confirm) {
-            Decision::Keep => {
-                let at = self.explore_noise(obs).map_or(phi, |n| n.0);
-                self.explore(obs.step, &cur, ran, Some(at))
-            }
-            change => change,
-        }
+        let decided = self.confirmed(obs.step, &cur, wanted, confirm);
+        self.or_explore(decided, obs, ran, phi)
     }
 
     fn scorer(&self) -> Option<&Scorer> {
