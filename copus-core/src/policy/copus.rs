@@ -60,6 +60,15 @@ pub struct SwitchRule {
     /// candidate the same log-error.
     #[serde(default)]
     pub explore_distance: f64,
+    /// Exploration: the prior's log-error shared by the candidates of one layout, for a prior
+    /// whose errors come from what it models per layout (a pipeline bubble, a collective's
+    /// cost). When positive, the scorer rescales each measured layout by its own measurements
+    /// ([`Scorer::set_per_layout`]), and an unmeasured candidate of a layout the run has not
+    /// measured at all gets `s_c = sqrt(s^2 + explore_layout^2)`, so a layout the prior rates
+    /// wrongly is tried where its trial could repay. 0 (the default): one factor for every
+    /// layout and no extra error.
+    #[serde(default)]
+    pub explore_layout: f64,
     /// Exploration: the expected improvement (a share of the best measured value) every trial
     /// must reach, in place of the switch thresholds (`batch_threshold` for a trial of the
     /// running layout, `layout_threshold` for another); a layout trial must still repay its
@@ -69,6 +78,25 @@ pub struct SwitchRule {
     /// How a change is chosen under the band of B_simple (see [`Choice`]).
     #[serde(default)]
     pub choice: Choice,
+    /// What the confirmation counts and from when (see [`Confirmation`]).
+    #[serde(default)]
+    pub confirmation: Confirmation,
+}
+
+/// What a change's confirmation counts, and from when.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Confirmation {
+    /// Judgements start once the running B_g has run `min_dwell_steps`; the count is per
+    /// target layout and batch direction, so two near-equal targets of different layouts
+    /// that alternate as the best start it again.
+    #[default]
+    PerLayout,
+    /// A change of B_g is counted per batch direction alone (the layout its count ends on is
+    /// the one best then): which layout serves a B_g best is a question of throughput, not
+    /// of the noise estimate the confirmation guards against. Judgements also count during
+    /// the dwell, whose end a confirmed change then waits for, so the dwell and the
+    /// confirmation overlap instead of following each other.
+    Direction,
 }
 
 /// How the policy picks the change it then confirms.
@@ -135,8 +163,10 @@ impl Default for SwitchRule {
             trial_steps: default_trial_steps(),
             explore_noise: ExploreNoise::default(),
             explore_distance: 0.0,
+            explore_layout: 0.0,
             trial_threshold: None,
             choice: Choice::default(),
+            confirmation: Confirmation::default(),
         }
     }
 }
@@ -153,6 +183,7 @@ impl SwitchRule {
         check("confidence", self.confidence, self.confidence >= 0.0, ">= 0 standard errors")?;
         check("explore", self.explore, self.explore >= 0.0, ">= 0 (0: no exploration)")?;
         check("explore_distance", self.explore_distance, self.explore_distance >= 0.0, ">= 0 (0: the same for all)")?;
+        check("explore_layout", self.explore_layout, self.explore_layout >= 0.0, ">= 0 (0: one factor for every layout)")?;
         if let Some(t) = self.trial_threshold {
             check("trial_threshold", t, t >= 0.0, ">= 0")?;
         }
@@ -217,8 +248,11 @@ pub struct Copus {
 impl Copus {
     /// With switch thresholds, payback horizon and starting layout-cost estimate from `rule`;
     /// an error if `rule` is out of range ([`SwitchRule::validate`]).
-    pub fn new(scorer: Scorer, rule: SwitchRule) -> Result<Self, PolicyError> {
+    pub fn new(mut scorer: Scorer, rule: SwitchRule) -> Result<Self, PolicyError> {
         rule.validate()?;
+        if rule.explore_layout > 0.0 {
+            scorer.set_per_layout(true);
+        }
         Ok(Self {
             scorer,
             rule,
@@ -236,24 +270,25 @@ impl Copus {
     /// B_simple taken as "very large" (statistical efficiency 1 at every batch that matters).
     const PHI_CAP: f64 = 1e9;
 
-    /// `wanted` once the same kind of change (layout, batch direction) has been the one wanted
-    /// at every judgement over `confirm_steps` steps (twice the rule's for going back);
-    /// `Keep` until then. A judgement for
-    /// keeping, or for another change, starts the count again; steps without a usable
-    /// estimate make no judgement.
-    fn confirmed(&mut self, step: u64, cur: &Candidate, wanted: Decision, confirm_steps: u64) -> Decision {
+    /// `wanted` once the same kind of change (layout, batch direction; the direction alone for
+    /// a change of B_g under [`Confirmation::Direction`]) has been the one wanted at every
+    /// judgement over `confirm_steps` steps (twice the rule's for going back) and the dwell
+    /// is over (`dwelled`); `Keep` until then. A judgement for keeping, or for another
+    /// change, starts the count again; steps without a usable estimate make no judgement.
+    fn confirmed(&mut self, step: u64, cur: &Candidate, wanted: Decision, confirm_steps: u64, dwelled: bool) -> Decision {
         let target = wanted.target(*cur);
         if target == *cur {
             self.winning = None;
             return Decision::Keep;
         }
         let key = (target.dims, target.global_batch.cmp(&cur.global_batch));
+        let by_direction = self.rule.confirmation == Confirmation::Direction && key.1 != std::cmp::Ordering::Equal;
         let since = match self.winning {
-            Some((d, o, since)) if (d, o) == key => since,
+            Some((d, o, since)) if o == key.1 && (d == key.0 || by_direction) => since,
             _ => step,
         };
         self.winning = Some((key.0, key.1, since));
-        if step.saturating_sub(since) + 1 >= confirm_steps {
+        if dwelled && step.saturating_sub(since) + 1 >= confirm_steps {
             self.winning = None;
             wanted
         } else {
@@ -328,7 +363,10 @@ impl Copus {
             let layout = c.layout_differs(cur);
             let (th, cost) = if layout { (r.layout_threshold, 2.0 * r.layout_cost) } else { (r.batch_threshold, 0.0) };
             let th = r.trial_threshold.unwrap_or(th);
-            let s_c = if near.is_empty() { s } else { (s * s + r.explore_distance.powi(2) * distance(c, &near)).sqrt() };
+            let mut s_c = if near.is_empty() { s } else { (s * s + r.explore_distance.powi(2) * distance(c, &near)).sqrt() };
+            if r.explore_layout > 0.0 && !self.scorer.layout_measured(c.dims) {
+                s_c = s_c.hypot(r.explore_layout);
+            }
             let gain = expected_improvement(self.value(c, t, phi), best_known, s_c);
             // Progress-seconds: the gain over the horizon against the time the changes take.
             let worth = gain * r.horizon - best_known * cost;
@@ -425,11 +463,13 @@ impl Copus {
     }
 
     /// `decided` if it is a change; else a trial if one is worth it, valued at the noise scale
-    /// of [`Copus::explore_noise`] (`phi`, the decision's, when that has none).
-    fn or_explore(&mut self, decided: Decision, obs: &StepObservation, ran: u64, phi: f64) -> Decision {
+    /// of [`Copus::explore_noise`] (`phi`, the decision's, when that has none); `phi` `None`
+    /// (during the dwell): a trial of the running B_g only.
+    fn or_explore(&mut self, decided: Decision, obs: &StepObservation, ran: u64, phi: Option<f64>) -> Decision {
         if decided != Decision::Keep {
             return decided;
         }
+        let Some(phi) = phi else { return self.explore(obs.step, &obs.current, ran, None) };
         let at = self.explore_noise(obs).map_or(phi, |n| n.0);
         self.explore(obs.step, &obs.current, ran, Some(at))
     }
@@ -519,8 +559,10 @@ impl Policy for Copus {
             }
         }
         // During the dwell only the running B_g is explored (the estimate has not yet seen
-        // this batch long enough to compare others).
-        if dwelled < self.rule.min_dwell_steps {
+        // this batch long enough to compare others), and no change is made; judgements count
+        // towards a confirmation then only under `Confirmation::Direction`.
+        let dwell_over = dwelled >= self.rule.min_dwell_steps;
+        if !dwell_over && self.rule.confirmation == Confirmation::PerLayout {
             return self.explore(obs.step, &cur, ran, None);
         }
         // The band of B_simple the estimate allows; the point estimate, or the band's low end
@@ -540,8 +582,8 @@ impl Policy for Copus {
         if r.choice == Choice::Robust {
             let wanted = self.robust_choice(&cur, band, &threshold);
             let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
-            let decided = self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm);
-            return self.or_explore(decided, obs, ran, phi);
+            let decided = self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm, dwell_over);
+            return self.or_explore(decided, obs, ran, dwell_over.then_some(phi));
         }
         // Best other layout at the estimate; it must repay across the band.
         if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
@@ -555,7 +597,8 @@ impl Policy for Copus {
             });
             if holds {
                 let confirm = if back(&o.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
-                return self.confirmed(obs.step, &cur, Decision::ChangeLayout(o.candidate), confirm);
+                let decided = self.confirmed(obs.step, &cur, Decision::ChangeLayout(o.candidate), confirm, dwell_over);
+                return if decided == Decision::Keep && !dwell_over { self.or_explore(decided, obs, ran, None) } else { decided };
             }
         }
         let (wanted, confirm) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
@@ -567,8 +610,8 @@ impl Policy for Copus {
             }
             _ => (Decision::Keep, r.confirm_steps),
         };
-        let decided = self.confirmed(obs.step, &cur, wanted, confirm);
-        self.or_explore(decided, obs, ran, phi)
+        let decided = self.confirmed(obs.step, &cur, wanted, confirm, dwell_over);
+        self.or_explore(decided, obs, ran, dwell_over.then_some(phi))
     }
 
     fn scorer(&self) -> Option<&Scorer> {
@@ -622,7 +665,7 @@ mod tests {
     use crate::model::ModelSpec;
     use crate::policy::test_util::{d, no_dwell, obs, toy};
     use crate::schedule::ScheduleKind;
-    use crate::throughput::{ClusterModel, ClusterSpec};
+    use crate::throughput::{ClusterModel, ClusterSpec, ProfileEntry, ThroughputProfile};
 
     /// An estimate of B_simple `phi` (|G|^2 = 1) whose |G|^2 has standard error `g_se`.
     fn noisy(current: Candidate, step: u64, phi: f64, g_se: f64) -> StepObservation {
@@ -1103,6 +1146,101 @@ mod tests {
             }
             let want = if tried { Decision::ChangeLayout(tp2) } else { Decision::Keep };
             assert_eq!(decisions, vec![Decision::Keep, Decision::Keep, want], "layout cost {cost:.1} s (break-even {break_even:.1} s)");
+        }
+    }
+
+    /// Two layouts on 4 ranks, B_m 1, with the given samples/s: (layout, B_g, samples/s).
+    fn scorer_of(rows: &[(ParallelDims, usize, f64)]) -> Scorer {
+        let entries = rows
+            .iter()
+            .map(|&(l, b, t)| ProfileEntry { dp: l.dp, tp: l.tp, pp: l.pp, global_batch: b, micro_batch: 1, samples_per_sec: t })
+            .collect();
+        let p = ThroughputProfile::new("t".into(), "t".into(), entries).unwrap();
+        let cands: Vec<Candidate> = rows.iter().map(|&(l, b, _)| Candidate::new(l, b, 1).unwrap()).collect();
+        Scorer::plain(&cands, &p, 4.0).unwrap()
+    }
+
+    /// From dp4 B_g 64, smaller batches win at every noise scale here, but the best target
+    /// alternates with it: dp4 B_g 4 at B_simple 1 (tp2 B_g 8 does not repay leaving dp4),
+    /// tp2 B_g 8 at B_simple 20 (Goodput 12 against dp4 B_g 4's 10).
+    fn alternating() -> (Scorer, Candidate, Candidate, Candidate) {
+        let (a, b) = (d(4, 1, 1), d(2, 2, 1));
+        let s = scorer_of(&[(a, 4, 10.0), (a, 64, 12.0), (b, 8, 14.0), (b, 64, 1.0)]);
+        let c = |l, g| Candidate::new(l, g, 1).unwrap();
+        (s, c(a, 64), c(a, 4), c(b, 8))
+    }
+
+    #[test]
+    fn direction_confirmation_counts_a_batch_change_across_the_layouts_it_alternates_between() {
+        let (s, start, a4, b8) = alternating();
+        let phi = |step: u64| if step % 2 == 1 { 1.0 } else { 20.0 };
+        for (confirmation, made_at) in [(Confirmation::PerLayout, None), (Confirmation::Direction, Some(4))] {
+            let rule = SwitchRule { layout_cost: 1.0, horizon: 100.0, confirm_steps: 4, confirmation, ..no_dwell() };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            let mut made = None;
+            for step in 1..=12 {
+                let decision = p.decide(&noisy(start, step, phi(step), 0.0));
+                if decision != Decision::Keep {
+                    // The change wanted at the judgement that completes the count.
+                    assert_eq!(decision.target(start), if phi(step) == 1.0 { a4 } else { b8 });
+                    made = Some(step);
+                    break;
+                }
+            }
+            assert_eq!(made, made_at, "{confirmation:?}");
+        }
+    }
+
+    #[test]
+    fn direction_confirmation_overlaps_the_dwell_and_waits_for_its_end() {
+        let (s, start, a4, _) = alternating();
+        for (confirmation, made_at) in [(Confirmation::PerLayout, 14), (Confirmation::Direction, 10)] {
+            let rule = SwitchRule {
+                layout_cost: 1.0,
+                horizon: 100.0,
+                min_dwell_steps: 10,
+                confirm_steps: 5,
+                explore: 0.0,
+                confirmation,
+                ..SwitchRule::default()
+            };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            // Per layout: judgements from the dwell's last step (10), five in a row by 14.
+            // By direction: five in a row by step 5, then the change waits for step 10.
+            for step in 1..made_at {
+                assert_eq!(p.decide(&noisy(start, step, 1.0, 0.0)), Decision::Keep, "{confirmation:?} step {step}");
+            }
+            assert_eq!(p.decide(&noisy(start, made_at, 1.0, 0.0)), Decision::ChangeBatch(a4), "{confirmation:?}");
+        }
+    }
+
+    #[test]
+    fn a_layout_the_prior_rates_low_is_tried_with_explore_layout() {
+        // The running dp4 B_g 16 is measured at its prior (10 samples/s); tp2 B_g 16's prior is
+        // 5.5. With the default log-error 0.3 its expected improvement, 10 E[max(V/10 - 1, 0)]
+        // for V log-normal about 5.5, is 0.03 (0.3%), below the 5% layout threshold. With
+        // explore_layout 0.5 (a layout never measured): s = sqrt(0.3^2 + 0.5^2) = 0.583,
+        // d = ln(0.55) / s = -1.025, EI = 5.5 e^(s^2/2) Phi(d + s) - 10 Phi(d) = 0.62 (6.2%),
+        // and 0.62 x 600 s of horizon repays two 10 s layout changes at 10 samples/s.
+        let (a, b) = (d(4, 1, 1), d(2, 2, 1));
+        let s = scorer_of(&[(a, 16, 10.0), (b, 16, 5.5), (a, 64, 12.0), (b, 64, 7.0)]);
+        let (a16, b16) = (Candidate::new(a, 16, 1).unwrap(), Candidate::new(b, 16, 1).unwrap());
+        let s_c = (0.3f64 * 0.3 + 0.25).sqrt();
+        let ei = expected_improvement(5.5, 10.0, s_c);
+        assert!((ei - 0.619).abs() < 0.002, "{ei}");
+        assert!(expected_improvement(5.5, 10.0, 0.3) < 0.05);
+        for (explore_layout, want) in [(0.0, Decision::Keep), (0.5, Decision::ChangeLayout(b16))] {
+            // A long dwell: only the running B_g's candidates are compared, by throughput.
+            let rule = SwitchRule { min_dwell_steps: 1000, explore_layout, ..SwitchRule::default() };
+            let mut p = Copus::new(s.clone(), rule).unwrap();
+            let mut decisions = Vec::new();
+            // The running configuration is compared after its 8 trial steps: at step 9.
+            for step in 1..=9 {
+                p.observe_throughput(&a16, 10.0);
+                decisions.push(p.decide(&noisy(a16, step, 4.0, 0.0)));
+            }
+            let want_all: Vec<Decision> = (1..=9).map(|i| if i == 9 { want } else { Decision::Keep }).collect();
+            assert_eq!(decisions, want_all, "explore_layout {explore_layout}");
         }
     }
 }

@@ -32,7 +32,7 @@ mod scorer;
 mod test_util;
 
 pub use baselines::{CbsFixedLayout, DpOnlyGoodput, MerrillWarmup, Static};
-pub use copus::{Choice, Copus, ExploreNoise, SwitchRule};
+pub use copus::{Choice, Confirmation, Copus, ExploreNoise, SwitchRule};
 pub use error::PolicyError;
 pub use interface::{Decision, Policy, PolicyState, StepObservation};
 pub use lineup::{Entry, Lineup, Named, lineup, smallest_on};

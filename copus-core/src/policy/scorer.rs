@@ -26,6 +26,8 @@ pub struct Scorer {
     counts: Vec<u32>,
     /// [`Scorer::prior_log_error`], kept by [`Scorer::rescale`].
     log_error: Option<(f64, usize)>,
+    /// Rescale each layout by its own measurements ([`Scorer::set_per_layout`]).
+    per_layout: bool,
     /// Reference batch B0 of statistical efficiency.
     pub b0: f64,
     /// Turns throughput and noise into Goodput (plain, or a variant).
@@ -68,7 +70,7 @@ impl Scorer {
         let prior = entries.iter().map(|e| e.1).collect();
         let measured = vec![None; entries.len()];
         let counts = vec![0; entries.len()];
-        Ok(Self { entries, prior, measured, counts, log_error: None, b0, objective })
+        Ok(Self { entries, prior, measured, counts, log_error: None, per_layout: false, b0, objective })
     }
 
     /// Plain Goodput with reference batch `b0`.
@@ -137,15 +139,47 @@ impl Scorer {
         self.rescale();
     }
 
+    /// Rescales each unmeasured candidate by the measurements of its own layout where that
+    /// layout has any (the geometric mean of measured / prior over them), else by all of them
+    /// (the default, `false`): for a prior whose errors are shared within a layout (a
+    /// pipeline or collective cost it models wrongly) rather than common to every candidate.
+    /// [`Scorer::prior_log_error`] is then the spread about each layout's own mean.
+    pub fn set_per_layout(&mut self, on: bool) {
+        self.per_layout = on;
+        self.rescale();
+    }
+
+    /// Whether the run has measured a candidate of layout `dims`.
+    pub fn layout_measured(&self, dims: ParallelDims) -> bool {
+        self.entries.iter().zip(&self.measured).any(|((c, _), m)| c.dims == dims && m.is_some())
+    }
+
     /// Each entry's throughput from its measurement, else its prior times the geometric mean of
-    /// measured / prior.
+    /// measured / prior (over its layout's measurements with [`Scorer::set_per_layout`]).
     fn rescale(&mut self) {
-        let logs: Vec<f64> = self.measured.iter().zip(&self.prior).filter_map(|(m, p)| m.map(|m| (m / p).ln())).collect();
+        let logs: Vec<(ParallelDims, f64)> = (self.entries.iter().zip(&self.measured).zip(&self.prior))
+            .filter_map(|(((c, _), m), p)| m.map(|m| (c.dims, (m / p).ln())))
+            .collect();
         let n = logs.len();
-        let mean = if n == 0 { 0.0 } else { logs.iter().sum::<f64>() / n as f64 };
-        let scale = mean.exp();
-        self.log_error = (n >= 2).then(|| ((logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt(), n));
-        for ((entry, prior), measured) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured) {
+        let mean_of = |keep: &dyn Fn(ParallelDims) -> bool| {
+            let (sum, k) = logs.iter().filter(|(d, _)| keep(*d)).fold((0.0, 0usize), |(s, k), (_, x)| (s + x, k + 1));
+            (k > 0).then(|| sum / k as f64)
+        };
+        let mean = mean_of(&|_| true).unwrap_or(0.0);
+        // The mean each measurement's error is taken about, and the degrees of freedom left.
+        let center = |dims: ParallelDims| if self.per_layout { mean_of(&|d| d == dims).unwrap_or(mean) } else { mean };
+        let groups = if self.per_layout {
+            let mut seen: Vec<ParallelDims> = logs.iter().map(|l| l.0).collect();
+            seen.sort();
+            seen.dedup();
+            seen.len()
+        } else {
+            1
+        };
+        let ss: f64 = logs.iter().map(|(d, x)| (x - center(*d)).powi(2)).sum();
+        self.log_error = (n > groups && n >= 2).then(|| ((ss / (n - groups) as f64).sqrt(), n));
+        let scales: Vec<f64> = self.entries.iter().map(|(c, _)| center(c.dims).exp()).collect();
+        for (((entry, prior), measured), scale) in self.entries.iter_mut().zip(&self.prior).zip(&self.measured).zip(scales) {
             entry.1 = measured.unwrap_or(prior * scale);
         }
     }
@@ -247,6 +281,7 @@ impl Scorer {
             measured: Vec::new(),
             counts: Vec::new(),
             log_error: None,
+            per_layout: false,
             b0: 1.0,
             objective: Arc::new(PlainGoodput),
         }
@@ -257,6 +292,40 @@ impl Scorer {
 mod tests {
     use super::*;
     use crate::policy::test_util::{d, toy};
+
+    #[test]
+    fn per_layout_rescaling_uses_each_layouts_own_measurements() {
+        let (mut s, _) = toy();
+        let (a4, a64) = (Candidate::new(d(4, 1, 1), 4, 1).unwrap(), Candidate::new(d(4, 1, 1), 64, 1).unwrap());
+        let (b8, b64) = (Candidate::new(d(2, 2, 1), 8, 1).unwrap(), Candidate::new(d(2, 2, 1), 64, 1).unwrap());
+        let prior = |s: &Scorer, c: &Candidate| s.prior[s.entries.iter().position(|(e, _)| e == c).unwrap()];
+        let (pa4, pa64, pb8, pb64) = (prior(&s, &a4), prior(&s, &a64), prior(&s, &b8), prior(&s, &b64));
+        // dp4 measured at twice its prior, tp2 at half: one shared factor cancels out
+        // (geometric mean 1); per layout each keeps its own.
+        s.observe_throughput(&a4, 2.0 * pa4);
+        s.observe_throughput(&b8, 0.5 * pb8);
+        assert!((s.throughput(&a64).unwrap() - pa64).abs() < 1e-12 * pa64);
+        let ln2 = 2f64.ln();
+        assert!((s.prior_log_error().unwrap().0 - ln2 * 2f64.sqrt()).abs() < 1e-12);
+        s.set_per_layout(true);
+        assert!(!s.layout_measured(d(1, 4, 1)) && s.layout_measured(d(2, 2, 1)));
+        assert!((s.throughput(&a64).unwrap() - 2.0 * pa64).abs() < 1e-12 * pa64);
+        assert!((s.throughput(&b64).unwrap() - 0.5 * pb64).abs() < 1e-12 * pb64);
+        // One measurement per layout leaves no spread about the layouts' own means.
+        assert_eq!(s.prior_log_error(), None);
+        // A second dp4 candidate at 3x: dp4's factor is sqrt(2 * 3); the spread about it is
+        // ln(1.5) / 2 on each, one degree of freedom: ln(1.5) / sqrt(2).
+        let a16 = Candidate::new(d(4, 1, 1), 16, 1).unwrap();
+        s.observe_throughput(&a16, 3.0 * prior(&s, &a16));
+        assert!((s.throughput(&a64).unwrap() - 6f64.sqrt() * pa64).abs() < 1e-12 * pa64);
+        assert!((s.throughput(&b64).unwrap() - 0.5 * pb64).abs() < 1e-12 * pb64);
+        let (sd, n) = s.prior_log_error().unwrap();
+        assert_eq!(n, 3);
+        assert!((sd - 1.5f64.ln() / 2f64.sqrt()).abs() < 1e-12);
+        // Back to one factor: the geometric mean of 2, 0.5 and 3.
+        s.set_per_layout(false);
+        assert!((s.throughput(&b64).unwrap() - 3f64.cbrt() * pb64).abs() < 1e-12 * pb64);
+    }
 
     #[test]
     fn measured_throughput_replaces_the_prior_and_rescales_the_rest() {
