@@ -161,21 +161,20 @@ impl Scorer {
             .filter_map(|(((c, _), m), p)| m.map(|m| (c.dims, (m / p).ln())))
             .collect();
         let n = logs.len();
-        let mean_of = |keep: &dyn Fn(ParallelDims) -> bool| {
-            let (sum, k) = logs.iter().filter(|(d, _)| keep(*d)).fold((0.0, 0usize), |(s, k), (_, x)| (s + x, k + 1));
-            (k > 0).then(|| sum / k as f64)
-        };
-        let mean = mean_of(&|_| true).unwrap_or(0.0);
-        // The mean each measurement's error is taken about, and the degrees of freedom left.
-        let center = |dims: ParallelDims| if self.per_layout { mean_of(&|d| d == dims).unwrap_or(mean) } else { mean };
-        let groups = if self.per_layout {
-            let mut seen: Vec<ParallelDims> = logs.iter().map(|l| l.0).collect();
-            seen.sort();
-            seen.dedup();
-            seen.len()
-        } else {
-            1
-        };
+        let mean = if n == 0 { 0.0 } else { logs.iter().map(|l| l.1).sum::<f64>() / n as f64 };
+        // Each measured layout's own mean (per layout only): what its measurements' errors are
+        // taken about, one degree of freedom each.
+        let mut layouts: Vec<(ParallelDims, f64, usize)> = Vec::new();
+        if self.per_layout {
+            for &(dims, x) in &logs {
+                match layouts.iter_mut().find(|l| l.0 == dims) {
+                    Some(l) => (l.1, l.2) = (l.1 + x, l.2 + 1),
+                    None => layouts.push((dims, x, 1)),
+                }
+            }
+        }
+        let center = |dims: ParallelDims| layouts.iter().find(|l| l.0 == dims).map_or(mean, |l| l.1 / l.2 as f64);
+        let groups = layouts.len().max(1);
         let ss: f64 = logs.iter().map(|(d, x)| (x - center(*d)).powi(2)).sum();
         self.log_error = (n > groups && n >= 2).then(|| ((ss / (n - groups) as f64).sqrt(), n));
         let scales: Vec<f64> = self.entries.iter().map(|(c, _)| center(c.dims).exp()).collect();
