@@ -607,6 +607,18 @@ mod tests {
         assert!(errs.iter().all(|e| e.abs() < 0.4), "{errs:?}");
         let (_, rms_busy) = centred_log_errors(&prior(ClusterSpec { idle_reclaim: 0.0, ..ClusterSpec::cpu_ranks(2, 2) }), &profile);
         assert!(rms_busy > 0.2, "rms log error without reclaim {rms_busy:.3}");
+        let before = ClusterSpec {
+            intensity_half: 8.0,
+            hbm_bandwidth: 10e9,
+            intra_node_bw: 4e9,
+            inter_node_bw: 4e9,
+            intra_latency: 50e-6,
+            inter_latency: 50e-6,
+            idle_reclaim: 0.0,
+            ..ClusterSpec::cpu_ranks(2, 2)
+        };
+        let (_, rms_before) = centred_log_errors(&prior(before), &profile);
+        assert!(rms_before > 0.3, "rms log error of the constants before the fit {rms_before:.3}");
         // What a run needs of the prior: at the batch sizes that win on this machine (B_g 4
         // and 8) it ranks the measured-fastest layout, pp2, first.
         let m = prior(ClusterSpec::cpu_ranks(2, 2));
