@@ -33,6 +33,15 @@ pub enum RecipeError {
         /// What the parser said (it names the field and the expected ones).
         message: String,
     },
+    /// A value out of range inside a section another crate checks (the switch rule, the
+    /// optimizer): its error names the field within the section and the allowed values.
+    #[error("recipe section `{section}`: {message}")]
+    Section {
+        /// Dotted section name.
+        section: &'static str,
+        /// What the section's own check said.
+        message: String,
+    },
     /// A value out of range.
     #[error("recipe field `{field}` = {value}: {allowed}")]
     Field {
@@ -598,13 +607,13 @@ impl Recipe {
                 return Err(field("parallel.objective.x0", x0, "in (0, 1]"));
             }
             if let Some(r) = &p.rule {
-                r.validate().map_err(|e| RecipeError::Field { field: "parallel.rule", value: String::new(), allowed: e.to_string() })?;
+                r.validate().map_err(|e| RecipeError::Section { section: "parallel.rule", message: e.to_string() })?;
             }
             p.space()?;
             p.initial_dims(&self.model_spec()?)?;
             p.scripted(&self.model_spec()?)?;
         }
-        self.optim.validate().map_err(|e| RecipeError::Field { field: "optim", value: String::new(), allowed: e.to_string() })
+        self.optim.validate().map_err(|e| RecipeError::Section { section: "optim", message: e.to_string() })
     }
 }
 
@@ -767,7 +776,7 @@ mod tests {
         assert_eq!(e, "recipe field `train.global_batch` = 7: a positive multiple of train.micro_batch (2)");
         let bad_optim = GOOD.replace("train:", "optim: (lr: -1.0), train:");
         let e = Recipe::parse(&bad_optim, "r").unwrap_err().to_string();
-        assert!(e.contains("`lr`") && e.contains("> 0"), "{e}");
+        assert!(e.starts_with("recipe section `optim`: ") && e.contains("`lr`") && e.contains("> 0"), "{e}");
         let e = Recipe::parse(&GOOD.replace("(preset", "(prest"), "r").unwrap_err().to_string();
         assert!(e.contains("prest"), "{e}");
         let e = Recipe::parse(&GOOD.replace("name: \"t\"", "name: \"../x\""), "r").unwrap_err().to_string();
@@ -783,5 +792,14 @@ mod tests {
         assert!(e.contains("micro_batches"), "{e}");
         let e = Recipe::parse(&par(&ok.replace("world_size: 8", "world_size: 0")), "r").unwrap_err().to_string();
         assert!(e.contains("parallel.world_size"), "{e}");
+        let e = Recipe::parse(
+            &par(&format!(
+                "{ok}, rule: Some((batch_threshold: 0.02, layout_threshold: 0.05, horizon: 0.0, layout_cost: 1.0, cost_smoothing: 0.5))"
+            )),
+            "r",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "recipe section `parallel.rule`: `horizon` must be > 0 seconds, got 0");
     }
 }

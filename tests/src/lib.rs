@@ -25,13 +25,17 @@ pub fn config() -> LlamaConfig {
 /// shared by the tests a binary runs in parallel, so the seed and the draws happen under one
 /// lock: two tests drawing at once would each get the other's numbers (the held-out check of
 /// `an_untied_head_matches_serial_training`, whose two means differ by little more than its
-/// margin, failed that way).
+/// margin, failed that way). Burn draws a parameter's values on its first use, not in `init`,
+/// so every parameter is read here, under the lock, in one fixed order: a lock around `init`
+/// alone left the draws to whichever test first touched the model.
 pub fn initial_of(config: &LlamaConfig) -> Llama {
     static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = DRAWS.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::flex().autodiff();
     device.seed(11);
-    config.init(&device)
+    let model = config.init(&device);
+    let _drawn = copus_models::full_params(&model);
+    model
 }
 
 /// The initial weights of [`config`] as host data, drawn once per test binary: the device RNG

@@ -28,7 +28,8 @@ pub struct SwitchRule {
     pub confidence: f64,
     /// Steps a global batch runs before the next change (the run's first included), so the
     /// smoothed estimate has seen the batch it judges; trials of layouts and micro-batches at
-    /// the same B_g (exploration) do not restart it.
+    /// the same B_g (exploration) do not restart it. [`Confirmation::Sequential`] may end it
+    /// early for a change of B_g.
     #[serde(default = "default_min_dwell")]
     pub min_dwell_steps: u64,
     /// Consecutive decisions a change must win (to the same layout, in the same batch
@@ -97,6 +98,23 @@ pub enum Confirmation {
     /// the dwell, whose end a confirmed change then waits for, so the dwell and the
     /// confirmation overlap instead of following each other.
     Direction,
+    /// [`Confirmation::Direction`] with an early end for a change of B_g, a group-sequential
+    /// test: k steps into a run of judgements that want it (k below the `confirm_steps` it
+    /// needs; steps without a usable estimate count, as they do for the full count), the
+    /// change is made at once, before the dwell's end, if it also wins across the band of
+    /// B_simple `confidence * sqrt(confirm_steps / k)` standard errors wide (O'Brien-Fleming's
+    /// boundary: wide at the first look, the rule's own band at the last; with `confidence` 0
+    /// the band is the point and the first judgement decides). Changes of layout or micro-batch
+    /// at the same B_g do not end early: their gain is throughput, which the band does not
+    /// bound. The band's
+    /// standard errors describe independent unbiased raw estimates, so the early end applies
+    /// only while the smoothed estimate is unbiased (the differenced estimates of
+    /// one-micro-batch steps weigh under 1% in it) and the running B_g has run `trial_steps`
+    /// steps (the spread comes from at least that many estimates).
+    /// A change predicted to win by far while the estimate is precise is made within a few
+    /// steps; one near the threshold, or under a noisy or biased estimate, waits for the full
+    /// count and the dwell.
+    Sequential,
 }
 
 /// How the policy picks the change it then confirms.
@@ -200,7 +218,8 @@ impl SwitchRule {
 /// comes from the standard errors of the smoothed |G|^2 and tr(Sigma), so a small batch under
 /// large noise, whose |G|^2 estimate is often non-positive, still bounds B_simple from below. A
 /// change is made once it has been wanted at every judgement over `confirm_steps` steps, a
-/// global batch runs `min_dwell_steps` before the next change, and going back to the
+/// global batch runs `min_dwell_steps` before the next change (unless
+/// [`Confirmation::Sequential`] ends the count early), and going back to the
 /// configuration (or, for a layout change, the layout) the run just left needs twice the
 /// threshold and twice the confirmation, so two near-equal configurations do not alternate. The
 /// layout cost is the policy's own running estimate, starting from `rule.layout_cost` and updated
@@ -271,29 +290,60 @@ impl Copus {
     const PHI_CAP: f64 = 1e9;
 
     /// `wanted` once the same kind of change (layout, batch direction; the direction alone for
-    /// a change of B_g under [`Confirmation::Direction`]) has been the one wanted at every
+    /// a change of B_g under [`Confirmation::Direction`] and [`Confirmation::Sequential`]) has been the one wanted at every
     /// judgement over `confirm_steps` steps (twice the rule's for going back) and the dwell
     /// is over (`dwelled`); `Keep` until then. A judgement for keeping, or for another
     /// change, starts the count again; steps without a usable estimate make no judgement.
-    fn confirmed(&mut self, step: u64, cur: &Candidate, wanted: Decision, confirm_steps: u64, dwelled: bool) -> Decision {
+    /// Under [`Confirmation::Sequential`] a change of B_g is made before the count is complete
+    /// (and before the dwell's end) when it wins by `threshold` across the band widened to
+    /// `confidence * sqrt(confirm_steps / k)`, k steps into the run of judgements.
+    fn confirmed(&mut self, obs: &StepObservation, wanted: Decision, confirm_steps: u64, dwelled: bool, threshold: f64) -> Decision {
+        let (step, cur) = (obs.step, &obs.current);
         let target = wanted.target(*cur);
         if target == *cur {
             self.winning = None;
             return Decision::Keep;
         }
         let key = (target.dims, target.global_batch.cmp(&cur.global_batch));
-        let by_direction = self.rule.confirmation == Confirmation::Direction && key.1 != std::cmp::Ordering::Equal;
+        let by_direction =
+            matches!(self.rule.confirmation, Confirmation::Direction | Confirmation::Sequential) && key.1 != std::cmp::Ordering::Equal;
         let since = match self.winning {
             Some((d, o, since)) if o == key.1 && (d == key.0 || by_direction) => since,
             _ => step,
         };
         self.winning = Some((key.0, key.1, since));
-        if dwelled && step.saturating_sub(since) + 1 >= confirm_steps {
+        let k = step.saturating_sub(since) + 1;
+        let early = self.rule.confirmation == Confirmation::Sequential
+            && key.1 != std::cmp::Ordering::Equal
+            && k < confirm_steps
+            && self.batch_seen.is_some_and(|(_, since)| step.saturating_sub(since) + 1 >= self.rule.trial_steps)
+            && obs.noise.is_some_and(|n| !n.biased)
+            && {
+                let z = self.rule.confidence * (confirm_steps as f64 / k as f64).sqrt();
+                obs.noise.and_then(|n| n.b_simple_band(z)).is_some_and(|(low, high)| {
+                    let phi = obs.b_simple().unwrap_or(low);
+                    self.wins_across(cur, &target, [low, phi, high.min(Self::PHI_CAP)], threshold)
+                })
+            };
+        if early || (dwelled && k >= confirm_steps) {
             self.winning = None;
             wanted
         } else {
             Decision::Keep
         }
+    }
+
+    /// Whether `target` beats `cur` by `threshold` at every noise scale of `band`; a change of
+    /// layout must also repay its cost over the horizon against staying on the running layout
+    /// (its best batch there).
+    fn wins_across(&self, cur: &Candidate, target: &Candidate, band: [f64; 3], threshold: f64) -> bool {
+        let r = self.rule;
+        band.iter().all(|&p| {
+            let now = self.goodput_at(cur, p);
+            let go = self.goodput_at(target, p);
+            go > now * (1.0 + threshold)
+                && (!target.layout_differs(cur) || go * (r.horizon - r.layout_cost).max(0.0) > self.stay_goodput(cur, p, now) * r.horizon)
+        })
     }
 
     fn goodput_at(&self, c: &Candidate, phi: f64) -> f64 {
@@ -559,8 +609,9 @@ impl Policy for Copus {
             }
         }
         // During the dwell only the running B_g is explored (the estimate has not yet seen
-        // this batch long enough to compare others), and no change is made; judgements count
-        // towards a confirmation then only under `Confirmation::Direction`.
+        // this batch long enough to compare others), and no change is made but a change of B_g
+        // that `Confirmation::Sequential` ends early; judgements count towards a confirmation
+        // then only under `Confirmation::Direction` and `Confirmation::Sequential`.
         let dwell_over = dwelled >= self.rule.min_dwell_steps;
         if !dwell_over && self.rule.confirmation == Confirmation::PerLayout {
             return self.explore(obs.step, &cur, ran, None);
@@ -582,35 +633,30 @@ impl Policy for Copus {
         if r.choice == Choice::Robust {
             let wanted = self.robust_choice(&cur, band, &threshold);
             let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
-            let decided = self.confirmed(obs.step, &cur, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm, dwell_over);
+            let th = wanted.map_or(0.0, |c| threshold(&c, if c.layout_differs(&cur) { r.layout_threshold } else { r.batch_threshold }));
+            let decided = self.confirmed(obs, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm, dwell_over, th);
             return self.or_explore(decided, obs, ran, dwell_over.then_some(phi));
         }
         // Best other layout at the estimate; it must repay across the band.
         if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
             let th = threshold(&o.candidate, r.layout_threshold);
-            let holds = band.iter().all(|&p| {
-                let now = self.goodput_at(&cur, p);
-                let stay = self.stay_goodput(&cur, p, now);
-                let go = self.goodput_at(&o.candidate, p);
-                // Progress over the horizon with the switch (paying its cost) must beat staying.
-                go > now * (1.0 + th) && go * (r.horizon - r.layout_cost).max(0.0) > stay * r.horizon
-            });
-            if holds {
+            // Progress over the horizon with the switch (paying its cost) must beat staying.
+            if self.wins_across(&cur, &o.candidate, band, th) {
                 let confirm = if back(&o.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
-                let decided = self.confirmed(obs.step, &cur, Decision::ChangeLayout(o.candidate), confirm, dwell_over);
+                let decided = self.confirmed(obs, Decision::ChangeLayout(o.candidate), confirm, dwell_over, th);
                 return if decided == Decision::Keep && !dwell_over { self.or_explore(decided, obs, ran, None) } else { decided };
             }
         }
-        let (wanted, confirm) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
+        let (wanted, confirm, th) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
             Some(s) if s.candidate != cur => {
                 let th = threshold(&s.candidate, r.batch_threshold);
-                let holds = band.iter().all(|&p| self.goodput_at(&s.candidate, p) > self.goodput_at(&cur, p) * (1.0 + th));
+                let holds = self.wins_across(&cur, &s.candidate, band, th);
                 let confirm = if back(&s.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
-                (if holds { Decision::to(&cur, s.candidate) } else { Decision::Keep }, confirm)
+                (if holds { Decision::to(&cur, s.candidate) } else { Decision::Keep }, confirm, th)
             }
-            _ => (Decision::Keep, r.confirm_steps),
+            _ => (Decision::Keep, r.confirm_steps, r.batch_threshold),
         };
-        let decided = self.confirmed(obs.step, &cur, wanted, confirm, dwell_over);
+        let decided = self.confirmed(obs, wanted, confirm, dwell_over, th);
         self.or_explore(decided, obs, ran, dwell_over.then_some(phi))
     }
 
@@ -1212,6 +1258,71 @@ mod tests {
             }
             assert_eq!(p.decide(&noisy(start, made_at, 1.0, 0.0)), Decision::ChangeBatch(a4), "{confirmation:?}");
         }
+    }
+
+    /// A 20-step dwell, a 16-step count, no exploration.
+    fn dwell_20_count_16(confirmation: Confirmation, trial_steps: u64) -> SwitchRule {
+        SwitchRule {
+            layout_cost: 1.0,
+            horizon: 100.0,
+            min_dwell_steps: 20,
+            confirm_steps: 16,
+            explore: 0.0,
+            trial_steps,
+            confirmation,
+            ..SwitchRule::default()
+        }
+    }
+
+    #[test]
+    fn sequential_confirmation_ends_early_once_the_change_holds_across_the_widened_band() {
+        // From dp4 B_g 64 (12 samples/s) at B_simple 1, dp4 B_g 4 (10 samples/s) is the change
+        // wanted at every judgement. Plain Goodput (b0 4): it beats B_g 64 by 2% while
+        // 10 > 1.02 x 12 (phi + 4) / (phi + 64), i.e. phi < 591.04 / 2.24 = 263.9, so across a
+        // band whose high end 1 / (1 - z se) (|G|^2 = 1, its standard error se) is below that:
+        // z se < 0.99621. With confidence 1 and 16 confirmations the k-th judgement's band is
+        // z = 4 / sqrt(k) wide: se 0.5 holds first at k = 5 (2 / sqrt(4) = 1 does not),
+        // se 0.9 at k = 14 (3.6 / sqrt(13) = 0.9985, 3.6 / sqrt(14) = 0.9621). `Direction`
+        // waits for the dwell (20 steps); so does `Sequential` at se 0.98, which the rule's own
+        // band (z 1, high end 50) passes but no widened one does (4 x 0.98 / sqrt(15) > 1: the
+        // high end is infinite, where B_g 64 wins), and under a biased estimate. The early end
+        // also waits for `trial_steps` steps of the running B_g (8: se 0.5 at step 8).
+        let (s, start, a4, _) = alternating();
+        let cases = [
+            (Confirmation::Direction, 0.5, false, 4, 20),
+            (Confirmation::Sequential, 0.5, false, 4, 5),
+            (Confirmation::Sequential, 0.5, false, 8, 8),
+            (Confirmation::Sequential, 0.9, false, 4, 14),
+            (Confirmation::Sequential, 0.98, false, 4, 20),
+            (Confirmation::Sequential, 0.5, true, 4, 20),
+        ];
+        for (confirmation, se, biased, trial_steps, made_at) in cases {
+            let mut p = Copus::new(s.clone(), dwell_20_count_16(confirmation, trial_steps)).unwrap();
+            let obs = |step| {
+                let mut o = noisy(start, step, 1.0, se);
+                o.noise.as_mut().unwrap().biased = biased;
+                o
+            };
+            let case = format!("{confirmation:?} se {se} biased {biased} trial_steps {trial_steps}");
+            for step in 1..made_at {
+                assert_eq!(p.decide(&obs(step)), Decision::Keep, "{case} step {step}");
+            }
+            assert_eq!(p.decide(&obs(made_at)), Decision::ChangeBatch(a4), "{case}");
+        }
+    }
+
+    #[test]
+    fn sequential_confirmation_does_not_end_a_layout_change_at_the_same_batch_early() {
+        // tp2 B_g 16 runs twice as fast as dp4 B_g 16: it wins at every noise scale, by a margin
+        // no band bounds, so only the full count (16) and the dwell (20) hold it back.
+        let (a, b) = (d(4, 1, 1), d(2, 2, 1));
+        let s = scorer_of(&[(a, 16, 10.0), (b, 16, 20.0)]);
+        let (a16, b16) = (Candidate::new(a, 16, 1).unwrap(), Candidate::new(b, 16, 1).unwrap());
+        let mut p = Copus::new(s, dwell_20_count_16(Confirmation::Sequential, 4)).unwrap();
+        for step in 1..20 {
+            assert_eq!(p.decide(&noisy(a16, step, 1.0, 0.1)), Decision::Keep, "step {step}");
+        }
+        assert_eq!(p.decide(&noisy(a16, 20, 1.0, 0.1)), Decision::ChangeLayout(b16));
     }
 
     #[test]
