@@ -106,14 +106,13 @@ pub enum Confirmation {
     /// boundary: wide at the first look, the rule's own band at the last; with `confidence` 0
     /// the band is the point and the first judgement decides). Changes of layout or micro-batch
     /// at the same B_g do not end early: their gain is throughput, which the band does not
-    /// bound. The band's
-    /// standard errors describe independent unbiased raw estimates, so the early end applies
-    /// only while the smoothed estimate is unbiased (the differenced estimates of
-    /// one-micro-batch steps weigh under 1% in it) and the running B_g has run `trial_steps`
-    /// steps (the spread comes from at least that many estimates).
-    /// A change predicted to win by far while the estimate is precise is made within a few
-    /// steps; one near the threshold, or under a noisy or biased estimate, waits for the full
-    /// count and the dwell.
+    /// bound. The band's standard errors describe independent unbiased raw estimates, so the
+    /// early end applies only while the smoothed estimate is unbiased (the differenced
+    /// estimates of one-micro-batch steps weigh under 1% in it) and the running B_g has run
+    /// `trial_steps` steps (the spread comes from at least that many estimates). A change
+    /// predicted to win by far while the estimate is precise is made within a few steps; one
+    /// near the threshold, or under a noisy or biased estimate, waits for the full count and
+    /// the dwell.
     Sequential,
 }
 
@@ -290,9 +289,9 @@ impl Copus {
     const PHI_CAP: f64 = 1e9;
 
     /// `wanted` once the same kind of change (layout, batch direction; the direction alone for
-    /// a change of B_g under [`Confirmation::Direction`] and [`Confirmation::Sequential`]) has been the one wanted at every
-    /// judgement over `confirm_steps` steps (twice the rule's for going back) and the dwell
-    /// is over (`dwelled`); `Keep` until then. A judgement for keeping, or for another
+    /// a change of B_g under [`Confirmation::Direction`] and [`Confirmation::Sequential`]) has
+    /// been the one wanted at every judgement over `confirm_steps` steps (twice the rule's for
+    /// going back) and the dwell is over (`dwelled`); `Keep` until then. A judgement for keeping, or for another
     /// change, starts the count again; steps without a usable estimate make no judgement.
     /// Under [`Confirmation::Sequential`] a change of B_g is made before the count is complete
     /// (and before the dwell's end) when it wins by `threshold` across the band widened to
@@ -317,10 +316,9 @@ impl Copus {
             && key.1 != std::cmp::Ordering::Equal
             && k < confirm_steps
             && self.batch_seen.is_some_and(|(_, since)| step.saturating_sub(since) + 1 >= self.rule.trial_steps)
-            && obs.noise.is_some_and(|n| !n.biased)
             && {
                 let z = self.rule.confidence * (confirm_steps as f64 / k as f64).sqrt();
-                obs.noise.and_then(|n| n.b_simple_band(z)).is_some_and(|(low, high)| {
+                obs.noise.filter(|n| !n.biased).and_then(|n| n.b_simple_band(z)).is_some_and(|(low, high)| {
                     let phi = obs.b_simple().unwrap_or(low);
                     self.wins_across(cur, &target, [low, phi, high.min(Self::PHI_CAP)], threshold)
                 })
