@@ -291,8 +291,9 @@ impl Copus {
     /// `wanted` once the same kind of change (layout, batch direction; the direction alone for
     /// a change of B_g under [`Confirmation::Direction`] and [`Confirmation::Sequential`]) has
     /// been the one wanted at every judgement over `confirm_steps` steps (twice the rule's for
-    /// going back) and the dwell is over (`dwelled`); `Keep` until then. A judgement for keeping, or for another
-    /// change, starts the count again; steps without a usable estimate make no judgement.
+    /// going back) and the dwell is over (`dwelled`); `Keep` until then. A judgement for
+    /// keeping, or for another change, starts the count again; steps without a usable estimate
+    /// make no judgement.
     /// Under [`Confirmation::Sequential`] a change of B_g is made before the count is complete
     /// (and before the dwell's end) when it wins by `threshold` across the band widened to
     /// `confidence * sqrt(confirm_steps / k)`, k steps into the run of judgements.
