@@ -71,6 +71,8 @@ pub mod process_comm;
 pub mod reconfig;
 pub mod run_dir;
 pub mod state;
+#[cfg(feature = "tch")]
+pub mod tch_memory;
 pub mod traffic;
 pub mod trainer;
 mod wire;

@@ -1,10 +1,12 @@
 //! The communicator of a rank that is an MPI process (feature `mpi`): MPI itself, or, for a
-//! rank on a GPU, the GPU's collective library (NCCL for CUDA with feature `nccl`, RCCL for
-//! ROCm with feature `rccl`) with MPI beside it for ids and point-to-point messages.
+//! rank on a GPU, the GPU's collective library (NCCL for CUDA ranks, CubeCL's or LibTorch's,
+//! with feature `nccl`; RCCL for ROCm with feature `rccl`) with MPI beside it for ids and
+//! point-to-point messages.
 //!
 //! [`ProcessComm::world_for`] picks: a CUDA or ROCm rank takes the library when this build has
-//! it and every rank of the job could start it (the library's constructor agrees on that over
-//! MPI, so all ranks pick alike), and MPI otherwise, with a warning naming why.
+//! it and every rank of the job could start it, one rank per device (the library's constructor
+//! agrees on that over MPI, so all ranks pick alike), and MPI otherwise, with a warning naming
+//! why.
 
 use burn::tensor::{Device, Tensor};
 
@@ -45,7 +47,7 @@ impl ProcessComm {
     pub fn world_for(device: RankDevice, exact_reductions: bool) -> Result<Self, CommError> {
         let fallback = match device {
             #[cfg(feature = "nccl")]
-            RankDevice::Cuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
+            RankDevice::Cuda(i) | RankDevice::TchCuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
                 Ok(c) => return Ok(ProcessComm::Nccl(c)),
                 Err(e) => Some(e.to_string()),
             },
@@ -55,10 +57,9 @@ impl ProcessComm {
                 Err(e) => Some(e.to_string()),
             },
             #[cfg(not(feature = "nccl"))]
-            RankDevice::Cuda(_) => Some("this build has no NCCL (feature `nccl`)".to_string()),
+            RankDevice::Cuda(_) | RankDevice::TchCuda(_) => Some("this build has no NCCL (feature `nccl`)".to_string()),
             #[cfg(not(feature = "rccl"))]
             RankDevice::Rocm(_) => Some("this build has no RCCL (feature `rccl`)".to_string()),
-            RankDevice::TchCuda(_) => Some("NCCL takes CubeCL's CUDA tensors only, not LibTorch's".to_string()),
             RankDevice::Flex | RankDevice::Wgpu | RankDevice::TchCpu => None,
         };
         if let Some(why) = fallback {
@@ -106,6 +107,22 @@ impl Collective for ProcessComm {
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
         each!(self, |c| c.reduce_scatter(buf, op))
+    }
+
+    fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
+        each!(self, |c| c.reduce_scatter_owned(buf, op))
+    }
+
+    fn scatters_tensors_in_place(&self) -> bool {
+        each!(self, |c| c.scatters_tensors_in_place())
+    }
+
+    fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        each!(self, |c| c.reduce_scatter_tensor(t, op))
+    }
+
+    fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        each!(self, |c| c.all_gather_tensor(t))
     }
 
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {

@@ -74,3 +74,59 @@ fn checkpointed_regions_on_libtorch_train_like_flex() {
         }
     }
 }
+
+/// The memory a collective library (NCCL on a GPU) reads and writes for LibTorch tensors, driven
+/// on LibTorch's CPU (where the addresses are host memory) by a collective written by hand: the
+/// input's address starts at the view's first value, the output is fresh (the input and the
+/// tensor it is a view of stay as they were), a strided view is read in its own order, and
+/// tensors LibTorch does not hold are given back.
+#[test]
+fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
+    use burn::tensor::{Tensor, TensorData};
+    use copus_burn::tch_memory::out_of_place;
+
+    let device = RankDevice::TchCpu.device().unwrap();
+    let base: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 1.0).collect();
+    let whole = Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &device);
+    let values = |t: Tensor<1>| t.into_data().try_to_vec::<f32>().unwrap();
+
+    // "All-gather" of two ranks by hand: the input, then the input doubled. A view of values 3..8.
+    #[allow(unsafe_code)]
+    let gather = |len: usize| {
+        move |src: u64, dst: u64| {
+            // SAFETY: `out_of_place` hands over `len` f32 at `src` and `2 len` at `dst`, alive
+            // until this returns.
+            let (input, out) =
+                unsafe { (std::slice::from_raw_parts(src as *const f32, len), std::slice::from_raw_parts_mut(dst as *mut f32, 2 * len)) };
+            for (i, v) in input.iter().enumerate() {
+                out[i] = *v;
+                out[len + i] = 2.0 * v;
+            }
+            Ok(())
+        }
+    };
+    let view = whole.clone().slice(3..8);
+    let out = out_of_place(view.clone(), None, 10, gather(5)).unwrap().expect("a LibTorch tensor");
+    let want: Vec<f32> = base[3..8].iter().copied().chain(base[3..8].iter().map(|v| 2.0 * v)).collect();
+    assert_eq!(values(out), want);
+    assert_eq!(values(view), base[3..8].to_vec(), "the input is left as it was");
+    assert_eq!(values(whole.clone()), base, "and so is the tensor it is a view of");
+
+    // A strided view (every other value): copied to contiguous memory first, read in order.
+    let strided = whole.clone().slice(burn::tensor::s![0..12;2]);
+    let out = out_of_place(strided, None, 12, gather(6)).unwrap().unwrap();
+    let evens: Vec<f32> = base.iter().step_by(2).copied().collect();
+    assert_eq!(values(out), evens.iter().copied().chain(evens.iter().map(|v| 2.0 * v)).collect::<Vec<_>>());
+
+    // A failure of the collective is the caller's error; the wrong device is refused before it runs.
+    let e = out_of_place(whole.clone(), None, 12, |_, _| Err("the ring broke".into())).unwrap_err();
+    assert!(e.to_string().contains("the ring broke"), "{e}");
+    let e = out_of_place(whole.clone(), Some(0), 12, |_, _| panic!("must not run")).unwrap_err();
+    assert!(e.to_string().contains("Cuda(0)") && e.to_string().contains("Cpu"), "{e}");
+
+    // Tensors LibTorch does not hold come back untouched: Flex's, and one under autodiff.
+    for other in [Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &RankDevice::Flex.device().unwrap()), whole.autodiff()] {
+        let back = out_of_place(other, None, 12, |_, _| panic!("must not run")).unwrap().expect_err("given back");
+        assert_eq!(values(back), base);
+    }
+}

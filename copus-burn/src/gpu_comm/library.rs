@@ -68,4 +68,23 @@ pub trait GpuLibrary: Sized {
     fn all_reduce_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
         Ok(Err(t))
     }
+    /// Whether this build reduce-scatters and all-gathers tensors in their device memory
+    /// ([`Self::reduce_scatter_tensor`], [`Self::all_gather_tensor`]).
+    const SCATTERS_TENSORS: bool = false;
+    /// This rank's chunk (`len / n` of `n` ranks) of the f32 tensor `t` combined across the
+    /// group, in device memory on `device` where this build reaches it; `t` back otherwise.
+    fn reduce_scatter_tensor(
+        &self,
+        t: Tensor<1>,
+        _op: ReduceOp,
+        _device: usize,
+        _n: usize,
+    ) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+        Ok(Err(t))
+    }
+    /// Every rank's f32 tensor `t` in rank order (`n` times its length), in device memory on
+    /// `device` where this build reaches it; `t` back otherwise.
+    fn all_gather_tensor(&self, t: Tensor<1>, _device: usize, _n: usize) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+        Ok(Err(t))
+    }
 }

@@ -8,12 +8,18 @@
 //! same way. Point-to-point messages (pipeline activations) and barriers go over MPI, whose
 //! sends never wait for the receive, as the engine's schedules require.
 //!
-//! The trait's slices are host buffers, so those calls stage them to the device and back. A
-//! tensor all-reduce ([`Collective::all_reduce_tensor`], the engine's gradient sums) runs in
-//! the tensor's own device memory where the library reaches it ([`cuda_tensor`]: NCCL with
-//! feature `cuda`), else through one host buffer. Sums follow the
-//! library's ring or tree order, so results match the in-process engine to rounding, not to
-//! the bit.
+//! The trait's slices are host buffers, so those calls stage them to the device and back. The
+//! tensor collectives ([`Collective::all_reduce_tensor`], the engine's gradient and
+//! tensor-parallel sums; [`Collective::reduce_scatter_tensor`] and
+//! [`Collective::all_gather_tensor`], ZeRO-1's) run in the tensors' own device memory where
+//! the library reaches it, else through one host buffer: NCCL reaches LibTorch's CUDA tensors
+//! (feature `tch`, all three, into fresh tensors: [`crate::tch_memory`]) and CubeCL's (feature
+//! `cuda`, the all-reduce in place: [`cuda_tensor`]). Sums follow the library's ring or tree
+//! order, so results match the in-process engine to rounding, not to the bit.
+//!
+//! NCCL and RCCL take one rank per GPU: where ranks of the job share a device (several
+//! processes on one GPU), every rank gets an error saying so, and the engine's ranks go over
+//! MPI.
 //!
 //! Without the libraries (no driver, no NCCL/RCCL, no device) every constructor returns a
 //! [`CommError`] saying what is missing, on every rank alike, and never panics.
@@ -56,7 +62,10 @@ impl<G: GpuLibrary> GpuComm<G> {
     /// over the group). When any rank lacks the driver, the library or the device, every rank
     /// gets the error (the first failing rank's reason).
     pub fn new(mpi: MpiComm, device: usize) -> Result<Self, CommError> {
-        let checked = G::check(device);
+        let checked = match Self::shared_device(&mpi, device)? {
+            Some(shared) => Err(shared),
+            None => G::check(device),
+        };
         Self::agree(&mpi, checked.as_ref().err())?;
         let mut id = vec![0f64; 16];
         if mpi.rank() == 0 {
@@ -78,6 +87,21 @@ impl<G: GpuLibrary> GpuComm<G> {
         let joined = G::join(bytes, mpi.rank(), mpi.size(), device);
         Self::agree(&mpi, joined.as_ref().err())?;
         Ok(Self { lib: joined.map_err(|e| CommError::Invalid(e.0))?, mpi, device })
+    }
+
+    /// The first two ranks of the group on the same device of the same node, if any (the
+    /// libraries take one rank per device), found alike on every rank.
+    fn shared_device(mpi: &MpiComm, device: usize) -> Result<Option<LibraryError>, CommError> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        ::mpi::environment::processor_name().unwrap_or_default().hash(&mut h);
+        // 48 bits of the node's name, exact in an f64.
+        let node = (h.finish() >> 16) as f64;
+        let all = mpi.all_gather(&[node, device as f64])?;
+        let places: Vec<(u64, usize)> = all.chunks_exact(2).map(|c| (c[0] as u64, c[1] as usize)).collect();
+        Ok(first_shared(&places).map(|(i, j)| {
+            format!("ranks {i} and {j} share device {} of their node, and {} takes one rank per device", places[j].1, G::NAME).into()
+        }))
     }
 
     /// Every rank learns whether some rank failed, and the lowest failing rank's reason.
@@ -147,6 +171,43 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         G::TENSORS_IN_PLACE
     }
 
+    fn scatters_tensors_in_place(&self) -> bool {
+        G::SCATTERS_TENSORS
+    }
+
+    fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        let n = self.size();
+        check_scatter(t.dims()[0], n)?;
+        self.same_len("reduce_scatter_tensor", t.dims()[0])?;
+        match self.lib.reduce_scatter_tensor(t, op, self.device, n).map_err(Self::lib_err)? {
+            Ok(mine) => Ok(mine),
+            Err(t) => {
+                let device = t.device();
+                let mut send: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+                let mut out = vec![0f32; chunk_range(send.len(), n, self.rank()).len()];
+                self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;
+                let len = out.len();
+                Ok(traffic::upload(TensorData::new(out, [len]), &device, traffic::Kind::Collective))
+            }
+        }
+    }
+
+    fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        let n = self.size();
+        self.same_len("all_gather_tensor", t.dims()[0])?;
+        match self.lib.all_gather_tensor(t, self.device, n).map_err(Self::lib_err)? {
+            Ok(all) => Ok(all),
+            Err(t) => {
+                let device = t.device();
+                let mut send: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+                let mut out = vec![0f32; send.len() * n];
+                self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
+                let len = out.len();
+                Ok(traffic::upload(TensorData::new(out, [len]), &device, traffic::Kind::Collective))
+            }
+        }
+    }
+
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
         self.same_len("all_gather", buf.len())?;
         let mut send = buf.to_vec();
@@ -198,6 +259,11 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
     }
 }
 
+/// The first pair of ranks `(i, j)`, `i < j`, at the same (node, device) of `places`, by `j`.
+fn first_shared(places: &[(u64, usize)]) -> Option<(usize, usize)> {
+    places.iter().enumerate().find_map(|(j, b)| places[..j].iter().position(|a| a == b).map(|i| (i, j)))
+}
+
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 pub mod cuda_tensor;
 
@@ -231,6 +297,17 @@ pub mod rccl;
 
 #[cfg(test)]
 mod tests {
+    /// One rank per device: 8 ranks on one GPU, and a second node's device 0, by hand.
+    #[test]
+    fn ranks_that_share_a_device_are_found() {
+        use super::first_shared;
+        assert_eq!(first_shared(&[]), None);
+        assert_eq!(first_shared(&[(7, 0), (7, 1), (9, 0), (9, 1)]), None, "two nodes, two GPUs each");
+        assert_eq!(first_shared(&[(7, 0); 8]), Some((0, 1)), "eight ranks on one GPU");
+        assert_eq!(first_shared(&[(7, 0), (7, 1), (9, 0), (9, 1), (9, 0)]), Some((2, 4)));
+        assert_eq!(first_shared(&[(7, 0), (7, 1), (7, 2), (7, 1), (7, 0)]), Some((1, 3)), "the first pair closed");
+    }
+
     /// Without the libraries (this machine has no GPU driver), constructing a communicator
     /// is a clear error naming what is missing, not a panic. Needs MPI (a singleton world).
     #[test]

@@ -73,7 +73,7 @@ impl GpuLibrary for Nccl {
         }
         // SAFETY: as above: it only tries to open libnccl.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-            return Err("libnccl.so was not found: install NCCL (Debian/Ubuntu: libnccl2) or add its folder to LD_LIBRARY_PATH".into());
+            return Err("libnccl.so was not found: install NCCL (Debian/Ubuntu: libnccl2) or add its folder to LD_LIBRARY_PATH; PyTorch's NCCL (pip's nvidia-nccl) ships only libnccl.so.2, so link it as libnccl.so in a folder on LD_LIBRARY_PATH".into());
         }
         let count = CudaContext::device_count().map_err(|e| format!("the CUDA driver did not start: {e:?}"))?;
         if device >= count.max(0) as usize {
@@ -115,18 +115,68 @@ impl GpuLibrary for Nccl {
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(any(feature = "cuda", feature = "tch"))]
     const TENSORS_IN_PLACE: bool = true;
 
-    #[cfg(feature = "cuda")]
+    #[cfg(any(feature = "cuda", feature = "tch"))]
     fn all_reduce_tensor(
         &self,
         t: burn::tensor::Tensor<1>,
         o: ReduceOp,
         device: usize,
     ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
-        super::cuda_tensor::in_place(device, t, |ptr, n| self.all_reduce_device(ptr, n, o)).map_err(|e| LibraryError(e.to_string()))
+        #[cfg(feature = "tch")]
+        let t = {
+            let n = t.dims()[0];
+            match self.on_torch(t, device, n, DeviceOp::AllReduce(o))? {
+                Ok(reduced) => return Ok(Ok(reduced)),
+                Err(t) => t,
+            }
+        };
+        #[cfg(feature = "cuda")]
+        let t = match super::cuda_tensor::in_place(device, t, |ptr, n| self.all_reduce_device(ptr, n, o))
+            .map_err(|e| LibraryError(e.to_string()))?
+        {
+            Ok(reduced) => return Ok(Ok(reduced)),
+            Err(t) => t,
+        };
+        Ok(Err(t))
     }
+
+    #[cfg(feature = "tch")]
+    const SCATTERS_TENSORS: bool = true;
+
+    #[cfg(feature = "tch")]
+    fn reduce_scatter_tensor(
+        &self,
+        t: burn::tensor::Tensor<1>,
+        o: ReduceOp,
+        device: usize,
+        n: usize,
+    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+        let len = t.dims()[0] / n.max(1);
+        self.on_torch(t, device, len, DeviceOp::ReduceScatter(o))
+    }
+
+    #[cfg(feature = "tch")]
+    fn all_gather_tensor(
+        &self,
+        t: burn::tensor::Tensor<1>,
+        device: usize,
+        n: usize,
+    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+        let len = t.dims()[0] * n;
+        self.on_torch(t, device, len, DeviceOp::AllGather)
+    }
+}
+
+/// A collective from one device buffer into another.
+#[cfg_attr(not(feature = "tch"), allow(dead_code))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum DeviceOp {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
 }
 
 impl Nccl {
@@ -142,5 +192,44 @@ impl Nccl {
         let synced = self.stream.synchronize().map_err(|e| format!("{e:?}"));
         slice.leak();
         done.and(synced)
+    }
+
+    /// `op` from `len` f32 at device address `src` into `out_len` f32 at `dst` (another
+    /// buffer), on this communicator's stream, and waits for it. Both buffers must stay
+    /// allocated, and untouched by other streams, until this returns.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(crate) fn device_op(&self, src: u64, dst: u64, len: usize, out_len: usize, o: DeviceOp) -> Result<(), String> {
+        // SAFETY: the caller keeps both buffers alive and idle; the slices are leaked back (not
+        // freed) once the stream is done with them.
+        let send = unsafe { self.stream.upgrade_device_ptr::<f32>(src, len) };
+        // SAFETY: as above.
+        let mut recv = unsafe { self.stream.upgrade_device_ptr::<f32>(dst, out_len) };
+        let done = match o {
+            DeviceOp::AllReduce(r) => self.comm.all_reduce(&send, &mut recv, &op(r)),
+            DeviceOp::ReduceScatter(r) => self.comm.reduce_scatter(&send, &mut recv, &op(r)),
+            DeviceOp::AllGather => self.comm.all_gather(&send, &mut recv),
+        }
+        .map(drop)
+        .map_err(|e| format!("{e:?}"));
+        let synced = self.stream.synchronize().map_err(|e| format!("{e:?}"));
+        send.leak();
+        recv.leak();
+        done.and(synced)
+    }
+
+    /// `op` on a LibTorch tensor on CUDA `device`, into a fresh tensor of `out_len` elements
+    /// ([`crate::tch_memory::out_of_place`]); the tensor back where LibTorch does not hold it.
+    #[cfg(feature = "tch")]
+    #[allow(clippy::type_complexity)]
+    fn on_torch(
+        &self,
+        t: burn::tensor::Tensor<1>,
+        device: usize,
+        out_len: usize,
+        o: DeviceOp,
+    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+        let len = t.dims()[0];
+        crate::tch_memory::out_of_place(t, Some(device), out_len, |src, dst| self.device_op(src, dst, len, out_len, o))
+            .map_err(|e| LibraryError(e.to_string()))
     }
 }
