@@ -210,6 +210,35 @@ for backend in $backends; do
       cd "$back"
       [ -f "$out/copus/runs/parallel-tiny-gpu/summary.md" ] && cat "$out/copus/runs/parallel-tiny-gpu/summary.md" \
         || { say "$backend-copus: FAILED (no summary.md)"; status=1; }
+      # A live layout change between the ranks on the device keeps its pieces there: the step
+      # after it (whose metrics count the change's bytes) moves at most 1 MiB of `state` through
+      # host memory (the counts of differing elements it reads back). Steps after a checkpoint
+      # (every 100) also count the checkpoint's reads and are left out.
+      if ! python3 - "$out/copus/runs/parallel-tiny-gpu" <<'PY'
+import csv, json, sys
+run = sys.argv[1]
+try:
+    state = {}
+    for line in open(f"{run}/metrics.jsonl"):
+        r = json.loads(line)
+        if "metrics" in r and "host_traffic" in r:
+            state[r["metrics"]["step"]] = r["host_traffic"]["state"]
+    moved = []
+    for row in csv.DictReader(open(f"{run}/reconfigurations.csv")):
+        s = int(row["step"])
+        if row["layout_changed"] == "true" and row["live"] == "true" and s % 100 != 0 and s + 1 in state:
+            moved.append((s, state[s + 1]))
+except (OSError, KeyError, ValueError) as e:
+    sys.exit(f"the run's metrics.jsonl or reconfigurations.csv could not be read: {e!r}")
+print("state bytes through host memory of each live layout change (after step: bytes):",
+      ", ".join(f"{s}: {b}" for s, b in moved) or "none")
+if any(b > 1 << 20 for _, b in moved):
+    sys.exit("a live layout change staged more than 1 MiB of state in host memory")
+PY
+      then
+        say "$backend-copus: FAILED (see the line above)"
+        status=1
+      fi
       ;;
   esac
 done

@@ -711,7 +711,7 @@ impl ThreadComm {
 /// of its own stream only once both are submitted: with four rank threads (tp2 x pp2 on wgpu)
 /// the fused build trained 1e-3 away from Flex, different from run to run, without this fence.
 /// Without fusion a backend runs each operation as it is issued, and this does nothing.
-fn fusion_fence(device: &Device) -> Result<(), CommError> {
+pub(crate) fn fusion_fence(device: &Device) -> Result<(), CommError> {
     if cfg!(feature = "fusion") {
         device.sync().map_err(|e| CommError::Invalid(format!("waiting for the device's queued work: {e:?}")))?;
     }

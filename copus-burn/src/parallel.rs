@@ -189,19 +189,38 @@ pub fn param_id(name: &str) -> ParamId {
 /// Full parameters as host data by global name.
 pub type FullParams = HashMap<String, TensorData>;
 
-/// The local shards of one rank, by global name, handed to [`ParallelLm::build_stage`].
+/// The local shards of one rank, by global name, handed to [`ParallelLm::build_stage`]: host
+/// data, or flat tensors that already lie on a device (a layout change between rank threads on a
+/// device), each taken as it is.
 pub struct ShardSource {
     shards: HashMap<String, TensorData>,
+    tensors: HashMap<String, (Vec<usize>, Tensor<1>)>,
 }
 
 impl ShardSource {
     /// Local shards by global name.
     pub fn new(shards: HashMap<String, TensorData>) -> Self {
-        Self { shards }
+        Self { shards, tensors: HashMap::new() }
+    }
+
+    /// Adds the local shard of `name`, of `shape`, as the flat tensor `t` where it lies: a
+    /// parameter built from it is `t` reshaped (moved only if it lies on another device), with no
+    /// trip through host memory.
+    pub fn insert_tensor(&mut self, name: String, shape: Vec<usize>, t: Tensor<1>) {
+        self.tensors.insert(name, (shape, t));
     }
 
     /// Takes the local shard of `name` as a parameter with the name's id.
     pub fn param<const D: usize>(&mut self, name: &str, device: &Device) -> Result<Param<Tensor<D>>, ShardError> {
+        if let Some((shape, t)) = self.tensors.remove(name) {
+            let dims: [usize; D] =
+                shape.clone().try_into().map_err(|_| ShardError::Shape { name: name.into(), got: shape.clone(), expected: vec![0; D] })?;
+            if shape.iter().product::<usize>() != t.dims()[0] {
+                return Err(ShardError::Shape { name: name.into(), got: vec![t.dims()[0]], expected: shape });
+            }
+            let t = if device.is_autodiff() { t.autodiff() } else { t };
+            return Ok(Param::initialized(param_id(name), t.to_device(device).reshape(dims)).set_require_grad(true));
+        }
         let data = self.shards.remove(name).ok_or_else(|| ShardError::Missing(name.into()))?;
         if data.shape().len() != D {
             return Err(ShardError::Shape { name: name.into(), got: data.shape().to_vec(), expected: vec![0; D] });
@@ -209,14 +228,14 @@ impl ShardSource {
         Ok(Param::initialized(param_id(name), crate::traffic::upload(data, device, crate::traffic::Kind::State)).set_require_grad(true))
     }
 
-    /// Looks at a shard without taking it.
+    /// Looks at a shard in host data without taking it (`None` for one that lies on a device).
     pub fn peek(&self, name: &str) -> Option<&TensorData> {
         self.shards.get(name)
     }
 
     /// Names not yet taken (a correct build takes all).
     pub fn remaining(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.shards.keys().cloned().collect();
+        let mut v: Vec<String> = self.shards.keys().chain(self.tensors.keys()).cloned().collect();
         v.sort();
         v
     }
@@ -293,7 +312,7 @@ pub fn shards_for(specs: &[ParamSpec], full: &FullParams, plan: &ShardPlan) -> R
         let data = full.get(&spec.name).ok_or_else(|| ShardError::Missing(spec.name.clone()))?;
         shards.insert(spec.name.clone(), shard_of(spec, data, plan.dims.tp, plan.tp_rank)?);
     }
-    Ok(ShardSource { shards })
+    Ok(ShardSource::new(shards))
 }
 
 fn full_layers(specs: &[ParamSpec]) -> usize {

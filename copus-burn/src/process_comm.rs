@@ -43,9 +43,14 @@ macro_rules! each {
 impl ProcessComm {
     /// A fresh communicator over all processes for a rank on `device` (collective: every
     /// process calls it, with a device of the same kind); MPI's reductions exact or native as
-    /// [`MpiComm::exact`] says.
+    /// [`MpiComm::exact`] says, and with exact reductions MPI for GPU ranks too.
     pub fn world_for(device: RankDevice, exact_reductions: bool) -> Result<Self, CommError> {
         let fallback = match device {
+            // The libraries sum in their own ring or tree order; exact reductions add in rank
+            // order, as the in-process engine does (bit parity asked for), which MPI gives.
+            RankDevice::Cuda(_) | RankDevice::TchCuda(_) | RankDevice::Rocm(_) if exact_reductions => {
+                Some("`exact_reductions` asks for sums in rank order, which NCCL and RCCL do not give".to_string())
+            }
             #[cfg(feature = "nccl")]
             RankDevice::Cuda(i) | RankDevice::TchCuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
                 Ok(c) => return Ok(ProcessComm::Nccl(c)),

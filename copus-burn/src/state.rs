@@ -1,5 +1,6 @@
 //! The training state in host memory, independent of the layout: what a layout change stages,
-//! what a checkpoint holds, and what each rank starts from and hands back. The engine,
+//! what a checkpoint holds, and what each rank starts from and hands back (a rank's start may
+//! also lie on its device: `ShardValues`). The engine,
 //! reconfiguration and checkpoints all use it; it has its own error type ([`StateError`],
 //! which the engine's error converts from), so it imports none of its users.
 
@@ -38,15 +39,28 @@ pub(crate) type OptimTensors = Vec<(String, String, Vec<usize>, Vec<f32>)>;
 /// (global name, field, value) of optimizer state scalars.
 pub(crate) type OptimScalars = Vec<(String, String, Scalar)>;
 
+/// The values of a rank's shard as it starts: in host memory (a checkpoint, a layout change
+/// across processes or in host memory), or a flat tensor already on the rank's device (a layout
+/// change between rank threads on a device, whose pieces never leave it).
+// A few per parameter, moved rather than copied; boxing the tensor would only add allocations.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum ShardValues {
+    Host(Vec<f32>),
+    Device(burn::tensor::Tensor<1>),
+}
+
+/// Optimizer state tensors a rank starts from: (global name, field, local shape, values).
+pub(crate) type ResumeTensors = Vec<(String, String, Vec<usize>, ShardValues)>;
+
 /// Training state a rank resumes with (empty for a fresh start).
 #[derive(Default)]
 pub(crate) struct RankResume {
     /// Optimizer state tensors of the rank's shards.
-    pub(crate) optim: OptimTensors,
+    pub(crate) optim: ResumeTensors,
     /// Optimizer state scalars.
     pub(crate) scalars: OptimScalars,
     /// Local shards of the previous step's gradient (n == 1 probe).
-    pub(crate) previous: Option<HashMap<String, Vec<f32>>>,
+    pub(crate) previous: Option<HashMap<String, ShardValues>>,
     pub(crate) step: u64,
     pub(crate) tokens_seen: u64,
     pub(crate) gns: Option<GnsEstimator>,
@@ -382,7 +396,7 @@ impl TrainingState {
             for (field, full) in self.optim.get(&spec.name).into_iter().flatten() {
                 let (shape, values) = shard_values(spec, full, tp, t)?;
                 hashes.push((format!("{}#{field}", spec.name), checksum(&values)));
-                resume.optim.push((spec.name.clone(), field.clone(), shape, values));
+                resume.optim.push((spec.name.clone(), field.clone(), shape, ShardValues::Host(values)));
             }
             for (field, v) in self.scalars.get(&spec.name).into_iter().flatten() {
                 resume.scalars.push((spec.name.clone(), field.clone(), *v));
@@ -390,7 +404,7 @@ impl TrainingState {
             if let (Some(prev), Some(out)) = (&self.previous, previous.as_mut())
                 && let Some(full) = prev.get(&spec.name)
             {
-                out.insert(spec.name.clone(), shard_values(spec, full, tp, t)?.1);
+                out.insert(spec.name.clone(), ShardValues::Host(shard_values(spec, full, tp, t)?.1));
             }
         }
         resume.previous = previous;

@@ -155,26 +155,28 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
 pub type Weights = std::collections::HashMap<String, Vec<f32>>;
 
 /// Trains two steps on dp2, changes the layout to tp2 in memory, trains two more: per step
-/// (loss, tr(Sigma) of the smoothed estimate), the weights at the end, and the host traffic of
-/// the second step (on dp2). `zero1`: the optimizer sharded over dp (its moments gathered for
-/// the change).
-fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f64>)>, Weights, HostTraffic) {
+/// (loss, tr(Sigma) of the smoothed estimate), the weights at the end, the host traffic of
+/// the second step (on dp2) and of the third (the change's, with the step after it). `zero1`:
+/// the optimizer sharded over dp (its moments gathered for the change).
+fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f64>)>, Weights, HostTraffic, HostTraffic) {
     let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
     let ec = EngineConfig::new(dims(2, 1, 1), 4, 2, SEQ, optim).with_devices(devices).with_zero1(zero1);
     let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
-    let (mut steps, mut host) = (Vec::new(), HostTraffic::default());
+    let (mut steps, mut host, mut switch) = (Vec::new(), HostTraffic::default(), HostTraffic::default());
     for s in 0..4 {
         if s == 2 {
             engine.reconfigure(dims(1, 2, 1), 4, 2).unwrap();
         }
         let out = engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap();
         assert!(!out.skipped);
-        if s == 1 {
-            host = out.host;
+        match s {
+            1 => host = out.host,
+            2 => switch = out.host,
+            _ => {}
         }
         steps.push((out.metrics.loss, out.metrics.trace));
     }
-    (steps, engine.gather().unwrap(), host)
+    (steps, engine.gather().unwrap(), host, switch)
 }
 
 /// Two steps on dp2, a live change to tp2, two more steps, on `device` against Flex: also with
@@ -183,12 +185,17 @@ fn run_with_switch(devices: Vec<RankDevice>, zero1: bool) -> (Vec<(f64, Option<f
 /// unsharded Flex run (ZeRO-1 on Flex matches it within 1e-6:
 /// `zero1_trains_as_the_unsharded_optimizer`).
 pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
-    let (flex, flex_weights, _) = run_with_switch(Vec::new(), false);
+    let (flex, flex_weights, _, flex_switch) = run_with_switch(Vec::new(), false);
     for zero1 in [false, true] {
-        let (dev, dev_weights, host) = run_with_switch(vec![device; 2], zero1);
+        let (dev, dev_weights, host, switch) = run_with_switch(vec![device; 2], zero1);
         eprintln!("{device:?} zero1 {zero1}: host traffic of a dp2 step {host:?}");
         assert_eq!(host.collective, 0, "zero1 {zero1}: gradients or weights staged on the host");
         assert!(host.beyond_batch() <= 64 << 10, "zero1 {zero1}: {host:?} beyond the token ids");
+        // The change's pieces (weights, moments, the previous gradient) are cut, handed over,
+        // joined and checked where they lie: what it reads back is a count per piece and weight.
+        eprintln!("{device:?} zero1 {zero1}: host traffic of the change and the step after it {switch:?} (Flex {flex_switch:?})");
+        assert!(switch.state <= 64 << 10, "zero1 {zero1}: the change staged {} bytes of state on the host", switch.state);
+        assert!(switch.beyond_batch() <= 128 << 10, "zero1 {zero1}: {switch:?} beyond the token ids");
         for (s, (f, w)) in flex.iter().zip(&dev).enumerate() {
             assert!(rel(w.0, f.0) <= 1e-6, "zero1 {zero1} step {s}: loss {} on {device:?}, {} on Flex", w.0, f.0);
             // The estimator's tr(Sigma), from the probe's norms of every step so far.

@@ -76,10 +76,11 @@ fn checkpointed_regions_on_libtorch_train_like_flex() {
 }
 
 /// The memory a collective library (NCCL on a GPU) reads and writes for LibTorch tensors, driven
-/// on LibTorch's CPU (where the addresses are host memory) by a collective written by hand: the
+/// on LibTorch's CPU (where the addresses are host memory) by collectives written by hand: the
 /// input's address starts at the view's first value, the output is fresh (the input and the
-/// tensor it is a view of stay as they were), a strided view is read in its own order, and
-/// tensors LibTorch does not hold are given back.
+/// tensor it is a view of stay as they were), a strided view is read in its own order, an
+/// all-reduce writes a tensor in place only where its storage is its own, and tensors that
+/// cannot be handed over are given back.
 #[test]
 fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
     use burn::tensor::{Tensor, TensorData};
@@ -118,15 +119,91 @@ fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
     let evens: Vec<f32> = base.iter().step_by(2).copied().collect();
     assert_eq!(values(out), evens.iter().copied().chain(evens.iter().map(|v| 2.0 * v)).collect::<Vec<_>>());
 
-    // A failure of the collective is the caller's error; the wrong device is refused before it runs.
+    // In place where the storage is the tensor's own (a fresh tensor: one address, written);
+    // into a fresh output where another tensor shares it (`whole`'s clone: `whole` unchanged).
+    #[allow(unsafe_code)]
+    let double = |src: u64, dst: u64| {
+        // SAFETY: 12 f32 at each address, alive until this returns (the same buffer when equal).
+        let (input, out) =
+            unsafe { (std::slice::from_raw_parts(src as *const f32, 12).to_vec(), std::slice::from_raw_parts_mut(dst as *mut f32, 12)) };
+        out.iter_mut().zip(input).for_each(|(o, v)| *o = 2.0 * v);
+        Ok(())
+    };
+    let doubled: Vec<f32> = base.iter().map(|v| 2.0 * v).collect();
+    let fresh = Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &device);
+    let mut addresses = None;
+    let out = copus_burn::tch_memory::in_place_where_unshared(fresh, None, |s, d| {
+        addresses = Some((s, d));
+        double(s, d)
+    });
+    let (s, d) = addresses.unwrap();
+    assert_eq!(s, d, "a tensor whose storage is its own is written in place");
+    assert_eq!(values(out.unwrap().unwrap()), doubled);
+    let mut addresses = None;
+    let out = copus_burn::tch_memory::in_place_where_unshared(whole.clone(), None, |s, d| {
+        addresses = Some((s, d));
+        double(s, d)
+    });
+    let (s, d) = addresses.unwrap();
+    assert_ne!(s, d, "a shared storage is not written");
+    assert_eq!(values(out.unwrap().unwrap()), doubled);
+    assert_eq!(values(whole.clone()), base);
+
+    // A failure of the collective is the caller's error.
     let e = out_of_place(whole.clone(), None, 12, |_, _| Err("the ring broke".into())).unwrap_err();
     assert!(e.to_string().contains("the ring broke"), "{e}");
-    let e = out_of_place(whole.clone(), Some(0), 12, |_, _| panic!("must not run")).unwrap_err();
-    assert!(e.to_string().contains("Cuda(0)") && e.to_string().contains("Cpu"), "{e}");
 
-    // Tensors LibTorch does not hold come back untouched: Flex's, and one under autodiff.
-    for other in [Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &RankDevice::Flex.device().unwrap()), whole.autodiff()] {
-        let back = out_of_place(other, None, 12, |_, _| panic!("must not run")).unwrap().expect_err("given back");
+    // Tensors it cannot hand over come back untouched, for the caller's host path: one on
+    // another device than the communicator's, Flex's, and one under autodiff.
+    let flex = Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &RankDevice::Flex.device().unwrap());
+    for other in [whole.clone(), flex, whole.autodiff()] {
+        let back = out_of_place(other, Some(0), 12, |_, _| panic!("must not run")).unwrap().expect_err("given back");
         assert_eq!(values(back), base);
+    }
+}
+
+/// A layout change between LibTorch ranks (its pieces cut, joined and checked on the device)
+/// that fails at any phase, its checks included, rolls back with nothing lost: the state read
+/// back bit for bit as before, the next loss bit for bit the one of a run that never tried, and
+/// the change then goes through.
+#[test]
+fn a_failed_change_on_libtorch_rolls_back_with_nothing_lost() {
+    use copus_burn::{EngineError, ReconfigPhase};
+    let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 4, ..OptimConfig::default() };
+    let engine = || {
+        let ec = EngineConfig::new(dims(2, 1, 1), 4, 2, SEQ, optim.clone()).with_devices(vec![RankDevice::TchCpu; 2]);
+        Engine::new(Arc::new(config()), initial_full(), ec).unwrap()
+    };
+    let loss = |e: &mut Engine<copus_models::LlamaConfig>, s: usize| {
+        e.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap().metrics.loss
+    };
+    let mut reference = engine();
+    let want: Vec<f64> = (0..3).map(|s| loss(&mut reference, s)).collect();
+    for phase in [ReconfigPhase::GroupRebuild, ReconfigPhase::Load, ReconfigPhase::Verify] {
+        let mut e = engine();
+        for s in 0..2 {
+            loss(&mut e, s);
+        }
+        let before = e.stage_state().unwrap();
+        e.inject_fault(Some(phase));
+        match e.reconfigure(dims(1, 2, 1), 4, 2) {
+            Err(EngineError::RolledBack { phase: p, .. }) => assert_eq!(p, phase),
+            other => panic!("{phase:?}: expected a rollback, got {other:?}"),
+        }
+        let after = e.stage_state().unwrap();
+        for (name, v) in &before.params {
+            assert!(v.iter().zip(&after.params[name]).all(|(a, b)| a.to_bits() == b.to_bits()), "{phase:?}: {name} changed");
+        }
+        for (name, fields) in &before.optim {
+            for (field, v) in fields {
+                assert!(
+                    v.iter().zip(&after.optim[name][field]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{phase:?}: {name} {field} changed"
+                );
+            }
+        }
+        assert_eq!(loss(&mut e, 2).to_bits(), want[2].to_bits(), "{phase:?}: the next loss");
+        e.reconfigure(dims(1, 2, 1), 4, 2).unwrap();
+        assert!(loss(&mut e, 3).is_finite());
     }
 }

@@ -10,15 +10,20 @@
 //! 1. *send*: each rank offers the plan's moves whose source it is. Between threads of this
 //!    process a piece is neither copied nor read: the receiver gets a shared handle to the
 //!    sender's shard and where the piece lies in it
-//!    ([`Handoff`](super::messages::Handoff)). Between processes the piece
-//!    is cut and sent (a send never blocks), with its checksum taken as it is cut;
+//!    ([`Handoff`](super::messages::Handoff)); on a device, a view of the shard there. Between
+//!    processes the piece is cut and sent (a send never blocks), with its checksum taken as it
+//!    is cut;
 //! 2. *build*: each rank splits its new process groups from the world, takes the moves whose
 //!    destination it is (all already offered), assembles its new shards (each value written
 //!    once, straight from where it lies, and summed as it lands), builds the new stage and
 //!    optimizer beside the old ones and checks what it loaded against what it received (on
 //!    Flex by the buffer the stage adopted, elsewhere piece by piece). A piece handed over
 //!    between threads is compared bit for bit with the sender's shard as each block is copied;
-//!    where all matched, its checksum at the source is the one taken where it landed;
+//!    where all matched, its checksum at the source is the one taken where it landed. On a
+//!    device the pieces are joined there and each compared, element by element, with what it
+//!    became, as are the built stage's weights with the joined ones; the counts of differing
+//!    elements are read back at once, and a piece's checksums (which name it) agree where its
+//!    count is zero ([`device_sum`]);
 //! 3. *commit* or *abort*: the driver compares every piece's checksum at its source (the sender's
 //!    shard, or the piece as cut) and at its destination, and checks that each move of the plan
 //!    went exactly once; then every rank swaps to the new state, or drops it and keeps the old
@@ -31,7 +36,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use burn::backend::flex::FlexTensor;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_core::layout::RankGrid;
 use copus_core::model::{ParamSpec, TpSplit};
 
@@ -42,8 +47,8 @@ use crate::collective::Collective;
 use crate::grads::with_values;
 use crate::optim as adamw;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
-use crate::state::{Checksum, RankResume, checksum};
-use crate::traffic::Kind;
+use crate::state::{Checksum, RankResume, ShardValues, checksum};
+use crate::traffic::{self, Kind};
 
 /// The Flex handle of a contiguous f32 tensor (under autodiff, of its value), whose values can
 /// be read in place.
@@ -120,11 +125,13 @@ pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: u
     Ok((out, sum.finish()))
 }
 
-/// A piece as it arrived: its own values (through the communicator), or still in the sender's
-/// shard (handed over between threads).
+/// A piece as it arrived: its own values (through the communicator), still in the sender's
+/// shard (handed over between threads in host memory), or a tensor on a device (handed over
+/// between threads there), `[outer, len, inner]` around the split dim.
 enum Piece {
     Owned(Vec<f32>),
     Shared(Shared),
+    Device(Tensor<3>),
 }
 
 impl Piece {
@@ -149,8 +156,76 @@ impl Piece {
                 let values = p.values.as_slice::<f32>().ok_or("a handed-over shard is no longer contiguous")?;
                 rows_along(values, &p.shape, p.dim, p.offset, p.len)
             }
+            Piece::Device(_) => Err("a piece on a device has no rows in host memory".into()),
         }
     }
+
+    /// Elements held.
+    fn len(&self) -> usize {
+        match self {
+            Piece::Owned(v) => v.len(),
+            Piece::Shared(p) => {
+                let (outer, _, inner) = around(&p.shape, p.dim);
+                outer * p.len * inner
+            }
+            Piece::Device(t) => t.dims().iter().product(),
+        }
+    }
+}
+
+/// That pieces `(offset, len)` along `dim`, in order, tile a shard of `shape` exactly.
+fn check_tiling(shape: &[usize], dim: usize, pieces: impl Iterator<Item = (usize, usize)>) -> Result<(), String> {
+    let mut at = 0;
+    for (offset, len) in pieces {
+        if offset != at {
+            return Err(format!("pieces along dim {dim} of a {shape:?} shard leave a gap or overlap at {at}"));
+        }
+        at += len;
+    }
+    if at != shape[dim] {
+        return Err(format!("pieces along dim {dim} of a {shape:?} shard cover {at} of {} entries", shape[dim]));
+    }
+    Ok(())
+}
+
+/// The elements of `a` and `b` (one shape) that differ, as a one-element count where they lie (a
+/// NaN equals a NaN, and, as values, -0.0 equals +0.0: a copy that flipped only a zero's sign
+/// goes unseen, where the host path compares bits).
+fn mismatches<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<1, Int> {
+    let (a, b) = (a.inner(), b.inner());
+    let same = a.clone().equal(b.clone()).bool_or(a.is_nan().bool_and(b.is_nan()));
+    same.bool_not().int().sum()
+}
+
+/// A shard joined on its device, and per piece its tag and the count of its elements that
+/// differ where it landed, not yet read.
+type Joined = (Tensor<1>, Vec<(u32, Tensor<1, Int>)>);
+
+/// A shard joined on its device from pieces `(offset, len, tag, piece)` along `dim`, sorted by
+/// offset, that must tile it exactly (each `[outer, len, inner]` of the shard's `shape`, moved to
+/// `device` if they lie elsewhere): the flat shard, and per piece its tag and the count of its
+/// elements that differ where it landed, not yet read.
+fn join_on_device(shape: &[usize], dim: usize, pieces: Vec<(usize, usize, u32, Tensor<3>)>, device: &Device) -> Result<Joined, String> {
+    check_tiling(shape, dim, pieces.iter().map(|p| (p.0, p.1)))?;
+    let (outer, _, inner) = around(shape, dim);
+    for (_, len, _, t) in &pieces {
+        if t.dims() != [outer, *len, inner] {
+            return Err(format!("a piece of shape {:?} does not fit {len} along dim {dim} of a {shape:?} shard", t.dims()));
+        }
+    }
+    let moved: Vec<(usize, usize, u32, Tensor<3>)> = pieces.into_iter().map(|(o, l, tag, t)| (o, l, tag, t.to_device(device))).collect();
+    let joined = Tensor::cat(moved.iter().map(|p| p.3.clone()).collect(), 1);
+    let checks = moved.into_iter().map(|(o, l, tag, t)| (tag, mismatches(joined.clone().narrow(1, o, l), t))).collect();
+    Ok((joined.reshape([outer * shape[dim] * inner]), checks))
+}
+
+/// The checksum a piece handed over on a device reports, at its source and where it landed: its
+/// content is compared there, element by element, not hashed, so the sum names the piece (its
+/// tag and length); where the comparison found a difference, the source's sum differs from the
+/// landed one, and the driver refuses the change.
+fn device_sum(tag: u32, len: usize, differing: i64) -> (u64, u64) {
+    let landed = (u64::from(tag) << 32) ^ len as u64;
+    (landed, if differing == 0 { landed } else { landed ^ 1 })
 }
 
 /// A shard built by [`assemble`].
@@ -169,16 +244,7 @@ struct Assembled {
 /// taken from the source in a pass of its own where one did not.
 fn assemble(shape: &[usize], dim: usize, pieces: &[(usize, usize, Piece)]) -> Result<Assembled, String> {
     let (outer, extent, inner) = around(shape, dim);
-    let mut at = 0;
-    for &(offset, len, _) in pieces.iter() {
-        if offset != at {
-            return Err(format!("pieces along dim {dim} of a {shape:?} shard leave a gap or overlap at {at}"));
-        }
-        at += len;
-    }
-    if at != extent {
-        return Err(format!("pieces along dim {dim} of a {shape:?} shard cover {at} of {extent} entries"));
-    }
+    check_tiling(shape, dim, pieces.iter().map(|p| (p.0, p.1)))?;
     let mut rows = pieces.iter().map(|(_, len, p)| p.rows(shape, dim, *len)).collect::<Result<Vec<_>, _>>()?;
     // Per piece: the landed checksum, and for a piece handed over whether its copy matched so far.
     let mut sums: Vec<(Checksum, Option<bool>)> =
@@ -248,7 +314,7 @@ impl Landed {
 type Arrival = (usize, usize, u32, Piece);
 
 /// A new shard's local shape and, per kind, its values once a piece has arrived.
-type NewShard = (Vec<usize>, Vec<Option<Vec<f32>>>);
+type NewShard = (Vec<usize>, Vec<Option<ShardValues>>);
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Step 1: sends this rank's pieces of the plan.
@@ -284,12 +350,35 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     handoff.put(piece_tag, Shared { values, shape: shape.clone(), dim: m.dim, offset: m.src_offset, len: m.len });
                     continue;
                 }
+                // Between threads on devices, the piece is cut where it lies (a view of the
+                // shard) and handed over there; the receiver compares it with what landed.
+                if let Some(handoff) = job.handoff.as_ref().filter(|_| self.device_resident()) {
+                    let (outer, extent, inner) = around(shape, m.dim);
+                    if m.len == 0 || m.src_offset + m.len > extent || t.dims()[0] != outer * extent * inner {
+                        return Err(format!(
+                            "`{name}`: slice {}..{} along dim {} of a {shape:?} shard of {} values",
+                            m.src_offset,
+                            m.src_offset + m.len,
+                            m.dim,
+                            t.dims()[0]
+                        ));
+                    }
+                    let piece = t.clone().reshape([outer, extent, inner]).narrow(1, m.src_offset, m.len);
+                    sums.push((piece_tag, None));
+                    elements += (outer * m.len * inner) as u64;
+                    handoff.put_tensor(piece_tag, piece);
+                    continue;
+                }
                 let (piece, sum) = with_values(t, Kind::State, |v| slice_along(v, shape, m.dim, m.src_offset, m.len))
                     .map_err(|e| format!("`{name}`: {e}"))?;
                 sums.push((piece_tag, Some(sum)));
                 elements += piece.len() as u64;
                 self.world.send(m.dst_rank, piece_tag, piece).map_err(|e| e.to_string())?;
             }
+        }
+        if job.handoff.is_some() && self.device_resident() {
+            // The pieces handed over are read on the receivers' threads (see `fusion_fence`).
+            crate::collective::fusion_fence(&self.device).map_err(|e| e.to_string())?;
         }
         tracing::debug!("rank {me}: offered {elements} values in {:.3} s", clock.elapsed().as_secs_f64());
         Ok(Sent { sums, elements, scalars, fields, has_previous })
@@ -327,7 +416,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let mut shards: HashMap<usize, NewShard> = HashMap::new();
         for (p, spec) in job.specs.iter().enumerate() {
             if holds(spec, &plan, job.num_layers) {
-                shards.insert(p, (local_shape(spec, dims.tp), vec![None; kinds]));
+                shards.insert(p, (local_shape(spec, dims.tp), (0..kinds).map(|_| None).collect()));
             }
         }
         let mut elements = 0u64;
@@ -340,17 +429,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let name = &job.specs[m.param].name;
             for kind in 0..kinds {
                 let t = tag(i, kind, kinds);
-                let piece = match job.handoff.as_ref().and_then(|h| h.take(t)) {
-                    Some(p) => Piece::Shared(p),
+                let handed =
+                    job.handoff.as_ref().and_then(|h| h.take_tensor(t).map(Piece::Device).or_else(|| h.take(t).map(Piece::Shared)));
+                let piece = match handed {
+                    Some(p) => p,
                     None => Piece::Owned(self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?),
                 };
-                elements += match &piece {
-                    Piece::Owned(v) => v.len(),
-                    Piece::Shared(p) => {
-                        let (outer, _, inner) = around(&p.shape, p.dim);
-                        outer * p.len * inner
-                    }
-                } as u64;
+                elements += piece.len() as u64;
                 if !shards.contains_key(&m.param) {
                     failure.get_or_insert_with(|| load(format!("the plan sends `{name}` to rank {me}, which does not hold it")));
                     continue;
@@ -368,13 +453,38 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         // Each new shard: a single piece that is the whole shard is taken as it arrived; others
         // are copied into place once, each piece summed as it lands. What the built stage is
         // checked against is recorded for the weights: each piece's landed sum and the buffer.
+        // On a device the pieces are joined there, and each is compared with what landed where
+        // both lie; the counts of differing elements are read at once, after the build.
         let mut sums = Vec::new();
         let mut sources = Vec::new();
         let mut expected: HashMap<String, Landed> = HashMap::new();
+        let mut on_device: HashMap<String, Tensor<1>> = HashMap::new();
+        let mut checks: Vec<(u32, usize, Tensor<1, Int>)> = Vec::new();
         for ((p, kind), (dim, pieces)) in arrived {
             let name = &job.specs[p].name;
             let (shape, bufs) = shards.get_mut(&p).expect("checked on arrival");
             let n: usize = shape.iter().product();
+            let mut pieces = pieces;
+            pieces.sort_by_key(|p| p.0);
+            if pieces.iter().any(|p| matches!(p.3, Piece::Device(_))) {
+                let mut tensors = Vec::with_capacity(pieces.len());
+                for (o, l, t, piece) in pieces {
+                    let Piece::Device(x) = piece else {
+                        return Err(load(format!("`{name}`: pieces arrived both on a device and in host memory")));
+                    };
+                    tensors.push((o, l, t, x));
+                }
+                let lens: HashMap<u32, usize> = tensors.iter().map(|p| (p.2, p.3.dims().iter().product())).collect();
+                // On this rank's device, without autodiff (the state's flat tensors have none;
+                // a weight becomes a parameter in the new stage).
+                let (joined, checked) = join_on_device(shape, dim, tensors, &self.device).map_err(|e| load(format!("`{name}`: {e}")))?;
+                checks.extend(checked.into_iter().map(|(t, c)| (t, lens[&t], c)));
+                if kind == 0 {
+                    on_device.insert(name.clone(), joined.clone());
+                }
+                bufs[kind] = Some(ShardValues::Device(joined));
+                continue;
+            }
             let whole = matches!(pieces.as_slice(), [(0, len, _, Piece::Owned(v))] if *len == shape[dim] && v.len() == n);
             let (values, landed) = if whole {
                 let Some((_, _, t, Piece::Owned(v))) = pieces.into_iter().next() else { unreachable!("one owned piece") };
@@ -382,8 +492,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 sums.push((t, sum));
                 (v, vec![(0, shape[dim], sum)])
             } else {
-                let mut pieces = pieces;
-                pieces.sort_by_key(|p| p.0);
                 let (tags, parts): (Vec<u32>, Vec<(usize, usize, Piece)>) = pieces.into_iter().map(|(o, l, t, x)| (t, (o, l, x))).unzip();
                 let built = assemble(shape, dim, &parts).map_err(|e| load(format!("`{name}`: {e}")))?;
                 let mut landed = Vec::with_capacity(parts.len());
@@ -398,12 +506,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 let buffer = (values.as_ptr() as usize, values.len());
                 expected.insert(name.clone(), Landed { shape: shape.clone(), dim, pieces: landed, buffer });
             }
-            bufs[kind] = Some(values);
-        }
-        if struck(ReconfigPhase::Verify)
-            && let Some(first) = sums.first_mut()
-        {
-            first.1 ^= 1;
+            bufs[kind] = Some(ShardValues::Host(values));
         }
         let placed = clock.elapsed().as_secs_f64();
         if struck(ReconfigPhase::Load) {
@@ -411,7 +514,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         // What the new stage must hold once built: the weights that arrived, summed above. (The
         // optimizer tensors are checked piece by piece, by the driver, at source and landing.)
-        let mut source = HashMap::new();
+        let (mut host, mut joined) = (HashMap::new(), Vec::new());
         let mut resume = RankResume {
             step: self.step,
             tokens_seen: self.tokens_seen,
@@ -421,14 +524,16 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         };
         for (p, (shape, bufs)) in shards {
             let name = job.specs[p].name.clone();
-            let mut bufs: Vec<Vec<f32>> =
+            let mut bufs: Vec<ShardValues> =
                 bufs.into_iter().collect::<Option<_>>().ok_or_else(|| load(format!("no piece of `{name}` arrived at rank {me}")))?;
             if let Some(prev) = resume.previous.as_mut() {
                 prev.insert(name.clone(), bufs.pop().expect("a previous-gradient piece"));
             }
             let mut bufs = bufs.into_iter();
-            let values = bufs.next().expect("a weight piece");
-            source.insert(name.clone(), TensorData::new(values, shape.clone()));
+            match bufs.next().expect("a weight piece") {
+                ShardValues::Host(values) => drop(host.insert(name.clone(), TensorData::new(values, shape.clone()))),
+                ShardValues::Device(t) => joined.push((name.clone(), shape.clone(), t)),
+            }
             for (field, values) in agreed.fields.iter().zip(bufs) {
                 resume.optim.push((name.clone(), field.clone(), shape.clone(), values));
             }
@@ -436,7 +541,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 resume.scalars.push((name.clone(), field.clone(), *v));
             }
         }
-        let mut source = ShardSource::new(source);
+        let mut source = ShardSource::new(host);
+        for (name, shape, t) in joined {
+            source.insert_tensor(name, shape, t);
+        }
         let cfg = job.cfg.clone();
         let mut state = RankState::build(
             me,
@@ -454,14 +562,41 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         .map_err(|e| load(e.to_string()))?;
         state.shard_optimizer().map_err(|e| load(e.to_string()))?;
         let built = clock.elapsed().as_secs_f64();
+        // The built stage's weights: where they were assembled in host memory, by buffer or sums;
+        // where they were joined on the device, compared with what was joined, there.
+        let mut weight_checks = Vec::new();
         for (name, t) in state.named_weights() {
+            if let Some(joined) = on_device.remove(&name) {
+                weight_checks.push((name, mismatches(t, joined)));
+                continue;
+            }
             let ok = expected.remove(&name).is_some_and(|want| want.held_by(&t));
             if !ok {
                 return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {name} does not match what it received")));
             }
         }
-        if let Some(name) = expected.keys().min() {
+        if let Some(name) = expected.keys().chain(on_device.keys()).min() {
             return Err((ReconfigPhase::Verify, format!("rank {me}: the built stage lacks {name}, which it received")));
+        }
+        // Every count of differing elements, read back together.
+        let counts: Vec<Tensor<1, Int>> = checks.iter().map(|c| c.2.clone()).chain(weight_checks.iter().map(|c| c.1.clone())).collect();
+        if !counts.is_empty() {
+            let read = traffic::read(Tensor::cat(counts, 0), Kind::State);
+            let counts: Vec<i64> = read.iter::<i64>().collect();
+            let (pieces, weights) = counts.split_at(checks.len());
+            for ((tag, len, _), &differing) in checks.iter().zip(pieces) {
+                let (landed, source) = device_sum(*tag, *len, differing);
+                sums.push((*tag, landed));
+                sources.push((*tag, source));
+            }
+            if let Some(((name, _), _)) = weight_checks.iter().zip(weights).find(|(_, d)| **d != 0) {
+                return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {name} does not match what it received")));
+            }
+        }
+        if struck(ReconfigPhase::Verify)
+            && let Some(first) = sums.first_mut()
+        {
+            first.1 ^= 1;
         }
         tracing::debug!(
             "rank {me}: received and placed {elements} values by {placed:.3} s, built by {built:.3} s, checked by {:.3} s",
@@ -522,6 +657,42 @@ mod tests {
         assert!(assemble(&shape, 1, &short).unwrap_err().contains("cover 4 of 6"));
         assert!(assemble(&[3, 6, 2], 1, &[(0, 6, shared(&values, 0, 6))]).is_err());
         assert!(assemble(&shape, 1, &[(0, 6, Piece::Owned(vec![0.0; 35]))]).is_err());
+    }
+
+    /// Pieces of a `[2, 6, 3]` shard along dim 1, as tensors: joined in offset order into the
+    /// shard, each found equal to what landed; a gap or a piece of the wrong extent refused; a
+    /// changed value counted (a NaN equal to a NaN); the sums agree only where nothing differed.
+    #[test]
+    fn pieces_on_a_device_join_into_the_shard_and_are_compared_where_they_landed() {
+        let device = Device::flex();
+        let shape = [2, 6, 3];
+        let values: Vec<f32> = (0..36).map(|v| v as f32 * 0.5 - 4.0).collect();
+        let whole = Tensor::<3>::from_data(TensorData::new(values.clone(), shape), &device);
+        let piece = |o: usize, l: usize, tag: u32| (o, l, tag, whole.clone().narrow(1, o, l));
+        let read = |t: Tensor<1, Int>| t.into_data().iter::<i64>().collect::<Vec<_>>();
+        let (joined, checks) = join_on_device(&shape, 1, vec![piece(0, 1, 7), piece(1, 3, 8), piece(4, 2, 9)], &device).unwrap();
+        assert_eq!(joined.into_data().iter::<f32>().collect::<Vec<_>>(), values);
+        assert_eq!(checks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![7, 8, 9]);
+        for (_, c) in checks {
+            assert_eq!(read(c), vec![0]);
+        }
+        assert!(join_on_device(&shape, 1, vec![piece(0, 1, 7), piece(2, 4, 8)], &device).unwrap_err().contains("gap"));
+        let short = (0, 6, 7, whole.clone().narrow(1, 0, 5));
+        assert!(join_on_device(&shape, 1, vec![short], &device).unwrap_err().contains("does not fit"));
+
+        let t = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+        let mut changed = values.clone();
+        changed[5] = f32::from_bits(changed[5].to_bits() ^ 1);
+        changed[30] = -changed[30];
+        assert_eq!(read(mismatches(t(values.clone()), t(changed))), vec![2]);
+        let nan = vec![f32::NAN, 1.0, 0.0];
+        assert_eq!(read(mismatches(t(nan.clone()), t(nan))), vec![0]);
+        assert_eq!(read(mismatches(t(vec![f32::NAN, 1.0]), t(vec![1.0, 1.0]))), vec![1]);
+        let (landed, source) = device_sum(tag(3, 1, 4), 18, 0);
+        assert_eq!(landed, source);
+        assert_ne!(landed, device_sum(tag(3, 2, 4), 18, 0).0, "pieces are told apart");
+        let (landed, source) = device_sum(tag(3, 1, 4), 18, 1);
+        assert_ne!(landed, source, "a difference reaches the driver");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::flex::FlexTensor;
+use burn::tensor::Tensor;
 use burn_pack::Scalar;
 use copus_core::gns::StepStats;
 use copus_core::model::ParamSpec;
@@ -100,12 +101,15 @@ pub(crate) struct LiveJob {
     pub(crate) handoff: Option<Handoff>,
 }
 
-/// Pieces handed from one rank thread to another without a copy: a shared handle to the
-/// sender's shard and where the piece lies in it. The receiver copies the piece straight into
-/// its new shard; the sender's state is only read, so a rollback still finds it untouched.
+/// Pieces handed from one rank thread to another without a copy. In host memory (Flex): a
+/// shared handle to the sender's shard and where the piece lies in it; the receiver copies the
+/// piece straight into its new shard. On a device: the piece as a tensor where it lies,
+/// `[outer, len, inner]` around the split dim, which the receiver joins with the others there.
+/// The sender's state is only read, so a rollback still finds it untouched.
 #[derive(Default)]
 pub(crate) struct Handoff {
     pub(super) pieces: Mutex<HashMap<u32, Shared>>,
+    pub(super) tensors: Mutex<HashMap<u32, Tensor<3>>>,
 }
 
 impl Handoff {
@@ -117,11 +121,21 @@ impl Handoff {
         self.pieces.lock().unwrap_or_else(|e| e.into_inner()).remove(&tag)
     }
 
+    pub(super) fn put_tensor(&self, tag: u32, piece: Tensor<3>) {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner()).insert(tag, piece);
+    }
+
+    pub(super) fn take_tensor(&self, tag: u32) -> Option<Tensor<3>> {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner()).remove(&tag)
+    }
+
     /// Drops every piece not taken (a failed change); returns how many there were.
     pub(crate) fn clear(&self) -> usize {
         let mut pieces = self.pieces.lock().unwrap_or_else(|e| e.into_inner());
-        let left = pieces.len();
+        let mut tensors = self.tensors.lock().unwrap_or_else(|e| e.into_inner());
+        let left = pieces.len() + tensors.len();
         pieces.clear();
+        tensors.clear();
         left
     }
 }

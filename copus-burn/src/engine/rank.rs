@@ -22,7 +22,7 @@ use crate::collective::{Collective, CommError, ThreadComm};
 use crate::grads::with_values;
 use crate::optim::{self as adamw, AdamW, Moments};
 use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
-use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, TrainingState, checksum};
+use crate::state::{OptimScalars, OptimTensors, RankExport, RankResume, ShardValues, TrainingState, checksum};
 use crate::traffic::{self, Kind};
 use crate::trainer::TrainError;
 
@@ -194,7 +194,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         let plan = ZeroPlan::new(self.stage(), &self.index, self.plan.tp_rank, dp, self.dp_rank);
         let device = self.device.clone().inner();
-        plan.shard(&mut self.optim, &device)
+        let on_device = self.device_resident();
+        plan.shard(&mut self.optim, &device, on_device)
             .map_err(|message| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {message}") })?;
         self.zero = Some(plan);
         Ok(())
@@ -204,7 +205,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// (a collective: every rank of the dp group calls it).
     pub(super) fn whole_moments(&self) -> Result<Vec<(ParamId, Moments)>, CommError> {
         match &self.zero {
-            Some(z) => z.gather(&self.optim, &self.dp, &self.device.clone().inner()),
+            Some(z) => {
+                let on_device = self.device_resident() && self.dp.scatters_tensors_in_place();
+                z.gather(&self.optim, &self.dp, &self.device.clone().inner(), on_device)
+            }
             None => Ok(self.optim.ids().map(|id| (id, self.optim.moments(id).expect("listed").clone())).collect()),
         }
     }
@@ -225,7 +229,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if !r.optim.is_empty() || !r.scalars.is_empty() {
             let fail = |message: String| EngineError::Rank { rank: self.rank, message: format!("optimizer state: {message}") };
             // name -> (shape, first moment, second moment, updates taken)
-            type Parts = (Vec<usize>, Option<Vec<f32>>, Option<Vec<f32>>, Option<usize>);
+            type Parts = (Vec<usize>, Option<ShardValues>, Option<ShardValues>, Option<usize>);
             let mut parts: HashMap<String, Parts> = HashMap::new();
             for (name, field, shape, values) in r.optim {
                 let entry = parts.entry(name.clone()).or_insert_with(|| (shape.clone(), None, None, None));
@@ -251,12 +255,20 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 }
             }
             let device = self.device.clone().inner();
+            let tensor = |v: ShardValues| match v {
+                ShardValues::Host(v) => {
+                    let n = v.len();
+                    traffic::upload::<1, _>(TensorData::new(v, [n]), &device, Kind::State)
+                }
+                ShardValues::Device(t) => t.to_device(&device),
+            };
             for (name, (shape, m1, m2, time)) in parts {
                 let id = id_of(&name)?;
                 let (Some(m1), Some(m2), Some(time)) = (m1, m2, time) else {
                     return Err(fail(format!("`{name}` lacks a moment or its step count")));
                 };
-                self.optim.set_moments(id, Moments::from_values(time, shape, m1, m2, &device).map_err(|e| fail(format!("`{name}`: {e}")))?);
+                let moments = Moments::from_tensors(time, shape, tensor(m1), tensor(m2)).map_err(|e| fail(format!("`{name}`: {e}")))?;
+                self.optim.set_moments(id, moments);
             }
         }
         if let Some(prev) = r.previous {
@@ -270,11 +282,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok(())
     }
 
-    fn register_named(&self, g: &mut GradientsParams, id: ParamId, values: Vec<f32>) {
+    fn register_named(&self, g: &mut GradientsParams, id: ParamId, values: ShardValues) {
         struct V<'a> {
             g: &'a mut GradientsParams,
             id: ParamId,
-            values: Option<Vec<f32>>,
+            values: Option<ShardValues>,
             device: Device,
         }
         impl ModuleVisitor for V<'_> {
@@ -282,8 +294,11 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 if p.id == self.id
                     && let Some(v) = self.values.take()
                 {
-                    let data = TensorData::new(v, p.val().shape());
-                    self.g.register::<D>(p.id, traffic::upload(data, &self.device, Kind::State));
+                    let t = match v {
+                        ShardValues::Host(v) => traffic::upload(TensorData::new(v, p.val().shape()), &self.device, Kind::State),
+                        ShardValues::Device(t) => t.to_device(&self.device).reshape(p.val().shape()),
+                    };
+                    self.g.register::<D>(p.id, t);
                 }
             }
         }

@@ -7,8 +7,8 @@
 //! - the accumulated gradient is reduce-scattered over dp (summed in rank order, as the
 //!   unsharded all-reduce of in-process ranks sums it): each rank holds the reduced gradient of
 //!   its chunk only. A group that cannot reduce-scatter without gathering whole buffers (MPI,
-//!   NCCL here) all-reduces the gradient in buckets, as the unsharded step does, and each rank
-//!   keeps its chunk;
+//!   and the GPU libraries on host buffers) all-reduces the gradient in buckets, as the
+//!   unsharded step does, and each rank keeps its chunk;
 //! - the squared norm of the reduced gradient is summed over the chunk's counted elements and
 //!   then over the world (the dp chunks and the model-parallel shards are disjoint), so the
 //!   probe and clipping see the number the unsharded step computes, to rounding;
@@ -21,8 +21,9 @@
 //! layout change all-gathers the moments over dp into whole tensors, moved and checked as
 //! unsharded ones are; a rank built from whole moments keeps its pieces ([`ZeroPlan::shard`]).
 //! Where every rank is on a device and the group combines tensors where they lie (in-process
-//! ranks), the chunk, the update and the gathered weights stay on the devices; otherwise (Flex,
-//! MPI, NCCL) the collectives go through host buffers.
+//! ranks, and NCCL on LibTorch's CUDA tensors), the chunk, the update, the gathered weights and
+//! a layout change's gathered and re-cut moments stay on the devices; otherwise (Flex, MPI, RCCL,
+//! NCCL on CubeCL's tensors) the collectives go through host buffers.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -103,8 +104,10 @@ impl ZeroPlan {
     }
 
     /// Replaces whole moments in `optim` with this rank's pieces of them (copied, so the
-    /// whole tensors are freed); moments of parameters outside the chunk are dropped.
-    pub(super) fn shard(&self, optim: &mut AdamW, device: &Device) -> Result<(), String> {
+    /// whole tensors are freed); moments of parameters outside the chunk are dropped. With
+    /// `on_device`, each piece is cut and copied where the moments lie; otherwise through host
+    /// memory, onto `device`.
+    pub(super) fn shard(&self, optim: &mut AdamW, device: &Device, on_device: bool) -> Result<(), String> {
         let mine: HashMap<ParamId, Vec<(Range<usize>, usize)>> = self.pieces().fold(HashMap::new(), |mut m, (s, p, _)| {
             m.entry(s.id).or_default().push((p, s.len));
             m
@@ -116,16 +119,31 @@ impl ZeroPlan {
             if m.m1.shape().num_elements() != *len || m.m2.shape().num_elements() != *len {
                 return Err(format!("`{}` has moments of {} elements for a parameter of {len}", s.path, m.m1.shape().num_elements()));
             }
-            let cut = |t: &Tensor<1>| with_values(t, Kind::State, |v| v[range.clone()].to_vec());
-            let piece = Moments::from_values(m.time, vec![range.len()], cut(&m.m1), cut(&m.m2), device)?;
+            let piece = if on_device {
+                // `cat` copies the slice's bits into a buffer of its own (arithmetic might flush
+                // a subnormal second moment), so the whole moment is freed.
+                let cut = |t: &Tensor<1>| Tensor::cat(vec![t.clone().slice(range.clone())], 0);
+                Moments::from_tensors(m.time, vec![range.len()], cut(&m.m1), cut(&m.m2))?
+            } else {
+                let cut = |t: &Tensor<1>| with_values(t, Kind::State, |v| v[range.clone()].to_vec());
+                Moments::from_values(m.time, vec![range.len()], cut(&m.m1), cut(&m.m2), device)?
+            };
             optim.set_moments(s.id, piece);
         }
         Ok(())
     }
 
     /// The whole moments of every parameter, all-gathered over `dp` from each rank's pieces (a
-    /// collective: every rank of the dp group calls it). Empty when no rank has stepped.
-    pub(super) fn gather<C: Collective>(&self, optim: &AdamW, dp: &C, device: &Device) -> Result<Vec<(ParamId, Moments)>, CommError> {
+    /// collective: every rank of the dp group calls it). Empty when no rank has stepped. With
+    /// `on_device` the pieces are joined and gathered where they lie (`dp` gathers tensors in
+    /// place); otherwise through host memory, onto `device`.
+    pub(super) fn gather<C: Collective>(
+        &self,
+        optim: &AdamW,
+        dp: &C,
+        device: &Device,
+        on_device: bool,
+    ) -> Result<Vec<(ParamId, Moments)>, CommError> {
         let mut stepped = [f64::from(u8::from(!optim.is_empty()))];
         dp.all_reduce(&mut stepped, ReduceOp::Max)?;
         if stepped[0] == 0.0 {
@@ -134,6 +152,9 @@ impl ZeroPlan {
         // Each parameter's step count, from the ranks holding a piece of it.
         let mut times: Vec<f64> = self.slots.iter().map(|s| optim.moments(s.id).map_or(0.0, |m| m.time as f64)).collect();
         dp.all_reduce(&mut times, ReduceOp::Max)?;
+        if on_device {
+            return self.gather_on_device(optim, dp, device, &times);
+        }
         let (mut m1, mut m2) = (vec![0f32; self.chunk], vec![0f32; self.chunk]);
         for (s, _, at) in self.pieces() {
             if let Some(m) = optim.moments(s.id) {
@@ -146,6 +167,53 @@ impl ZeroPlan {
         for (s, &time) in self.slots.iter().zip(&times) {
             let r = s.offset..s.offset + s.len;
             let m = Moments::from_values(time as usize, s.shape.clone(), m1[r.clone()].to_vec(), m2[r].to_vec(), device)
+                .map_err(CommError::Invalid)?;
+            out.push((s.id, m));
+        }
+        Ok(out)
+    }
+
+    /// [`Self::gather`] on the device: this rank's chunk of each moment joined from its pieces
+    /// (zeros where it has none), all-gathered as a tensor, and each parameter's moments sliced
+    /// from the whole.
+    fn gather_on_device<C: Collective>(
+        &self,
+        optim: &AdamW,
+        dp: &C,
+        device: &Device,
+        times: &[f64],
+    ) -> Result<Vec<(ParamId, Moments)>, CommError> {
+        let chunk = |which: fn(&Moments) -> &Tensor<1>| -> Result<Tensor<1>, CommError> {
+            let mut parts = Vec::new();
+            let mut at = 0;
+            for (s, _, range) in self.pieces() {
+                if range.start > at {
+                    parts.push(Tensor::zeros([range.start - at], device));
+                }
+                parts.push(match optim.moments(s.id) {
+                    Some(m) if which(m).dims()[0] == range.len() => which(m).clone(),
+                    Some(m) => {
+                        return Err(CommError::Invalid(format!(
+                            "`{}` has a moment piece of {} elements for {} of the chunk",
+                            s.path,
+                            which(m).dims()[0],
+                            range.len()
+                        )));
+                    }
+                    None => Tensor::zeros([range.len()], device),
+                });
+                at = range.end;
+            }
+            if at < self.chunk {
+                parts.push(Tensor::zeros([self.chunk - at], device));
+            }
+            dp.all_gather_tensor(Tensor::cat(parts, 0))
+        };
+        let (m1, m2) = (chunk(|m| &m.m1)?, chunk(|m| &m.m2)?);
+        let mut out = Vec::with_capacity(self.slots.len());
+        for (s, &time) in self.slots.iter().zip(times) {
+            let r = s.offset..s.offset + s.len;
+            let m = Moments::from_tensors(time as usize, s.shape.clone(), m1.clone().slice(r.clone()), m2.clone().slice(r))
                 .map_err(CommError::Invalid)?;
             out.push((s.id, m));
         }
@@ -387,9 +455,9 @@ mod tests {
                 let (net, mut optim) = (net.clone(), whole(&net));
                 std::thread::spawn(move || {
                     let p = plan(&net, dp, d);
-                    p.shard(&mut optim, &Device::flex()).unwrap();
+                    p.shard(&mut optim, &Device::flex(), false).unwrap();
                     let kept: usize = optim.ids().map(|id| optim.moments(id).unwrap().m1.shape().num_elements()).sum();
-                    let gathered = p.gather(&optim, &comm, &Device::flex()).unwrap();
+                    let gathered = p.gather(&optim, &comm, &Device::flex(), false).unwrap();
                     (kept, gathered)
                 })
             })

@@ -42,10 +42,16 @@ impl From<&str> for LibraryError {
     }
 }
 
+/// A tensor collective's outcome: the result (`Ok(Ok)`), the tensor given back untouched for
+/// the host path (`Ok(Err)`), or the library's error.
+pub type Handed = Result<Result<Tensor<1>, Tensor<1>>, LibraryError>;
+
 /// What one GPU collective library provides, on host buffers staged through its device.
 pub trait GpuLibrary: Sized {
     /// The library's name, for messages.
     const NAME: &'static str;
+    /// The environment variables that list the devices a process may use, first found first.
+    const VISIBLE_DEVICES: &'static [&'static str];
     /// Checks that the driver, the library and a device are there.
     fn check(device: usize) -> Result<(), LibraryError>;
     /// A fresh unique id (on the group's rank 0).
@@ -65,7 +71,7 @@ pub trait GpuLibrary: Sized {
     /// Combines the f32 tensor `t` across the group in its own device memory on `device`,
     /// where this build can reach it; gives `t` back untouched (`Ok(Err(t))`) where it cannot
     /// (another backend, or a build without it), for the host path. The default cannot.
-    fn all_reduce_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+    fn all_reduce_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize) -> Handed {
         Ok(Err(t))
     }
     /// Whether this build reduce-scatters and all-gathers tensors in their device memory
@@ -73,18 +79,12 @@ pub trait GpuLibrary: Sized {
     const SCATTERS_TENSORS: bool = false;
     /// This rank's chunk (`len / n` of `n` ranks) of the f32 tensor `t` combined across the
     /// group, in device memory on `device` where this build reaches it; `t` back otherwise.
-    fn reduce_scatter_tensor(
-        &self,
-        t: Tensor<1>,
-        _op: ReduceOp,
-        _device: usize,
-        _n: usize,
-    ) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+    fn reduce_scatter_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize, _n: usize) -> Handed {
         Ok(Err(t))
     }
     /// Every rank's f32 tensor `t` in rank order (`n` times its length), in device memory on
     /// `device` where this build reaches it; `t` back otherwise.
-    fn all_gather_tensor(&self, t: Tensor<1>, _device: usize, _n: usize) -> Result<Result<Tensor<1>, Tensor<1>>, LibraryError> {
+    fn all_gather_tensor(&self, t: Tensor<1>, _device: usize, _n: usize) -> Handed {
         Ok(Err(t))
     }
 }

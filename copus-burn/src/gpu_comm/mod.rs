@@ -13,8 +13,8 @@
 //! tensor-parallel sums; [`Collective::reduce_scatter_tensor`] and
 //! [`Collective::all_gather_tensor`], ZeRO-1's) run in the tensors' own device memory where
 //! the library reaches it, else through one host buffer: NCCL reaches LibTorch's CUDA tensors
-//! (feature `tch`, all three, into fresh tensors: [`crate::tch_memory`]) and CubeCL's (feature
-//! `cuda`, the all-reduce in place: [`cuda_tensor`]). Sums follow the library's ring or tree
+//! (feature `tch`, all three, into fresh tensors: `crate::tch_memory`) and CubeCL's (feature
+//! `cuda`, the all-reduce in place: `cuda_tensor`). Sums follow the library's ring or tree
 //! order, so results match the in-process engine to rounding, not to the bit.
 //!
 //! NCCL and RCCL take one rank per GPU: where ranks of the job share a device (several
@@ -34,7 +34,7 @@ use crate::traffic;
 
 mod library;
 use library::host;
-pub use library::{GpuLibrary, Host, LibraryError};
+pub use library::{GpuLibrary, Handed, Host, LibraryError};
 
 /// A rank's communicator on a GPU collective library, with MPI beside it for ids,
 /// point-to-point messages and barriers.
@@ -90,14 +90,23 @@ impl<G: GpuLibrary> GpuComm<G> {
     }
 
     /// The first two ranks of the group on the same device of the same node, if any (the
-    /// libraries take one rank per device), found alike on every rank.
+    /// libraries take one rank per device), found alike on every rank. A device is named by its
+    /// node (MPI's processor name) and its entry in the process's visible-devices list
+    /// ([`GpuLibrary::VISIBLE_DEVICES`]; the index itself where none is set), so ranks that each
+    /// see one GPU of the node as their device 0 are told apart by the GPU each was given.
     fn shared_device(mpi: &MpiComm, device: usize) -> Result<Option<LibraryError>, CommError> {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        ::mpi::environment::processor_name().unwrap_or_default().hash(&mut h);
-        // 48 bits of the node's name, exact in an f64.
-        let node = (h.finish() >> 16) as f64;
-        let all = mpi.all_gather(&[node, device as f64])?;
+        let node = ::mpi::environment::processor_name().unwrap_or_default();
+        let physical = G::VISIBLE_DEVICES
+            .iter()
+            .find_map(|v| std::env::var(v).ok())
+            .and_then(|list| list.split(',').nth(device).map(|e| e.trim().to_string()))
+            .unwrap_or_else(|| device.to_string());
+        // 48 bits of FNV-1a over both names, exact in an f64 and the same on every build.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in node.bytes().chain([0]).chain(physical.bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let all = mpi.all_gather(&[(h >> 16) as f64, device as f64])?;
         let places: Vec<(u64, usize)> = all.chunks_exact(2).map(|c| (c[0] as u64, c[1] as usize)).collect();
         Ok(first_shared(&places).map(|(i, j)| {
             format!("ranks {i} and {j} share device {} of their node, and {} takes one rank per device", places[j].1, G::NAME).into()
@@ -177,8 +186,9 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
 
     fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
         let n = self.size();
-        check_scatter(t.dims()[0], n)?;
+        // Lengths agreed first: then every rank finds the same answer to whether they divide.
         self.same_len("reduce_scatter_tensor", t.dims()[0])?;
+        check_scatter(t.dims()[0], n)?;
         match self.lib.reduce_scatter_tensor(t, op, self.device, n).map_err(Self::lib_err)? {
             Ok(mine) => Ok(mine),
             Err(t) => {
@@ -218,8 +228,8 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
         let n = self.size();
-        check_scatter(buf.len(), n)?;
         self.same_len("reduce_scatter", buf.len())?;
+        check_scatter(buf.len(), n)?;
         let mut send = buf.to_vec();
         let mut out = vec![T::default(); chunk_range(buf.len(), n, self.rank()).len()];
         self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;

@@ -65,6 +65,7 @@ macro_rules! pair {
 
 impl GpuLibrary for Nccl {
     const NAME: &'static str = "NCCL";
+    const VISIBLE_DEVICES: &'static [&'static str] = &["CUDA_VISIBLE_DEVICES"];
 
     fn check(device: usize) -> Result<(), LibraryError> {
         // SAFETY: these only try to open the shared libraries.
@@ -119,16 +120,13 @@ impl GpuLibrary for Nccl {
     const TENSORS_IN_PLACE: bool = true;
 
     #[cfg(any(feature = "cuda", feature = "tch"))]
-    fn all_reduce_tensor(
-        &self,
-        t: burn::tensor::Tensor<1>,
-        o: ReduceOp,
-        device: usize,
-    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+    fn all_reduce_tensor(&self, t: burn::tensor::Tensor<1>, o: ReduceOp, device: usize) -> super::library::Handed {
         #[cfg(feature = "tch")]
         let t = {
             let n = t.dims()[0];
-            match self.on_torch(t, device, n, DeviceOp::AllReduce(o))? {
+            // In place where the tensor's storage is its own (a freshly flattened gradient).
+            let reduce = |src, dst| self.device_op(src, dst, n, n, DeviceOp::AllReduce(o));
+            match crate::tch_memory::in_place_where_unshared(t, Some(device), reduce).map_err(|e| LibraryError(e.to_string()))? {
                 Ok(reduced) => return Ok(Ok(reduced)),
                 Err(t) => t,
             }
@@ -147,24 +145,13 @@ impl GpuLibrary for Nccl {
     const SCATTERS_TENSORS: bool = true;
 
     #[cfg(feature = "tch")]
-    fn reduce_scatter_tensor(
-        &self,
-        t: burn::tensor::Tensor<1>,
-        o: ReduceOp,
-        device: usize,
-        n: usize,
-    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+    fn reduce_scatter_tensor(&self, t: burn::tensor::Tensor<1>, o: ReduceOp, device: usize, n: usize) -> super::library::Handed {
         let len = t.dims()[0] / n.max(1);
         self.on_torch(t, device, len, DeviceOp::ReduceScatter(o))
     }
 
     #[cfg(feature = "tch")]
-    fn all_gather_tensor(
-        &self,
-        t: burn::tensor::Tensor<1>,
-        device: usize,
-        n: usize,
-    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+    fn all_gather_tensor(&self, t: burn::tensor::Tensor<1>, device: usize, n: usize) -> super::library::Handed {
         let len = t.dims()[0] * n;
         self.on_torch(t, device, len, DeviceOp::AllGather)
     }
@@ -195,8 +182,8 @@ impl Nccl {
     }
 
     /// `op` from `len` f32 at device address `src` into `out_len` f32 at `dst` (another
-    /// buffer), on this communicator's stream, and waits for it. Both buffers must stay
-    /// allocated, and untouched by other streams, until this returns.
+    /// buffer, or for an all-reduce the same one), on this communicator's stream, and waits for
+    /// it. Both buffers must stay allocated, and untouched by other streams, until this returns.
     #[cfg_attr(not(feature = "tch"), allow(dead_code))]
     pub(crate) fn device_op(&self, src: u64, dst: u64, len: usize, out_len: usize, o: DeviceOp) -> Result<(), String> {
         // SAFETY: the caller keeps both buffers alive and idle; the slices are leaked back (not
@@ -220,14 +207,7 @@ impl Nccl {
     /// `op` on a LibTorch tensor on CUDA `device`, into a fresh tensor of `out_len` elements
     /// ([`crate::tch_memory::out_of_place`]); the tensor back where LibTorch does not hold it.
     #[cfg(feature = "tch")]
-    #[allow(clippy::type_complexity)]
-    fn on_torch(
-        &self,
-        t: burn::tensor::Tensor<1>,
-        device: usize,
-        out_len: usize,
-        o: DeviceOp,
-    ) -> Result<Result<burn::tensor::Tensor<1>, burn::tensor::Tensor<1>>, LibraryError> {
+    fn on_torch(&self, t: burn::tensor::Tensor<1>, device: usize, out_len: usize, o: DeviceOp) -> super::library::Handed {
         let len = t.dims()[0];
         crate::tch_memory::out_of_place(t, Some(device), out_len, |src, dst| self.device_op(src, dst, len, out_len, o))
             .map_err(|e| LibraryError(e.to_string()))

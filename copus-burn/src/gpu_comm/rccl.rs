@@ -182,6 +182,7 @@ impl Drop for Rccl {
 
 impl GpuLibrary for Rccl {
     const NAME: &'static str = "RCCL";
+    const VISIBLE_DEVICES: &'static [&'static str] = &["HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"];
 
     fn check(device: usize) -> Result<(), LibraryError> {
         let api = api()?;

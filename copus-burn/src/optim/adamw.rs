@@ -62,6 +62,16 @@ impl Moments {
         Ok(Self { time, shape, m1: t(m1), m2: t(m2) })
     }
 
+    /// Moments from flat tensors, taken as they are.
+    pub(crate) fn from_tensors(time: usize, shape: Vec<usize>, m1: Tensor<1>, m2: Tensor<1>) -> Result<Self, String> {
+        let n: usize = shape.iter().product();
+        let (a, b) = (m1.dims()[0], m2.dims()[0]);
+        if a != n || b != n {
+            return Err(format!("moments of {a} and {b} values for a parameter of shape {shape:?}"));
+        }
+        Ok(Self { time, shape, m1, m2 })
+    }
+
     /// The record scalars of this parameter's state: (name, value).
     pub fn scalars(&self) -> [(&'static str, Scalar); 2] {
         [(TIME, Scalar::from(self.time)), (RANK, Scalar::from(self.shape.len()))]
