@@ -192,7 +192,7 @@ pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
         assert_eq!(host.collective, 0, "zero1 {zero1}: gradients or weights staged on the host");
         assert!(host.beyond_batch() <= 64 << 10, "zero1 {zero1}: {host:?} beyond the token ids");
         // The change's pieces (weights, moments, the previous gradient) are cut, handed over,
-        // joined and checked where they lie: what it reads back is a count per piece and weight.
+        // joined and checked where they lie: what it reads back is a count per piece.
         eprintln!("{device:?} zero1 {zero1}: host traffic of the change and the step after it {switch:?} (Flex {flex_switch:?})");
         assert!(switch.state <= 64 << 10, "zero1 {zero1}: the change staged {} bytes of state on the host", switch.state);
         assert!(switch.beyond_batch() <= 128 << 10, "zero1 {zero1}: {switch:?} beyond the token ids");

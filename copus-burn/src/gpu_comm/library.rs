@@ -70,7 +70,9 @@ pub trait GpuLibrary: Sized {
     const TENSORS_IN_PLACE: bool = false;
     /// Combines the f32 tensor `t` across the group in its own device memory on `device`,
     /// where this build can reach it; gives `t` back untouched (`Ok(Err(t))`) where it cannot
-    /// (another backend, or a build without it), for the host path. The default cannot.
+    /// (another backend or device, a tensor under autodiff or not of f32, or a build without it),
+    /// for the host path, which every rank takes with the same one collective. The default
+    /// cannot.
     fn all_reduce_tensor(&self, t: Tensor<1>, _op: ReduceOp, _device: usize) -> Handed {
         Ok(Err(t))
     }

@@ -13,9 +13,10 @@
 //! tensor-parallel sums; [`Collective::reduce_scatter_tensor`] and
 //! [`Collective::all_gather_tensor`], ZeRO-1's) run in the tensors' own device memory where
 //! the library reaches it, else through one host buffer: NCCL reaches LibTorch's CUDA tensors
-//! (feature `tch`, all three, into fresh tensors: `crate::tch_memory`) and CubeCL's (feature
-//! `cuda`, the all-reduce in place: `cuda_tensor`). Sums follow the library's ring or tree
-//! order, so results match the in-process engine to rounding, not to the bit.
+//! (feature `tch`, all three, into fresh tensors or the all-reduce in place where the storage
+//! is unshared: `crate::tch_memory`) and CubeCL's (feature `cuda`, the all-reduce in place:
+//! `cuda_tensor`). Sums follow the library's ring or tree order, so results match the
+//! in-process engine to rounding, not to the bit.
 //!
 //! NCCL and RCCL take one rank per GPU: where ranks of the job share a device (several
 //! processes on one GPU), every rank gets an error saying so, and the engine's ranks go over
@@ -91,26 +92,28 @@ impl<G: GpuLibrary> GpuComm<G> {
 
     /// The first two ranks of the group on the same device of the same node, if any (the
     /// libraries take one rank per device), found alike on every rank. A device is named by its
-    /// node (MPI's processor name) and its entry in the process's visible-devices list
-    /// ([`GpuLibrary::VISIBLE_DEVICES`]; the index itself where none is set), so ranks that each
-    /// see one GPU of the node as their device 0 are told apart by the GPU each was given.
+    /// node (MPI's processor name), its entry in the first visible-devices list set
+    /// ([`GpuLibrary::VISIBLE_DEVICES`]; the index itself where none is set, the whole list and
+    /// the index where the list is shorter) and every other list set (RCCL's HIP list indexes
+    /// into ROCR's), so ranks that each see one GPU of the node as their device 0 are told apart
+    /// by the GPU each was given. Two names of one GPU (`0,1` with device 1 and `1` with device
+    /// 0) are not matched here; NCCL's own refusal at joining then falls back alike.
     fn shared_device(mpi: &MpiComm, device: usize) -> Result<Option<LibraryError>, CommError> {
         let node = ::mpi::environment::processor_name().unwrap_or_default();
-        let physical = G::VISIBLE_DEVICES
-            .iter()
-            .find_map(|v| std::env::var(v).ok())
-            .and_then(|list| list.split(',').nth(device).map(|e| e.trim().to_string()))
-            .unwrap_or_else(|| device.to_string());
-        // 48 bits of FNV-1a over both names, exact in an f64 and the same on every build.
+        let lists: Vec<String> = G::VISIBLE_DEVICES.iter().filter_map(|v| std::env::var(v).ok()).collect();
+        let entry = match lists.first() {
+            Some(list) => list.split(',').nth(device).map_or_else(|| format!("{list}#{device}"), |e| e.trim().to_string()),
+            None => device.to_string(),
+        };
+        let name = [node, entry].into_iter().chain(lists.into_iter().skip(1)).collect::<Vec<_>>().join("\n");
+        // 48 bits of FNV-1a of the name, exact in an f64 and the same on every build.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in node.bytes().chain([0]).chain(physical.bytes()) {
+        for b in name.bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
         }
-        let all = mpi.all_gather(&[(h >> 16) as f64, device as f64])?;
-        let places: Vec<(u64, usize)> = all.chunks_exact(2).map(|c| (c[0] as u64, c[1] as usize)).collect();
-        Ok(first_shared(&places).map(|(i, j)| {
-            format!("ranks {i} and {j} share device {} of their node, and {} takes one rank per device", places[j].1, G::NAME).into()
-        }))
+        let all = mpi.all_gather(&[(h >> 16) as f64])?;
+        Ok(first_shared(&all)
+            .map(|(i, j)| format!("ranks {i} and {j} share one device of their node, and {} takes one rank per device", G::NAME).into()))
     }
 
     /// Every rank learns whether some rank failed, and the lowest failing rank's reason.
@@ -269,8 +272,8 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
     }
 }
 
-/// The first pair of ranks `(i, j)`, `i < j`, at the same (node, device) of `places`, by `j`.
-fn first_shared(places: &[(u64, usize)]) -> Option<(usize, usize)> {
+/// The first pair of ranks `(i, j)`, `i < j`, with the same name of a device in `places`, by `j`.
+fn first_shared<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
     places.iter().enumerate().find_map(|(j, b)| places[..j].iter().position(|a| a == b).map(|i| (i, j)))
 }
 
@@ -311,7 +314,7 @@ mod tests {
     #[test]
     fn ranks_that_share_a_device_are_found() {
         use super::first_shared;
-        assert_eq!(first_shared(&[]), None);
+        assert_eq!(first_shared::<(u64, usize)>(&[]), None);
         assert_eq!(first_shared(&[(7, 0), (7, 1), (9, 0), (9, 1)]), None, "two nodes, two GPUs each");
         assert_eq!(first_shared(&[(7, 0); 8]), Some((0, 1)), "eight ranks on one GPU");
         assert_eq!(first_shared(&[(7, 0), (7, 1), (9, 0), (9, 1), (9, 0)]), Some((2, 4)));

@@ -205,7 +205,8 @@ impl Nccl {
     }
 
     /// `op` on a LibTorch tensor on CUDA `device`, into a fresh tensor of `out_len` elements
-    /// ([`crate::tch_memory::out_of_place`]); the tensor back where LibTorch does not hold it.
+    /// ([`crate::tch_memory::out_of_place`]); the tensor back where it cannot be handed over
+    /// (another backend or device, autodiff, not f32).
     #[cfg(feature = "tch")]
     fn on_torch(&self, t: burn::tensor::Tensor<1>, device: usize, out_len: usize, o: DeviceOp) -> super::library::Handed {
         let len = t.dims()[0];
