@@ -197,14 +197,14 @@ fn mismatches<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<1, Int> {
     same.bool_not().int().sum()
 }
 
-/// A shard joined on its device, and per piece its tag and the count of its elements that
-/// differ where it landed, not yet read.
-type Joined = (Tensor<1>, Vec<(u32, Tensor<1, Int>)>);
+/// A shard joined on its device, and per piece its tag, its elements and the count of those
+/// that differ where it landed, not yet read.
+type Joined = (Tensor<1>, Vec<(u32, usize, Tensor<1, Int>)>);
 
 /// A shard joined on its device from pieces `(offset, len, tag, piece)` along `dim`, sorted by
 /// offset, that must tile it exactly (each `[outer, len, inner]` of the shard's `shape`, moved to
-/// `device` if they lie elsewhere): the flat shard, and per piece its tag and the count of its
-/// elements that differ where it landed, not yet read.
+/// `device` if they lie elsewhere): the flat shard, and per piece its tag, its elements and the
+/// count of those that differ where it landed, not yet read.
 fn join_on_device(shape: &[usize], dim: usize, pieces: Vec<(usize, usize, u32, Tensor<3>)>, device: &Device) -> Result<Joined, String> {
     check_tiling(shape, dim, pieces.iter().map(|p| (p.0, p.1)))?;
     let (outer, _, inner) = around(shape, dim);
@@ -215,7 +215,7 @@ fn join_on_device(shape: &[usize], dim: usize, pieces: Vec<(usize, usize, u32, T
     }
     let moved: Vec<(usize, usize, u32, Tensor<3>)> = pieces.into_iter().map(|(o, l, tag, t)| (o, l, tag, t.to_device(device))).collect();
     let joined = Tensor::cat(moved.iter().map(|p| p.3.clone()).collect(), 1);
-    let checks = moved.into_iter().map(|(o, l, tag, t)| (tag, mismatches(joined.clone().narrow(1, o, l), t))).collect();
+    let checks = moved.into_iter().map(|(o, l, tag, t)| (tag, outer * l * inner, mismatches(joined.clone().narrow(1, o, l), t))).collect();
     Ok((joined.reshape([outer * shape[dim] * inner]), checks))
 }
 
@@ -475,11 +475,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     };
                     tensors.push((o, l, t, x));
                 }
-                let lens: HashMap<u32, usize> = tensors.iter().map(|p| (p.2, p.3.dims().iter().product())).collect();
                 // On this rank's device, without autodiff (the state's flat tensors have none;
                 // a weight becomes a parameter in the new stage).
                 let (joined, checked) = join_on_device(shape, dim, tensors, &self.device).map_err(|e| load(format!("`{name}`: {e}")))?;
-                checks.extend(checked.into_iter().map(|(t, c)| (t, lens[&t], c)));
+                checks.extend(checked);
                 if kind == 0 {
                     on_device.insert(name.clone());
                 }
@@ -667,8 +666,8 @@ mod tests {
         let read = |t: Tensor<1, Int>| t.into_data().iter::<i64>().collect::<Vec<_>>();
         let (joined, checks) = join_on_device(&shape, 1, vec![piece(0, 1, 7), piece(1, 3, 8), piece(4, 2, 9)], &device).unwrap();
         assert_eq!(joined.into_data().iter::<f32>().collect::<Vec<_>>(), values);
-        assert_eq!(checks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![7, 8, 9]);
-        for (_, c) in checks {
+        assert_eq!(checks.iter().map(|c| (c.0, c.1)).collect::<Vec<_>>(), vec![(7, 6), (8, 18), (9, 12)]);
+        for (_, _, c) in checks {
             assert_eq!(read(c), vec![0]);
         }
         assert!(join_on_device(&shape, 1, vec![piece(0, 1, 7), piece(2, 4, 8)], &device).unwrap_err().contains("gap"));

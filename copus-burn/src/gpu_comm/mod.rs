@@ -143,6 +143,31 @@ impl<G: GpuLibrary> GpuComm<G> {
     fn lib_err(e: LibraryError) -> CommError {
         CommError::Invalid(format!("{}: {e}", G::NAME))
     }
+
+    /// [`Collective::all_gather`] once the ranks agreed on the length.
+    fn gather_agreed<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
+        let mut send = buf.to_vec();
+        let mut out = vec![T::default(); buf.len() * self.size()];
+        self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
+        Ok(out)
+    }
+
+    /// [`Collective::reduce_scatter`] once the ranks agreed on the length and that it divides.
+    fn scatter_agreed<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
+        let mut send = buf.to_vec();
+        let mut out = vec![T::default(); chunk_range(buf.len(), self.size(), self.rank()).len()];
+        self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;
+        Ok(out)
+    }
+}
+
+/// `f` on the values of `t` read into host memory, its result uploaded back to `t`'s device
+/// (both counted as collective traffic): the path of a tensor the library cannot reach.
+fn through_host(t: Tensor<1>, f: impl FnOnce(Vec<f32>) -> Result<Vec<f32>, CommError>) -> Result<Tensor<1>, CommError> {
+    let device = t.device();
+    let out = f(traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect())?;
+    let n = out.len();
+    Ok(traffic::upload(TensorData::new(out, [n]), &device, traffic::Kind::Collective))
 }
 
 // SAFETY: the library communicator and the MPI communicator are used by the one rank that owns
@@ -169,13 +194,10 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         self.same_len("all_reduce_tensor", t.dims()[0])?;
         match self.lib.all_reduce_tensor(t, op, self.device).map_err(Self::lib_err)? {
             Ok(reduced) => Ok(reduced),
-            Err(t) => {
-                let device = t.device();
-                let mut v: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
+            Err(t) => through_host(t, |mut v| {
                 self.lib.all_reduce(host(&mut v), op).map_err(Self::lib_err)?;
-                let n = v.len();
-                Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
-            }
+                Ok(v)
+            }),
         }
     }
 
@@ -194,14 +216,7 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         check_scatter(t.dims()[0], n)?;
         match self.lib.reduce_scatter_tensor(t, op, self.device, n).map_err(Self::lib_err)? {
             Ok(mine) => Ok(mine),
-            Err(t) => {
-                let device = t.device();
-                let mut send: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
-                let mut out = vec![0f32; chunk_range(send.len(), n, self.rank()).len()];
-                self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;
-                let len = out.len();
-                Ok(traffic::upload(TensorData::new(out, [len]), &device, traffic::Kind::Collective))
-            }
+            Err(t) => through_host(t, |v| self.scatter_agreed(&v, op)),
         }
     }
 
@@ -210,33 +225,19 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         self.same_len("all_gather_tensor", t.dims()[0])?;
         match self.lib.all_gather_tensor(t, self.device, n).map_err(Self::lib_err)? {
             Ok(all) => Ok(all),
-            Err(t) => {
-                let device = t.device();
-                let mut send: Vec<f32> = traffic::read(t, traffic::Kind::Collective).iter::<f32>().collect();
-                let mut out = vec![0f32; send.len() * n];
-                self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
-                let len = out.len();
-                Ok(traffic::upload(TensorData::new(out, [len]), &device, traffic::Kind::Collective))
-            }
+            Err(t) => through_host(t, |v| self.gather_agreed(&v)),
         }
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
         self.same_len("all_gather", buf.len())?;
-        let mut send = buf.to_vec();
-        let mut out = vec![T::default(); buf.len() * self.size()];
-        self.lib.all_gather(host(&mut send), host(&mut out)).map_err(Self::lib_err)?;
-        Ok(out)
+        self.gather_agreed(buf)
     }
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
-        let n = self.size();
         self.same_len("reduce_scatter", buf.len())?;
-        check_scatter(buf.len(), n)?;
-        let mut send = buf.to_vec();
-        let mut out = vec![T::default(); chunk_range(buf.len(), n, self.rank()).len()];
-        self.lib.reduce_scatter(host(&mut send), host(&mut out), op).map_err(Self::lib_err)?;
-        Ok(out)
+        check_scatter(buf.len(), self.size())?;
+        self.scatter_agreed(buf, op)
     }
 
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
@@ -295,7 +296,8 @@ pub fn cuda_all_reduce<const D: usize>(
     let was_autodiff = t.is_autodiff();
     // Rank 1 is never padded; the reshape is a view when the tensor is contiguous.
     let flat: burn::tensor::Tensor<1> = t.inner().reshape([n]);
-    match cuda_tensor::in_place(comm.device, flat, |ptr, len| comm.lib.all_reduce_device(ptr, len, op))? {
+    let reduce = |ptr, len| comm.lib.device_op(ptr, ptr, len, len, nccl::DeviceOp::AllReduce(op));
+    match cuda_tensor::in_place(comm.device, flat, reduce)? {
         Ok(out) => {
             let out = out.reshape(dims);
             Ok(if was_autodiff { out.autodiff() } else { out })

@@ -132,7 +132,7 @@ impl GpuLibrary for Nccl {
             }
         };
         #[cfg(feature = "cuda")]
-        let t = match super::cuda_tensor::in_place(device, t, |ptr, n| self.all_reduce_device(ptr, n, o))
+        let t = match super::cuda_tensor::in_place(device, t, |ptr, n| self.device_op(ptr, ptr, n, n, DeviceOp::AllReduce(o)))
             .map_err(|e| LibraryError(e.to_string()))?
         {
             Ok(reduced) => return Ok(Ok(reduced)),
@@ -157,7 +157,8 @@ impl GpuLibrary for Nccl {
     }
 }
 
-/// A collective from one device buffer into another.
+/// A collective from one device buffer into another (or, for an all-reduce, the same one).
+/// Without `tch` only the all-reduce is used (CubeCL's tensors, in place).
 #[cfg_attr(not(feature = "tch"), allow(dead_code))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum DeviceOp {
@@ -167,24 +168,10 @@ pub(crate) enum DeviceOp {
 }
 
 impl Nccl {
-    /// All-reduces `len` f32 at device address `ptr` in place, on this communicator's
-    /// stream, and waits for it. The memory must stay allocated and untouched by other
-    /// streams until this returns.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn all_reduce_device(&self, ptr: u64, len: usize, o: ReduceOp) -> Result<(), String> {
-        // SAFETY: the caller keeps `len` f32 at `ptr` alive and idle; the slice is leaked
-        // back (not freed) once the stream is done with it.
-        let mut slice = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
-        let done = self.comm.all_reduce_in_place(&mut slice, &op(o)).map(drop).map_err(|e| format!("{e:?}"));
-        let synced = self.stream.synchronize().map_err(|e| format!("{e:?}"));
-        slice.leak();
-        done.and(synced)
-    }
-
     /// `op` from `len` f32 at device address `src` into `out_len` f32 at `dst` (another
     /// buffer, or for an all-reduce the same one), on this communicator's stream, and waits for
     /// it. Both buffers must stay allocated, and untouched by other streams, until this returns.
-    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "tch")), allow(dead_code))]
     pub(crate) fn device_op(&self, src: u64, dst: u64, len: usize, out_len: usize, o: DeviceOp) -> Result<(), String> {
         // SAFETY: the caller keeps both buffers alive and idle; the slices are leaked back (not
         // freed) once the stream is done with them.
