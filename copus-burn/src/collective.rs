@@ -127,8 +127,9 @@ pub trait Collective: Send + Sized {
         let n = v.len();
         Ok(traffic::upload(TensorData::new(v, [n]), &device, traffic::Kind::Collective))
     }
-    /// An owned handle on this group's tensor all-reduce ([`TensorSum`]), where the group can
-    /// give one (an in-process group); `None` by default.
+    /// An owned handle on this group's tensor all-reduce ([`TensorSum`]), which the autodiff
+    /// graph's tensor-parallel operators call (the engine's communicators, in-process and
+    /// across processes, give one); `None` by default.
     fn tensor_sum(&self) -> Option<Arc<dyn TensorSum>> {
         None
     }

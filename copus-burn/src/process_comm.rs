@@ -8,15 +8,24 @@
 //! agrees on that over MPI, so all ranks pick alike), and MPI otherwise, with a warning naming
 //! why.
 
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use burn::tensor::{Device, Tensor};
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp};
+use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, TensorSum};
 use crate::engine::config::RankDevice;
 use crate::mpi::MpiComm;
 
-/// One rank's communicator across processes.
+/// One rank's communicator across processes: the library it uses, behind a lock so that its
+/// tensor all-reduce can be handed to the autodiff graph's tensor-parallel operators
+/// ([`Collective::tensor_sum`]). The graph's sums run inside the rank's own forward and
+/// backward passes, between its other calls, so calls never overlap and the lock is never
+/// contended; it only makes sharing the communicator safe.
 #[derive(Debug)]
-pub enum ProcessComm {
+pub struct ProcessComm(Arc<Mutex<Library>>);
+
+#[derive(Debug)]
+enum Library {
     /// MPI for everything (host buffers; the bit-exact mode the parity tests use).
     Mpi(MpiComm),
     /// NCCL for collectives on CUDA devices.
@@ -27,17 +36,38 @@ pub enum ProcessComm {
     Rccl(crate::gpu_comm::RcclComm),
 }
 
-/// `$body` with `$c` bound to whichever communicator `$self` holds.
+/// `$body` with `$c` bound to whichever communicator `$lib` (a [`Library`]) holds.
 macro_rules! each {
-    ($self:expr, |$c:ident| $body:expr) => {
-        match $self {
-            ProcessComm::Mpi($c) => $body,
+    ($lib:expr, |$c:ident| $body:expr) => {
+        match $lib {
+            Library::Mpi($c) => $body,
             #[cfg(feature = "nccl")]
-            ProcessComm::Nccl($c) => $body,
+            Library::Nccl($c) => $body,
             #[cfg(feature = "rccl")]
-            ProcessComm::Rccl($c) => $body,
+            Library::Rccl($c) => $body,
         }
     };
+}
+
+impl Library {
+    fn shared(self) -> ProcessComm {
+        ProcessComm(Arc::new(Mutex::new(self)))
+    }
+}
+
+/// A [`ProcessComm`]'s tensor all-reduce, for the graph's operators.
+struct ProcessSum(Arc<Mutex<Library>>);
+
+impl TensorSum for ProcessSum {
+    fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        each!(&*lock(&self.0), |c| c.all_reduce_tensor(t, op))
+    }
+}
+
+/// The library, whether or not a call that panicked holding it poisoned the lock (a
+/// communicator keeps no state a panic could leave half-written that a later call reads).
+fn lock(lib: &Mutex<Library>) -> MutexGuard<'_, Library> {
+    lib.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl ProcessComm {
@@ -53,12 +83,12 @@ impl ProcessComm {
             }
             #[cfg(feature = "nccl")]
             RankDevice::Cuda(i) | RankDevice::TchCuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
-                Ok(c) => return Ok(ProcessComm::Nccl(c)),
+                Ok(c) => return Ok(Library::Nccl(c).shared()),
                 Err(e) => Some(e.to_string()),
             },
             #[cfg(feature = "rccl")]
             RankDevice::Rocm(i) => match crate::gpu_comm::RcclComm::new(MpiComm::world()?, i) {
-                Ok(c) => return Ok(ProcessComm::Rccl(c)),
+                Ok(c) => return Ok(Library::Rccl(c).shared()),
                 Err(e) => Some(e.to_string()),
             },
             #[cfg(not(feature = "nccl"))]
@@ -70,105 +100,116 @@ impl ProcessComm {
         if let Some(why) = fallback {
             tracing::warn!("collectives of the {device:?} ranks go over MPI through host memory: {why}");
         }
-        Ok(ProcessComm::Mpi(MpiComm::world()?.exact(exact_reductions)))
+        Ok(Library::Mpi(MpiComm::world()?.exact(exact_reductions)).shared())
     }
 
     /// The collective library in use, for logs.
     pub fn library(&self) -> &'static str {
-        match self {
-            ProcessComm::Mpi(_) => "MPI",
+        match &*self.lib() {
+            Library::Mpi(_) => "MPI",
             #[cfg(feature = "nccl")]
-            ProcessComm::Nccl(_) => "NCCL",
+            Library::Nccl(_) => "NCCL",
             #[cfg(feature = "rccl")]
-            ProcessComm::Rccl(_) => "RCCL",
+            Library::Rccl(_) => "RCCL",
         }
+    }
+
+    fn lib(&self) -> MutexGuard<'_, Library> {
+        lock(&self.0)
     }
 }
 
 impl Collective for ProcessComm {
     fn rank(&self) -> usize {
-        each!(self, |c| c.rank())
+        each!(&*self.lib(), |c| c.rank())
     }
 
     fn size(&self) -> usize {
-        each!(self, |c| c.size())
+        each!(&*self.lib(), |c| c.size())
     }
 
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        each!(self, |c| c.all_reduce(buf, op))
+        each!(&*self.lib(), |c| c.all_reduce(buf, op))
     }
 
     fn all_reduce_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
-        each!(self, |c| c.all_reduce_tensor(t, op))
+        each!(&*self.lib(), |c| c.all_reduce_tensor(t, op))
+    }
+
+    fn tensor_sum(&self) -> Option<Arc<dyn TensorSum>> {
+        Some(Arc::new(ProcessSum(self.0.clone())))
     }
 
     fn reduces_tensors_in_place(&self) -> bool {
-        each!(self, |c| c.reduces_tensors_in_place())
+        each!(&*self.lib(), |c| c.reduces_tensors_in_place())
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
-        each!(self, |c| c.all_gather(buf))
+        each!(&*self.lib(), |c| c.all_gather(buf))
     }
 
     fn reduce_scatter<T: Element>(&self, buf: &[T], op: ReduceOp) -> Result<Vec<T>, CommError> {
-        each!(self, |c| c.reduce_scatter(buf, op))
+        each!(&*self.lib(), |c| c.reduce_scatter(buf, op))
     }
 
     fn reduce_scatter_owned<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<Vec<T>, CommError> {
-        each!(self, |c| c.reduce_scatter_owned(buf, op))
+        each!(&*self.lib(), |c| c.reduce_scatter_owned(buf, op))
     }
 
     fn scatters_tensors_in_place(&self) -> bool {
-        each!(self, |c| c.scatters_tensors_in_place())
+        each!(&*self.lib(), |c| c.scatters_tensors_in_place())
     }
 
     fn reduce_scatter_tensor(&self, t: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
-        each!(self, |c| c.reduce_scatter_tensor(t, op))
+        each!(&*self.lib(), |c| c.reduce_scatter_tensor(t, op))
     }
 
     fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
-        each!(self, |c| c.all_gather_tensor(t))
+        each!(&*self.lib(), |c| c.all_gather_tensor(t))
     }
 
     fn broadcast<T: Element>(&self, buf: &mut Vec<T>, root: usize) -> Result<(), CommError> {
-        each!(self, |c| c.broadcast(buf, root))
+        each!(&*self.lib(), |c| c.broadcast(buf, root))
     }
 
     fn send(&self, to: usize, tag: u32, buf: Vec<f32>) -> Result<(), CommError> {
-        each!(self, |c| c.send(to, tag, buf))
+        each!(&*self.lib(), |c| c.send(to, tag, buf))
     }
 
     fn recv(&self, from: usize, tag: u32) -> Result<Vec<f32>, CommError> {
-        each!(self, |c| c.recv(from, tag))
+        each!(&*self.lib(), |c| c.recv(from, tag))
     }
 
     fn send_tensor(&self, to: usize, tag: u32, t: Tensor<1>) -> Result<(), CommError> {
-        each!(self, |c| c.send_tensor(to, tag, t))
+        each!(&*self.lib(), |c| c.send_tensor(to, tag, t))
     }
 
     fn recv_tensor(&self, from: usize, tag: u32, device: &Device) -> Result<Tensor<1>, CommError> {
-        each!(self, |c| c.recv_tensor(from, tag, device))
+        each!(&*self.lib(), |c| c.recv_tensor(from, tag, device))
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        each!(self, |c| c.barrier())
+        each!(&*self.lib(), |c| c.barrier())
     }
 
     fn split(&self, groups: &[Vec<usize>]) -> Result<Self, CommError> {
-        match self {
-            ProcessComm::Mpi(c) => c.split(groups).map(ProcessComm::Mpi),
+        let lib = match &*self.lib() {
+            Library::Mpi(c) => Library::Mpi(c.split(groups)?),
             #[cfg(feature = "nccl")]
-            ProcessComm::Nccl(c) => c.split(groups).map(ProcessComm::Nccl),
+            Library::Nccl(c) => Library::Nccl(c.split(groups)?),
             #[cfg(feature = "rccl")]
-            ProcessComm::Rccl(c) => c.split(groups).map(ProcessComm::Rccl),
-        }
+            Library::Rccl(c) => Library::Rccl(c.split(groups)?),
+        };
+        Ok(lib.shared())
     }
 
+    // Every library stops the job through MPI, which needs no communicator: not through the
+    // lock, which a collective blocked in another call may hold.
     fn abort(&self, message: &str) {
-        each!(self, |c| c.abort(message))
+        crate::mpi::abort_job(message)
     }
 
     fn aborter(&self) -> Aborter {
-        each!(self, |c| c.aborter())
+        Box::new(|m| crate::mpi::abort_job(m))
     }
 }

@@ -37,26 +37,37 @@ fn direct(args: &[&str]) -> Output {
 /// A tiny-1m recipe on `world` ranks that starts in `start` and switches layout after steps 3
 /// and 6, the second time with a larger B_g.
 fn recipe(dir: &Path, name: &str, world: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2]) -> PathBuf {
-    recipe_with(dir, name, world, start, then, false, false)
+    recipe_with(dir, name, world, start, then, Options::default())
 }
 
-/// [`recipe`], its MPI reductions exact (gathered, added in rank order) or MPI's own, its
-/// optimizer sharded over dp (`zero1`) or not.
+/// How a parity test's recipes differ from the plain one.
+#[derive(Clone, Copy, Default)]
+struct Options {
+    /// The processes' MPI reductions exact (gathered, added in rank order) or MPI's own.
+    exact: bool,
+    /// The optimizer sharded over dp.
+    zero1: bool,
+    /// The ranks' backend (`backend:`), Flex if `None`.
+    backend: Option<&'static str>,
+    /// The ranks' activation checkpointing (`None`, `Layers`, `Regions`).
+    checkpointing: &'static str,
+}
+
+/// [`recipe`] with `o`'s settings.
 fn recipe_with(
     dir: &Path,
     name: &str,
     world: usize,
     start: (usize, usize, usize),
     then: [(usize, usize, usize, usize); 2],
-    exact: bool,
-    zero1: bool,
+    o: Options,
 ) -> PathBuf {
     let l = |(dp, tp, pp): (usize, usize, usize)| format!("(dp: {dp}, tp: {tp}, pp: {pp})");
     let [(d1, t1, p1, m1), (d2, t2, p2, m2)] = then;
     let b = 2 * world;
     let text = format!(
         r#"(
-            name: "{name}",
+            name: "{name}",{backend}
             output_dir: "{out}",
             model: (preset: "tiny-1m", seq_len: Some(32)),
             data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
@@ -73,6 +84,7 @@ fn recipe_with(
                 ],
                 exact_reductions: {exact},
                 zero1: {zero1},
+                checkpointing: {checkpointing},
             ),
         )"#,
         out = dir.join(name).display(),
@@ -80,34 +92,39 @@ fn recipe_with(
         b2 = 2 * b,
         first = l((d1, t1, p1)),
         second = l((d2, t2, p2)),
+        backend = o.backend.map(|b| format!(" backend: {b},")).unwrap_or_default(),
+        exact = o.exact,
+        zero1 = o.zero1,
+        checkpointing = if o.checkpointing.is_empty() { "None" } else { o.checkpointing },
     );
     let path = dir.join(format!("{name}.ron"));
     std::fs::write(&path, text).unwrap();
     path
 }
 
-/// (layout, loss) of every step, and the final held-out loss, of the one run under `out`.
-fn results(out: &Path) -> (Vec<(String, f64)>, f64) {
+/// (layout, loss, gradient norm) of every step, and the final held-out loss, of the one run
+/// under `out`.
+fn results(out: &Path) -> (Vec<(String, f64, f64)>, f64) {
     let run = std::fs::read_dir(out).unwrap().flatten().map(|e| e.path()).find(|p| p.is_dir()).expect("a run folder");
     let steps = std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["layout"].as_str().unwrap().to_string(), v["metrics"]["loss"].as_f64().unwrap())
+            let m = &v["metrics"];
+            (v["layout"].as_str().unwrap().to_string(), m["loss"].as_f64().unwrap(), m["grad_norm"].as_f64().unwrap())
         })
         .collect();
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     (steps, summary["final_eval_loss"].as_f64().unwrap())
 }
 
-/// Threads against processes; `exact`: the processes' MPI reductions add in rank order (else
-/// MPI's own all-reduce, equal to rounding, within the same bound); `zero1`: both runs shard
-/// the optimizer over dp.
-fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2], exact: bool, zero1: bool) {
+/// Threads against processes, the same recipe but for `o.exact` (the processes' only); MPI's
+/// own all-reduce is equal to rounding, within the same bound.
+fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, usize, usize); 2], o: Options) {
     let dir = tempfile::tempdir().unwrap();
-    let threads = recipe_with(dir.path(), "threads", np, start, then, false, zero1);
-    let procs = recipe_with(dir.path(), "processes", np, start, then, exact, zero1);
+    let threads = recipe_with(dir.path(), "threads", np, start, then, Options { exact: false, ..o });
+    let procs = recipe_with(dir.path(), "processes", np, start, then, o);
     let t = direct(&["run", threads.to_str().unwrap(), "--quiet"]);
     assert!(t.status.success(), "in-process run failed:\n{}", String::from_utf8_lossy(&t.stderr));
     let p = mpirun(np, &["run", procs.to_str().unwrap(), "--quiet"]);
@@ -115,13 +132,16 @@ fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, u
     let (want, want_eval) = results(&dir.path().join("threads"));
     let (got, got_eval) = results(&dir.path().join("processes"));
     assert_eq!(want.len(), 9);
-    let layouts: Vec<&str> = got.iter().map(|(l, _)| l.as_str()).collect();
-    let expected: Vec<String> = want.iter().map(|(l, _)| l.clone()).collect();
+    let layouts: Vec<&str> = got.iter().map(|(l, ..)| l.as_str()).collect();
+    let expected: Vec<String> = want.iter().map(|(l, ..)| l.clone()).collect();
     assert_eq!(layouts, expected, "both runs switch at the same steps");
     let distinct: std::collections::BTreeSet<&str> = layouts.iter().copied().collect();
-    assert_eq!(distinct.len(), 3, "three layouts: {layouts:?}");
-    for (i, ((_, a), (_, b))) in want.iter().zip(&got).enumerate() {
+    let scripted: std::collections::BTreeSet<(usize, usize, usize)> =
+        [start, (then[0].0, then[0].1, then[0].2), (then[1].0, then[1].1, then[1].2)].into();
+    assert_eq!(distinct.len(), scripted.len(), "the scripted layouts: {layouts:?}");
+    for (i, ((_, a, ga), (_, b, gb))) in want.iter().zip(&got).enumerate() {
         assert!((a - b).abs() <= 1e-5, "step {}: in-process loss {a}, {np} processes {b}", i + 1);
+        assert!((ga - gb).abs() <= 1e-5 * ga.abs(), "step {}: in-process gradient norm {ga}, {np} processes {gb}", i + 1);
     }
     assert!((want_eval - got_eval).abs() <= 1e-5, "held-out loss: in-process {want_eval}, {np} processes {got_eval}");
     // Both layout changes ran live: the processes exchanged the plan's slices and stayed up.
@@ -134,14 +154,29 @@ fn check_parity(np: usize, start: (usize, usize, usize), then: [(usize, usize, u
 
 #[test]
 fn two_processes_train_like_two_threads_through_layout_changes() {
-    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)], true, false);
+    check_parity(2, (2, 1, 1), [(1, 2, 1, 2), (1, 1, 2, 2)], Options { exact: true, ..Options::default() });
 }
 
 /// With ZeRO-1: the moments gathered over MPI for the live changes and staged in pieces for the
 /// checkpoint at step 8 (on dp4).
 #[test]
 fn four_processes_train_like_four_threads_through_layout_changes() {
-    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)], false, true);
+    check_parity(4, (2, 2, 1), [(1, 2, 2, 1), (4, 1, 1, 2)], Options { zero1: true, ..Options::default() });
+}
+
+/// Ranks on LibTorch (the CPU here) as processes: under tensor parallelism each stage runs as
+/// one autodiff graph whose Megatron operators sum over MPI inside the backward pass (as
+/// threads sum in-process; `tests/tests/tch.rs` checks those against Flex), and under
+/// activation checkpointing each segment is a graph of its own; through live changes between
+/// tp2 and pp2 on LibTorch tensors, the pipeline's activations and gradients between
+/// processes. Built with `--features mpi,tch` (CI's LibTorch step).
+#[cfg(feature = "tch")]
+#[test]
+fn libtorch_processes_under_tensor_parallelism_train_like_libtorch_threads() {
+    for checkpointing in ["None", "Layers"] {
+        let o = Options { backend: Some("TchCpu"), checkpointing, ..Options::default() };
+        check_parity(2, (1, 2, 1), [(1, 1, 2, 2), (1, 2, 1, 1)], o);
+    }
 }
 
 #[test]
@@ -189,7 +224,7 @@ fn a_run_stopped_under_mpirun_resumes_to_the_same_steps() {
     let (want, want_eval) = results(&dir.path().join("threads"));
     let (got, got_eval) = results(&out);
     assert_eq!(got.len(), 9, "steps 1-5, then 6-9 after the resume");
-    for (i, ((la, a), (lb, b))) in want.iter().zip(&got).enumerate() {
+    for (i, ((la, a, _), (lb, b, _))) in want.iter().zip(&got).enumerate() {
         assert_eq!(la, lb, "step {}", i + 1);
         assert!((a - b).abs() <= 1e-5, "step {}: in-process loss {a}, resumed processes {b}", i + 1);
     }

@@ -9,8 +9,10 @@
 //!   a micro-batch goes through *regions* whose inputs are detached leaves: the embedding, one
 //!   region per residual branch, and the head. Between regions the engine sums partial outputs
 //!   over the tp group (forward) and partial input gradients over the tp group (backward):
-//!   Megatron's f/g pair without custom autodiff ops, through host buffers. Without it (tp = 1)
-//!   the stage is one autodiff graph on the rank's device. Activations and their gradients
+//!   Megatron's f/g pair without custom autodiff ops, through host buffers (Flex). On a
+//!   device, and on Flex without tensor parallelism, the stage is one autodiff graph on the
+//!   rank's device, the f/g pair its operations (`tp_graph`); on a device under activation
+//!   checkpointing each checkpointed segment is a graph of its own. Activations and their gradients
 //!   cross stages by send/recv (as tensors, where they lie, between stages run as one graph);
 //! - the loss is the vocabulary-parallel cross entropy (at tp = 1, the plain one on the
 //!   device) normalised by the step's global number of target tokens, so gradients do not
@@ -26,8 +28,8 @@
 //! Files: [`config`] and [`error`]; `messages` (a leaf: commands, replies, a step's report,
 //! the live-change messages, the MPI control header); `cluster` (rank threads, start-up and
 //! verification); `rank` (one rank's state: build, resume, export); `regions` (a stage's
-//! forward and backward: the tensor-parallel regions and the vocabulary-parallel loss, or one
-//! graph); `executor` (one step: the
+//! forward and backward: one graph, checkpointed segments, or Flex's tensor-parallel regions,
+//! and the vocabulary-parallel loss); `executor` (one step: the
 //! pipeline schedule, dp reduction, the probe, the update); `evaluate` (a held-out loss on the
 //! running ranks, forward only); `grad_index` (gradients by
 //! parameter selection); `live` (the rank side of live layout changes; the driver side is

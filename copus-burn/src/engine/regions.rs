@@ -1,19 +1,21 @@
-//! The tensor-parallel regions of one micro-batch on one rank: the embedding, one region per
-//! residual branch and the head, each a sub-graph whose input is a detached leaf. Between
-//! regions the partial outputs (forward) and partial input gradients (backward) are summed over
-//! the tp group, and the vocabulary-parallel cross entropy is computed across the tp group's
-//! slices of the logits. In host memory (Flex) the sums and the loss run on host buffers, with
-//! the fused passes; on a device they run on tensors where they lie (tensor all-reduces, the
-//! loss's maxima, sums and target logits combined as tensors, one scalar read back).
+//! One micro-batch's forward and backward pass through this rank's stage.
 //!
-//! Without tensor parallelism (tp = 1) there is nothing to sum: the stage runs as one autodiff
-//! graph from its input (the tokens, or the activation received from the previous stage) to
-//! its output (the loss, or the activation sent on), and only the pipeline's boundaries and
-//! the loss's scalar leave the device. Under tensor parallelism on a device, without
-//! activation checkpointing and where the tp group can hand its sum to the graph (ranks in one
-//! process), the stage is one graph too, with Megatron's conjugate operators at the regions'
-//! edges ([`super::tp_graph`]): the sums of the forward pass (g) and of the backward pass (f)
-//! run inside it, and the vocabulary-parallel loss seeds it with its gradient.
+//! On a device (every rank of the job on one), a stage is one autodiff graph from its input
+//! (the tokens, or the activation received from the previous stage) to its output (the loss,
+//! or the activation sent on); only the pipeline's boundaries and the loss's scalar leave the
+//! device. Under tensor parallelism the graph has Megatron's conjugate operators at the
+//! blocks' edges ([`super::tp_graph`]): the sums of the forward pass (g) and of the backward
+//! pass (f) run inside it, on the tp group's tensor all-reduce (in-process or NCCL/RCCL/MPI
+//! across processes), and the vocabulary-parallel loss seeds it with its gradient. Under
+//! activation checkpointing the forward runs without a graph and keeps the residual stream at
+//! each segment's start; the backward pass runs each segment again as a graph of its own (with
+//! the same operators), last first.
+//!
+//! In host memory (Flex), without tensor parallelism or checkpointing, the stage is one graph
+//! too. Otherwise it runs as regions: the embedding, one region per residual branch and the
+//! head, each a sub-graph whose input is a detached leaf; between regions the partial outputs
+//! (forward) and partial input gradients (backward) are summed over the tp group in host
+//! buffers, and the vocabulary-parallel cross entropy runs on them with the fused passes.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -21,7 +23,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use super::config::{Checkpointing, RankDevice};
 use super::rank::{RankError, RankState};
 use super::tp_graph::{Group, copy_to_group, reduce_from_group};
-use crate::collective::{Collective, ReduceOp};
+use crate::collective::{Collective, CommError, ReduceOp};
 use crate::fused;
 use crate::grads;
 use crate::parallel::{ParallelLm, StageModel};
@@ -43,13 +45,17 @@ pub(super) struct InFlight {
     /// Under tensor parallelism, the group whose sums the graph's operators run (and where a
     /// sum that failed in the backward pass is kept).
     pub(super) group: Option<Group>,
+    /// Under activation checkpointing on a device, the last stage's head as a graph from its
+    /// input leaf.
+    pub(super) last: Option<(Tensor<3>, Output)>,
     /// Under activation checkpointing: each segment of blocks `[start, end)` and the residual
     /// stream at its start (no graph), from which the backward pass recomputes the segment.
     pub(super) saved: Vec<(usize, usize, Boundary)>,
 }
 
-/// An activation or its gradient at a pipeline stage boundary: a host buffer (the tensor-
-/// parallel regions sum them there), or a tensor where it lies (a stage run as one graph).
+/// An activation or its gradient at a pipeline stage boundary, or the residual stream kept at
+/// a checkpoint: a host buffer (Flex's tensor-parallel regions sum them there), or a tensor
+/// where it lies (a stage run as one graph, or as checkpointed segments).
 // A few per micro-batch, moved rather than copied; boxing the tensor would only add allocations.
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Boundary {
@@ -90,6 +96,24 @@ pub(super) enum Output {
 
 fn host(t: Tensor<3>) -> Vec<f32> {
     traffic::read(t, Kind::Activations).try_to_vec::<f32>().expect("f32 activations")
+}
+
+/// Megatron's f over `group` where a replicated stream enters a split layer; the identity
+/// without tensor parallelism.
+fn enter(h: Tensor<3>, group: Option<&Group>) -> Result<Tensor<3>, CommError> {
+    match group {
+        Some(g) => copy_to_group(h, g),
+        None => Ok(h),
+    }
+}
+
+/// Megatron's g over `group` where a split layer's partial output joins the stream; the
+/// identity without tensor parallelism.
+fn join(y: Tensor<3>, group: Option<&Group>) -> Result<Tensor<3>, CommError> {
+    match group {
+        Some(g) => reduce_from_group(y, g),
+        None => Ok(y),
+    }
 }
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
@@ -169,18 +193,15 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
     ) -> Result<f64, RankError> {
-        if self.cfg.checkpointing == Checkpointing::None {
-            if self.cfg.dims.tp == 1 {
-                return self.forward_whole(rows, scale, fl, ctx, None);
-            }
-            if self.device_resident()
-                && let Some(sum) = self.tp.tensor_sum()
-            {
-                return self.forward_whole(rows, scale, fl, ctx, Some(Group::new(sum)));
-            }
-        }
         if self.device_resident() {
-            return self.forward_regions_on_device(rows, scale, fl, ctx);
+            let group = self.tp_group()?;
+            return match self.cfg.checkpointing {
+                Checkpointing::None => self.forward_whole(rows, scale, fl, ctx, group),
+                _ => self.forward_segments(rows, scale, fl, ctx, group),
+            };
+        }
+        if self.cfg.checkpointing == Checkpointing::None && self.cfg.dims.tp == 1 {
+            return self.forward_whole(rows, scale, fl, ctx, None);
         }
         let stage = self.stage();
         let shape = self.shape_of(rows);
@@ -288,54 +309,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
     }
 
-    /// [`Self::forward`] under tensor parallelism on a device: the regions as in host memory,
-    /// their sums over the tp group added where the tensors lie.
-    fn forward_regions_on_device(
-        &self,
-        rows: &[i64],
-        scale: f64,
-        fl: &mut InFlight,
-        ctx: &<L::Stage as StageModel>::Ctx,
-    ) -> Result<f64, RankError> {
-        let stage = self.stage();
-        let shape = self.shape_of(rows);
-        let (inputs, targets) = self.stage_tokens(rows);
-        let mut h = if let Some(inputs) = inputs {
-            let out = stage.embed(inputs);
-            let h = self.sum_over_tp(out.clone().detach())?;
-            fl.embed_out = Some(out);
-            h
-        } else {
-            self.residual(fl.activation_in.take().expect("activation received before forward"), shape)
-        };
-        let untracked = self.untracked();
-        for i in 0..stage.num_blocks() {
-            if let Some(end) = self.checkpoint_at(i) {
-                fl.saved.push((i, end, Boundary::Device(h.clone().reshape([shape.iter().product::<usize>()]))));
-            }
-            let (x, y) = match &untracked {
-                Some(plain) => (h.clone(), plain.block(i, h.clone(), ctx)),
-                None => {
-                    let x = h.clone().require_grad();
-                    (x.clone(), stage.block(i, x, ctx))
-                }
-            };
-            h = h + self.sum_over_tp(y.clone().detach())?;
-            self.keep(fl, x, y);
-        }
-        if !self.plan.is_last() {
-            fl.activation_out = Some(Boundary::Device(h.reshape([shape.iter().product::<usize>()])));
-            return Ok(0.0);
-        }
-        let x = h.require_grad();
-        let z = stage.logits(x.clone(), ctx);
-        let targets = targets.expect("the last stage has its targets");
-        let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
-        let n = dz.shape().num_elements();
-        fl.head = Some((x, z, Boundary::Device(dz.reshape([n]))));
-        Ok(loss)
-    }
-
     /// [`Self::vocab_parallel_cross_entropy`] where the logits lie: the max, the sums of
     /// exponentials and the target logits combined over the tp group as tensors; one scalar
     /// (the loss) read back.
@@ -368,37 +341,17 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         Ok((loss, (exp / sum - onehot).mul_scalar(scale)))
     }
 
-    /// [`Self::backward`] of [`Self::forward_regions_on_device`].
-    fn backward_regions_on_device(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<GradientsParams, RankError> {
-        let stage = self.stage();
-        let mut acc: Option<GradientsParams> = None;
-        let add = |g: GradientsParams, acc: &mut Option<GradientsParams>| {
-            *acc = Some(grads::add(stage, acc.take(), g));
-        };
-        let shape = self.residual_shape();
-        let zeros = || Tensor::<3>::zeros(shape, &self.device);
-        let mut g = if let Some((x, z, dz)) = fl.head.take() {
-            let seed = self.residual(dz, z.dims());
-            let grads = (z * seed).sum().backward();
-            let dx = x.grad(&grads);
-            add(GradientsParams::from_grads(grads, stage), &mut acc);
-            self.sum_over_tp(dx.unwrap_or_else(zeros))?
-        } else {
-            self.residual(fl.grad_in.take().expect("gradient received before backward"), shape)
-        };
-        while let Some((x, y)) = self.next_region(fl, ctx)? {
-            let grads = (y * g.clone()).sum().backward();
-            let dx = x.grad(&grads);
-            add(GradientsParams::from_grads(grads, stage), &mut acc);
-            g = g + self.sum_over_tp(dx.unwrap_or_else(zeros))?;
+    /// The tp group whose sums a device-resident stage's graphs run as Megatron's operators;
+    /// `None` without tensor parallelism.
+    fn tp_group(&self) -> Result<Option<Group>, RankError> {
+        if self.cfg.dims.tp == 1 {
+            return Ok(None);
         }
-        if let Some(out) = fl.embed_out.take() {
-            let grads = (out * g).sum().backward();
-            add(GradientsParams::from_grads(grads, stage), &mut acc);
-        } else {
-            fl.grad_out = Some(Boundary::Device(g.reshape([shape.iter().product::<usize>()])));
-        }
-        Ok(acc.unwrap_or_default())
+        let sum = self
+            .tp
+            .tensor_sum()
+            .ok_or_else(|| CommError::Invalid("this communicator cannot run its tensor sums inside an autodiff graph".into()))?;
+        Ok(Some(Group::new(sum)))
     }
 
     /// [`Self::forward`] as one graph: without tensor parallelism (`group` `None`), or with
@@ -416,16 +369,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
         let (inputs, targets) = self.stage_tokens(rows);
-        let enter = |h: Tensor<3>| match &group {
-            Some(g) => copy_to_group(h, g),
-            None => Ok(h),
-        };
-        let join = |y: Tensor<3>| match &group {
-            Some(g) => reduce_from_group(y, g),
-            None => Ok(y),
-        };
+        let g = group.as_ref();
         let (input, mut h) = if let Some(inputs) = inputs {
-            (None, join(stage.embed(inputs))?)
+            (None, join(stage.embed(inputs), g)?)
         } else {
             let x = match fl.activation_in.take().expect("activation received before forward") {
                 Boundary::Device(t) => t.reshape(shape).require_grad(),
@@ -434,52 +380,178 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             (Some(x.clone()), x)
         };
         for i in 0..stage.num_blocks() {
-            h = h.clone() + join(stage.block(i, enter(h)?, ctx))?;
+            h = self.block(stage, i, h, ctx, g)?;
         }
+        fl.group = group.clone();
         if !self.plan.is_last() {
             let n = h.shape().num_elements();
             fl.activation_out = Some(Boundary::Device(h.clone().detach().reshape([n])));
             fl.whole = Some((input, Output::Activation(h)));
-            fl.group = group;
             return Ok(0.0);
         }
-        let targets = targets.expect("the last stage has its targets");
-        let z = stage.logits(enter(h)?, ctx);
-        let (value, out) = if group.is_some() {
-            let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
-            (loss, Output::Seeded(z, dz))
-        } else {
-            let loss = fused::cross_entropy_sum(z, targets).mul_scalar(scale);
-            let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
-            (value, Output::Loss(loss))
-        };
+        let (value, out) = self.head(h, targets, scale, ctx, group.as_ref())?;
         fl.whole = Some((input, out));
-        fl.group = group;
         Ok(value)
+    }
+
+    /// Block `i` of `stage` on the residual stream `h` (the stream plus the block's output),
+    /// under tensor parallelism with Megatron's operators at the block's edges.
+    fn block(
+        &self,
+        stage: &L::Stage,
+        i: usize,
+        h: Tensor<3>,
+        ctx: &<L::Stage as StageModel>::Ctx,
+        group: Option<&Group>,
+    ) -> Result<Tensor<3>, RankError> {
+        let y = join(stage.block(i, enter(h.clone(), group)?, ctx), group)?;
+        Ok(h + y)
+    }
+
+    /// The last stage's head on the residual stream `h` as a graph: the loss share and the
+    /// graph's output (the loss, or under tensor parallelism the logits slice with the
+    /// vocabulary-parallel loss's gradient as its seed).
+    fn head(
+        &self,
+        h: Tensor<3>,
+        targets: Option<Tensor<2, Int>>,
+        scale: f64,
+        ctx: &<L::Stage as StageModel>::Ctx,
+        group: Option<&Group>,
+    ) -> Result<(f64, Output), RankError> {
+        let targets = targets.expect("the last stage has its targets");
+        let z = self.stage().logits(enter(h, group)?, ctx);
+        if group.is_some() {
+            let (loss, dz) = self.vocab_parallel_cross_entropy_on_device(z.clone().detach(), targets, scale)?;
+            return Ok((loss, Output::Seeded(z, dz)));
+        }
+        let loss = fused::cross_entropy_sum(z, targets).mul_scalar(scale);
+        let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
+        Ok((value, Output::Loss(loss)))
     }
 
     /// [`Self::backward`] of a stage run as one graph; under tensor parallelism, an error when a
     /// sum of the graph's backward pass failed.
     fn backward_whole(&self, input: Option<Tensor<3>>, out: Output, fl: &mut InFlight) -> Result<GradientsParams, RankError> {
+        let group = fl.group.take();
+        let seed = match &out {
+            Output::Activation(h) => Some(self.residual(fl.grad_in.take().expect("gradient received before backward"), h.dims())),
+            Output::Loss(_) | Output::Seeded(..) => None,
+        };
+        let (grads, dx) = self.backprop(out, seed, input.as_ref(), group.as_ref())?;
+        if let Some(dx) = dx {
+            let n = dx.shape().num_elements();
+            fl.grad_out = Some(Boundary::Device(dx.reshape([n])));
+        }
+        Ok(grads)
+    }
+
+    /// The backward pass of one graph from `input` (a leaf, or none) to `out`, an activation
+    /// seeded with `seed`: the stage's parameter gradients and `input`'s gradient (zeros where
+    /// none reached it); an error when a sum of the pass over `group` failed.
+    fn backprop(
+        &self,
+        out: Output,
+        seed: Option<Tensor<3>>,
+        input: Option<&Tensor<3>>,
+        group: Option<&Group>,
+    ) -> Result<(GradientsParams, Option<Tensor<3>>), RankError> {
         let grads = match out {
             Output::Loss(loss) => loss.backward(),
             Output::Seeded(z, dz) => (z * dz).sum().backward(),
-            Output::Activation(h) => {
-                let seed = match fl.grad_in.take().expect("gradient received before backward") {
-                    Boundary::Device(t) => t.reshape(h.dims()),
-                    Boundary::Host(v) => self.constant(v, h.dims()),
-                };
-                (h * seed).sum().backward()
-            }
+            Output::Activation(h) => (h * seed.expect("an activation's graph is seeded")).sum().backward(),
         };
-        if let Some(e) = fl.group.take().and_then(|g| g.failure()) {
+        if let Some(e) = group.and_then(Group::failure) {
             return Err(e.into());
         }
-        if let Some(x) = input {
-            let n: usize = self.residual_shape().iter().product();
-            fl.grad_out = Some(Boundary::Device(x.grad(&grads).map_or_else(|| Tensor::zeros([n], &self.device), |g| g.reshape([n]))));
+        let dx = input.map(|x| x.grad(&grads).unwrap_or_else(|| Tensor::zeros(x.dims(), &self.device)));
+        Ok((GradientsParams::from_grads(grads, self.stage()), dx))
+    }
+
+    /// [`Self::forward`] on a device under activation checkpointing: the blocks run without a
+    /// graph, the residual stream kept at the start of each segment (a layer, or a region),
+    /// from which [`Self::backward_segments`] runs the segment again as a graph. The embedding
+    /// and the head are graphs of their own. Under tensor parallelism every graph has
+    /// Megatron's operators at its blocks' edges; the forward's sums and the recomputation's
+    /// are the same group's on the same inner tensors, the blocks the same kernels (tracked or
+    /// not), so the recomputation gives the forward's values.
+    fn forward_segments(
+        &self,
+        rows: &[i64],
+        scale: f64,
+        fl: &mut InFlight,
+        ctx: &<L::Stage as StageModel>::Ctx,
+        group: Option<Group>,
+    ) -> Result<f64, RankError> {
+        let stage = self.stage();
+        let shape = self.shape_of(rows);
+        let n = shape.iter().product::<usize>();
+        let (inputs, targets) = self.stage_tokens(rows);
+        let g = group.as_ref();
+        let mut h = if let Some(inputs) = inputs {
+            let e = join(stage.embed(inputs), g)?;
+            let h = e.clone().detach();
+            fl.embed_out = Some(e);
+            h
+        } else {
+            self.residual(fl.activation_in.take().expect("activation received before forward"), shape)
+        };
+        let plain = burn::module::Module::no_grad(stage.clone());
+        for i in 0..stage.num_blocks() {
+            if let Some(end) = self.checkpoint_at(i) {
+                fl.saved.push((i, end, Boundary::Device(h.clone().reshape([n]))));
+            }
+            h = self.block(&plain, i, h, ctx, g)?;
         }
-        Ok(GradientsParams::from_grads(grads, self.stage()))
+        fl.group = group.clone();
+        if !self.plan.is_last() {
+            fl.activation_out = Some(Boundary::Device(h.reshape([n])));
+            return Ok(0.0);
+        }
+        let x = h.require_grad();
+        let (value, out) = self.head(x.clone(), targets, scale, ctx, g)?;
+        fl.last = Some((x, out));
+        Ok(value)
+    }
+
+    /// [`Self::backward`] of [`Self::forward_segments`]: the head's graph, then each segment's,
+    /// last first, each seeded with the gradient of the stream at its end, then the
+    /// embedding's (or the gradient handed to the previous stage).
+    fn backward_segments(&self, fl: &mut InFlight, ctx: &<L::Stage as StageModel>::Ctx) -> Result<GradientsParams, RankError> {
+        let stage = self.stage();
+        let group = fl.group.take();
+        let g = group.as_ref();
+        let shape = self.residual_shape();
+        let mut acc: Option<GradientsParams> = None;
+        let mut add = |p: GradientsParams| acc = Some(grads::add(stage, acc.take(), p));
+        let mut seed = match fl.last.take() {
+            Some((x, out)) => {
+                let (p, dx) = self.backprop(out, None, Some(&x), g)?;
+                add(p);
+                dx.expect("the head's input has a gradient")
+            }
+            None => self.residual(fl.grad_in.take().expect("gradient received before backward"), shape),
+        };
+        while let Some((start, end, h0)) = fl.saved.pop() {
+            let x = self.residual(h0, shape).require_grad();
+            let mut h = x.clone();
+            for i in start..end {
+                let y = stage.block(i, enter(h.clone(), g)?, ctx);
+                // The segment's last sum (g) would change only the output's value, which
+                // nothing reads; its backward passes the seed on as it is, so it is left out
+                // (on every rank alike).
+                h = h + if i + 1 < end { join(y, g)? } else { y };
+            }
+            let (p, dx) = self.backprop(Output::Activation(h), Some(seed), Some(&x), g)?;
+            add(p);
+            seed = dx.expect("a segment's input has a gradient");
+        }
+        if let Some(e) = fl.embed_out.take() {
+            add(self.backprop(Output::Activation(e), Some(seed), None, g)?.0);
+        } else {
+            fl.grad_out = Some(Boundary::Device(seed.reshape([shape.iter().product::<usize>()])));
+        }
+        Ok(acc.unwrap_or_default())
     }
 
     /// Loss share of one micro-batch (its summed cross entropy times `scale`) and its gradient
@@ -511,7 +583,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             return self.backward_whole(input, out, fl);
         }
         if self.device_resident() {
-            return self.backward_regions_on_device(fl, ctx);
+            return self.backward_segments(fl, ctx);
         }
         let stage = self.stage();
         let mut acc: Option<GradientsParams> = None;

@@ -170,6 +170,16 @@ fn through_host(t: Tensor<1>, f: impl FnOnce(Vec<f32>) -> Result<Vec<f32>, CommE
     Ok(traffic::upload(TensorData::new(out, [n]), &device, traffic::Kind::Collective))
 }
 
+/// `f` on `t`, or, for a tensor of the autodiff kind (a detached activation, the loss's maxima
+/// and sums), on its inner tensor, which the library can take in device memory, the result
+/// wrapped again: a collective's output is no part of a graph either way.
+fn unwrapped(t: Tensor<1>, f: impl FnOnce(Tensor<1>) -> Result<Tensor<1>, CommError>) -> Result<Tensor<1>, CommError> {
+    if !t.is_autodiff() {
+        return f(t);
+    }
+    Ok(f(t.inner())?.autodiff())
+}
+
 // SAFETY: the library communicator and the MPI communicator are used by the one rank that owns
 // them, from one thread at a time (MPI runs at MPI_THREAD_SERIALIZED or above).
 unsafe impl<G: GpuLibrary> Send for GpuComm<G> {}
@@ -192,13 +202,13 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         // One length check, then one library all-reduce on either path, so ranks that took
         // different paths still meet in the same calls.
         self.same_len("all_reduce_tensor", t.dims()[0])?;
-        match self.lib.all_reduce_tensor(t, op, self.device).map_err(Self::lib_err)? {
+        unwrapped(t, |t| match self.lib.all_reduce_tensor(t, op, self.device).map_err(Self::lib_err)? {
             Ok(reduced) => Ok(reduced),
             Err(t) => through_host(t, |mut v| {
                 self.lib.all_reduce(host(&mut v), op).map_err(Self::lib_err)?;
                 Ok(v)
             }),
-        }
+        })
     }
 
     fn reduces_tensors_in_place(&self) -> bool {
@@ -214,19 +224,19 @@ impl<G: GpuLibrary> Collective for GpuComm<G> {
         // Lengths agreed first: then every rank finds the same answer to whether they divide.
         self.same_len("reduce_scatter_tensor", t.dims()[0])?;
         check_scatter(t.dims()[0], n)?;
-        match self.lib.reduce_scatter_tensor(t, op, self.device, n).map_err(Self::lib_err)? {
+        unwrapped(t, |t| match self.lib.reduce_scatter_tensor(t, op, self.device, n).map_err(Self::lib_err)? {
             Ok(mine) => Ok(mine),
             Err(t) => through_host(t, |v| self.scatter_agreed(&v, op)),
-        }
+        })
     }
 
     fn all_gather_tensor(&self, t: Tensor<1>) -> Result<Tensor<1>, CommError> {
         let n = self.size();
         self.same_len("all_gather_tensor", t.dims()[0])?;
-        match self.lib.all_gather_tensor(t, self.device, n).map_err(Self::lib_err)? {
+        unwrapped(t, |t| match self.lib.all_gather_tensor(t, self.device, n).map_err(Self::lib_err)? {
             Ok(all) => Ok(all),
             Err(t) => through_host(t, |v| self.gather_agreed(&v)),
-        }
+        })
     }
 
     fn all_gather<T: Element>(&self, buf: &[T]) -> Result<Vec<T>, CommError> {
