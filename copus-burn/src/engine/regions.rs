@@ -262,7 +262,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// pass, activations and all), and runs the same kernels as the tracked recomputation, so
     /// the values agree bit for bit.
     fn untracked(&self) -> Option<L::Stage> {
-        (self.cfg.checkpointing != Checkpointing::None).then(|| burn::module::Module::no_grad(self.stage().clone()))
+        (self.cfg.checkpointing != Checkpointing::None).then(|| self.plain_stage())
+    }
+
+    /// The stage with its parameters untracked (a copy of its handles).
+    fn plain_stage(&self) -> L::Stage {
+        burn::module::Module::no_grad(self.stage().clone())
     }
 
     /// Keeps a region's graph for the backward pass, unless checkpointing recomputes it (then
@@ -473,8 +478,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// from which [`Self::backward_segments`] runs the segment again as a graph. The embedding
     /// and the head are graphs of their own. Under tensor parallelism every graph has
     /// Megatron's operators at its blocks' edges; the forward's sums and the recomputation's
-    /// are the same group's on the same inner tensors, the blocks the same kernels (tracked or
-    /// not), so the recomputation gives the forward's values.
+    /// are the same group's (a library takes the inner tensors of both), the blocks the same
+    /// kernels (tracked or not), so the recomputation gives the forward's values.
     fn forward_segments(
         &self,
         rows: &[i64],
@@ -496,7 +501,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         } else {
             self.residual(fl.activation_in.take().expect("activation received before forward"), shape)
         };
-        let plain = burn::module::Module::no_grad(stage.clone());
+        let plain = self.plain_stage();
         for i in 0..stage.num_blocks() {
             if let Some(end) = self.checkpoint_at(i) {
                 fl.saved.push((i, end, Boundary::Device(h.clone().reshape([n]))));

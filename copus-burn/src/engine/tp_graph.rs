@@ -7,9 +7,9 @@
 //!   tp group forward; backward, the identity.
 //!
 //! The sums are the group's tensor all-reduce ([`TensorSum`]): where the tensors lie and in
-//! rank order in one process; NCCL's, RCCL's or MPI's across processes. Burn traverses a graph by depth, so the f operations of one
-//! micro-batch run their sums in the same order on every rank of the group (their graphs have
-//! the same shape). A sum that fails inside the backward traversal cannot return its error
+//! rank order in one process; NCCL's, RCCL's or MPI's across processes. Burn traverses a graph
+//! by depth, so the f operations of one micro-batch run their sums in the same order on every
+//! rank of the group (their graphs have the same shape). A sum that fails inside the backward traversal cannot return its error
 //! there: the gradient goes on as zeros and [`Group::failure`] hands the error to the caller
 //! once `backward()` returns.
 
@@ -43,16 +43,11 @@ impl Group {
         Self { sum, failure: Arc::new(Mutex::new(None)) }
     }
 
-    /// The sum of a tensor over the group, where it lies: a tensor of the autodiff kind (an
-    /// untracked one, in a forward pass without a graph) summed as its inner tensor, which a
-    /// collective library can take in device memory, and wrapped again.
+    /// The sum of a tensor over the group, where it lies.
     fn sum<const D: usize>(&self, t: Tensor<D>) -> Result<Tensor<D>, CommError> {
         let shape = t.dims();
         let n = shape.iter().product::<usize>();
-        let autodiff = t.is_autodiff();
-        let flat = if autodiff { t.inner() } else { t }.reshape([n]);
-        let out = self.sum.all_reduce_tensor(flat, ReduceOp::Sum)?.reshape(shape);
-        Ok(if autodiff { out.autodiff() } else { out })
+        Ok(self.sum.all_reduce_tensor(t.reshape([n]), ReduceOp::Sum)?.reshape(shape))
     }
 
     /// The first sum that failed inside a backward pass since the last call, if any.
