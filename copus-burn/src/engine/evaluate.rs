@@ -1,7 +1,7 @@
 //! A held-out evaluation on the running ranks: each data-parallel replica takes its share of
 //! the sequences, each stage runs its forward on its own device (the same regions, collectives
-//! and pipeline hand-overs as a training step, no backward), and the summed loss is reduced over
-//! the world. No parameter leaves its rank.
+//! and pipeline hand-overs as a training step, no backward, and no autodiff graph recorded),
+//! and the summed loss is reduced over the world. No parameter leaves its rank.
 //!
 //! Sequences are dealt in rounds of `dp * micro`: in round `k` replica `d` takes sequences
 //! `[k * dp * micro + d * micro, .. + micro)`, fewer (or none) in the last round, so any count
@@ -21,7 +21,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// The mean loss per target token over `windows` (whole sequences of `seq + 1` ids), in
     /// micro-batches of at most `micro` sequences per replica. Every rank returns the same value.
     pub(super) fn evaluate(&mut self, windows: &[i64], micro: usize) -> Result<f64, RankError> {
-        crate::traffic::counted_as(crate::traffic::Kind::Evaluation, || self.evaluate_here(windows, micro))
+        // The stage's parameters untracked while it runs, its inputs plain tensors
+        // (`InFlight::evaluation`): nothing is recorded for a backward pass that never comes.
+        let tracked = self.stage.take();
+        self.stage = tracked.as_ref().map(|s| burn::module::Module::no_grad(s.clone()));
+        let loss = crate::traffic::counted_as(crate::traffic::Kind::Evaluation, || self.evaluate_here(windows, micro));
+        self.stage = tracked;
+        loss
     }
 
     fn evaluate_here(&mut self, windows: &[i64], micro: usize) -> Result<f64, RankError> {
@@ -33,7 +39,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let mut sum = 0f64;
         for round in windows.chunks(self.cfg.dims.dp * micro * (s + 1)) {
             let Some(rows) = round.chunks(micro * (s + 1)).nth(self.dp_rank) else { continue };
-            let mut fl = InFlight::default();
+            let mut fl = InFlight { evaluation: true, ..InFlight::default() };
             if !self.plan.is_first() {
                 fl.activation_in = Some(self.receive(prev, TAG_EVAL)?);
             }

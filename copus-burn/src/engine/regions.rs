@@ -32,6 +32,9 @@ use crate::traffic::{self, Kind};
 /// What a micro-batch leaves on a stage between its forward and backward.
 #[derive(Default)]
 pub(super) struct InFlight {
+    /// A forward pass with no backward pass after it (an evaluation): it records no graph.
+    /// Burn keeps a recorded graph, activations and all, until the next backward pass.
+    pub(super) evaluation: bool,
     pub(super) embed_out: Option<Tensor<3>>,
     pub(super) blocks: Vec<(Tensor<3>, Tensor<3>)>,
     pub(super) head: Option<(Tensor<3>, Tensor<3>, Boundary)>,
@@ -96,6 +99,12 @@ pub(super) enum Output {
 
 fn host(t: Tensor<3>) -> Vec<f32> {
     traffic::read(t, Kind::Activations).try_to_vec::<f32>().expect("f32 activations")
+}
+
+/// `t` as a graph's input leaf, whose gradient the backward pass reads; `t` as it is in an
+/// evaluation, which has no backward pass (a tracked leaf would record the graph).
+fn input_leaf(t: Tensor<3>, fl: &InFlight) -> Tensor<3> {
+    if fl.evaluation { t } else { t.require_grad() }
 }
 
 /// Megatron's f over `group` where a replicated stream enters a split layer; the identity
@@ -175,10 +184,6 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         [self.rows_len(rows), self.cfg.seq_len, self.d_model]
     }
 
-    fn leaf(&self, v: &[f32], shape: [usize; 3]) -> Tensor<3> {
-        traffic::upload::<3, _>(TensorData::new(v.to_vec(), shape), &self.device, Kind::Activations).require_grad()
-    }
-
     fn constant(&self, v: Vec<f32>, shape: [usize; 3]) -> Tensor<3> {
         traffic::upload(TensorData::new(v, shape), &self.device, Kind::Activations)
     }
@@ -225,7 +230,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     (x.clone(), plain.block(i, x, ctx))
                 }
                 None => {
-                    let x = self.leaf(&h, shape);
+                    let x = input_leaf(self.constant(h.clone(), shape), fl);
                     (x.clone(), stage.block(i, x, ctx))
                 }
             };
@@ -240,7 +245,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.activation_out = Some(Boundary::Host(h));
             return Ok(0.0);
         }
-        let x = self.leaf(&h, shape);
+        let x = input_leaf(self.constant(h, shape), fl);
         let z = stage.logits(x.clone(), ctx);
         let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), rows, scale)?;
         fl.head = Some((x, z, Boundary::Host(dz)));
@@ -378,10 +383,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let (input, mut h) = if let Some(inputs) = inputs {
             (None, join(stage.embed(inputs), g)?)
         } else {
-            let x = match fl.activation_in.take().expect("activation received before forward") {
-                Boundary::Device(t) => t.reshape(shape).require_grad(),
-                Boundary::Host(v) => self.leaf(&v, shape),
-            };
+            let x = input_leaf(self.residual(fl.activation_in.take().expect("activation received before forward"), shape), fl);
             (Some(x.clone()), x)
         };
         for i in 0..stage.num_blocks() {
@@ -513,7 +515,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             fl.activation_out = Some(Boundary::Device(h.reshape([n])));
             return Ok(0.0);
         }
-        let x = h.require_grad();
+        let x = input_leaf(h, fl);
         let (value, out) = self.head(x.clone(), targets, scale, ctx, g)?;
         fl.last = Some((x, out));
         Ok(value)
