@@ -17,10 +17,12 @@
 #   loader in the bundle's lib/ (Debian's libvulkan1) and the NVIDIA driver's Vulkan ICD (its
 #   json, or one written here for libGLX_nvidia.so.0).
 # For each: `recipes bench device`, which trains tiny-1m three steps on the GPU and on the CPU
-# (Flex) on serial, dp2, tp2, pp2 and dp2 x tp2 and fails on a loss difference above 1e-3 or a
-# NaN, then measures samples/s, model-FLOPs utilisation and host bytes per step of tiny-20m and
-# small-100m on 1 and 8 ranks sharing the GPU, in f32 and bf16 (wgpu: f32 only). The GPU's
-# memory in use is sampled through each part (nvidia-smi) and its peak printed. Then, on
+# (Flex) on serial, dp2, tp2, pp2, dp2 x tp2 and tp2 x pp2 and fails on a NaN or a difference
+# of a step's loss or gradient norm above 1e-4, then measures samples/s, model-FLOPs
+# utilisation and host bytes per step of tiny-20m and small-100m on 1 and 8 ranks sharing the
+# GPU, in f32 and bf16 (wgpu: f32 only). The GPU's memory in use is sampled through each part
+# (nvidia-smi) and its peak printed; the wgpu part fails where it left the GPU's memory alone
+# (wgpu fell back to a CPU adapter). Then, on
 # LibTorch, `recipes bench memory --backend Tch`: the peak memory on the GPU of tiny-20m and
 # small-100m on several layouts, micro-batches, with and without checkpointing and ZeRO-1, in
 # f32 and bf16, each beside the memory model's prediction. Last, `recipes run` of
@@ -146,19 +148,26 @@ if [ -n "$only" ]; then
   esac
 fi
 
-# Peak memory in use on GPU 0 while a part runs (MiB), sampled every 200 ms; the sampler stops
-# with the script, however it ends.
-sample() { nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" 2>/dev/null & echo $!; }
+# Peak memory in use on the GPU the binaries see (the first entry of CUDA_VISIBLE_DEVICES, an
+# index or a UUID, as nvidia-smi -i takes them; else GPU 0) while a part runs (MiB), sampled
+# every 200 ms; the sampler stops with the script, however it ends.
+gpu="${CUDA_VISIBLE_DEVICES:-0}"
+gpu="${gpu%%,*}"
+sample() { nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" 2>/dev/null & echo $!; }
+in_use() { nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
 sampler=""
 trap '[ -z "$sampler" ] || kill "$sampler" 2>/dev/null || true' EXIT
 # One part: a name, its time limit in seconds, then the command; its output is printed and
 # kept in $out/NAME.md, the GPU's memory in use sampled while it runs. Fails the check on an
 # error, the limit or a NaN.
 part() {
-  local name="$1" limit="$2" rc peak
+  local name="$1" limit="$2" rc peak base=""
   shift 2
   say "$name (at most $limit s; log: $out/$name.md)"
-  [ "$cpu" = 1 ] || sampler="$(sample "$out/$name-memory.txt")"
+  if [ "$cpu" != 1 ]; then
+    base="$(in_use)"
+    sampler="$(sample "$out/$name-memory.txt")"
+  fi
   set +e
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.md"
   rc=${PIPESTATUS[0]}
@@ -167,7 +176,13 @@ part() {
     kill "$sampler" 2>/dev/null || true
     sampler=""
     peak="$(sort -n "$out/$name-memory.txt" 2>/dev/null | tail -1)"
-    say "$name: peak memory in use on GPU 0: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB"
+    say "$name: peak memory in use on GPU $gpu: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB (${base:-?} before)"
+    # wgpu takes the first adapter its graphics API offers that is not a CPU, else a CPU one
+    # (lavapipe): a run that left the GPU's memory alone ran on the CPU.
+    if [ "$name" = Wgpu ] && [ -n "$peak" ] && [ -n "$base" ] && [ "$peak" -lt $((base + 256)) ]; then
+      say "Wgpu: FAILED (the GPU's memory in use rose by $((peak - base)) MiB: wgpu ran on another adapter, a CPU one such as lavapipe?)"
+      status=1
+    fi
   fi
   if [ "$rc" != 0 ]; then
     say "$name: FAILED (exit $rc; 124 is the $limit s limit)"

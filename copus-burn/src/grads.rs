@@ -197,10 +197,72 @@ pub fn diff_sq_norm_on_device<M: Module>(module: &M, a: &GradientsParams, b: &Gr
 
 /// One readback of the per-parameter sums, added in f64.
 pub(crate) fn read_sum(parts: Vec<Tensor<1>>) -> f64 {
-    if parts.is_empty() {
-        return 0.0;
+    Scalar::new(0.0, parts, 1.0).read(Kind::Probe)
+}
+
+/// A number that may lie partly on a device: `(host + the sum of the parts' elements) x
+/// factor`, the elements added in f64 in order. Built where it is computed, read back later
+/// with others ([`Deferred`]) so that a step waits for its device once rather than at every
+/// micro-batch.
+pub(crate) struct Scalar {
+    host: f64,
+    parts: Vec<Tensor<1>>,
+    factor: f64,
+}
+
+impl Scalar {
+    pub(crate) fn new(host: f64, parts: Vec<Tensor<1>>, factor: f64) -> Self {
+        // The parts go into one f32 tensor: plain (not autodiff) tensors, in f32.
+        let parts =
+            parts.into_iter().map(|t| if t.is_autodiff() { t.inner() } else { t }).map(|t| t.cast(burn::tensor::FloatDType::F32)).collect();
+        Self { host, parts, factor }
     }
-    traffic::read(Tensor::cat(parts, 0), Kind::Probe).iter::<f32>().map(f64::from).sum()
+
+    /// A value already in host memory.
+    pub(crate) fn host(value: f64) -> Self {
+        Self { host: value, parts: Vec::new(), factor: 1.0 }
+    }
+
+    /// Its value now (one readback, counted as `kind`, where it has parts).
+    pub(crate) fn read(self, kind: Kind) -> f64 {
+        let mut d = Deferred::default();
+        d.push(kind, self);
+        d.read()[0]
+    }
+}
+
+/// [`Scalar`]s read back together: every part of every one in one transfer.
+#[derive(Default)]
+pub(crate) struct Deferred {
+    /// Each scalar's kind (for the host-traffic meter), host part, element count and factor.
+    entries: Vec<(Kind, f64, usize, f64)>,
+    parts: Vec<Tensor<1>>,
+}
+
+impl Deferred {
+    /// Adds `s`, whose value is `read()[i]` for the `i` returned.
+    pub(crate) fn push(&mut self, kind: Kind, s: Scalar) -> usize {
+        let count = s.parts.iter().map(|t| t.dims()[0]).sum();
+        self.parts.extend(s.parts);
+        self.entries.push((kind, s.host, count, s.factor));
+        self.entries.len() - 1
+    }
+
+    /// The values, in the order they were pushed; the bytes counted by kind.
+    pub(crate) fn read(self) -> Vec<f64> {
+        let values: Vec<f32> =
+            if self.parts.is_empty() { Vec::new() } else { Tensor::cat(self.parts, 0).into_data().iter::<f32>().collect() };
+        let mut at = 0;
+        self.entries
+            .into_iter()
+            .map(|(kind, host, count, factor)| {
+                traffic::count(kind, 4 * count);
+                let device: f64 = values[at..at + count].iter().map(|&x| f64::from(x)).sum();
+                at += count;
+                (host + device) * factor
+            })
+            .collect()
+    }
 }
 
 /// `|a - b|^2` over parameters present in both, in f64.

@@ -35,7 +35,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
 use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
-use crate::engine::config::{RankDevice, device_index};
+use crate::engine::config::{RankDevice, node_place, placed_on_node};
 
 /// Tag of replies from the serving processes to process 0 on the control communicator.
 const REPLY_TAG: i32 = 7;
@@ -147,33 +147,15 @@ fn role_size() -> usize {
     with_mpi(|m| m.size).unwrap_or(1)
 }
 
-/// The device a GPU rank of a multi-process run uses: from its rank on its node and the number
-/// of ranks there (the launcher's environment: Open MPI, MPICH, Slurm), laid onto the devices
-/// the node shows by [`device_index`] (`ranks_per_device` each when given, else spread evenly),
-/// so with one rank per GPU rank 5 of two 4-GPU nodes takes GPU 1 of the second node, and 8
-/// ranks of a one-GPU node all take GPU 0. Other devices, and single-process runs, stay as they
+/// The device a GPU rank of a multi-process run uses: [`placed_on_node`] with this process's
+/// place on its node from the launcher's environment ([`node_place`]: Open MPI, MPICH, PMI,
+/// Slurm) and the devices the node shows. Other devices, and single-process runs, stay as they
 /// are.
 pub fn on_this_node(device: RankDevice, ranks_per_device: Option<usize>) -> RankDevice {
     if role() == Role::Single {
         return device;
     }
-    let first = |keys: &[&str]| {
-        keys.iter().find_map(|k| {
-            let v = std::env::var(k).ok()?;
-            // Slurm writes counts such as `4(x2)`: the leading number is this node's.
-            v.split(|c: char| !c.is_ascii_digit()).next()?.parse::<usize>().ok()
-        })
-    };
-    let local = first(&["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"]);
-    let on_node = first(&["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]);
-    match (device, local) {
-        (RankDevice::Cuda(_) | RankDevice::Rocm(_) | RankDevice::TchCuda(_), Some(l)) => {
-            // Without the node's rank count, one rank per device.
-            let visible = on_node.and(device.visible());
-            device.with_index(device_index(l, on_node.unwrap_or(l + 1), visible, ranks_per_device))
-        }
-        (d, _) => d,
-    }
+    placed_on_node(device, node_place(|k| std::env::var(k).ok()), device.visible(), ranks_per_device)
 }
 
 /// Aborts the whole job with `message` (printed first).

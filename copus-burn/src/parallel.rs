@@ -78,7 +78,10 @@ pub trait StageModel: Module + Clone + Send + std::fmt::Debug + 'static {
     type Ctx;
     /// Builds the context for sequences of `seq_len` trained in `precision`: the stage takes
     /// and returns f32 at every boundary (block inputs and outputs, logits), and computes
-    /// inside in the precision's arithmetic.
+    /// inside in the precision's arithmetic. The engine builds it once per rank, sequence
+    /// length and precision and keeps it from step to step, so it must not depend on the
+    /// weights; tables it uploads should go through [`traffic::upload`](crate::traffic::upload)
+    /// so that the host-traffic meter sees them.
     fn context(&self, seq_len: usize, precision: Precision) -> Self::Ctx;
     /// First stage: this rank's partial embedding `[b, s, d]` of `tokens_bs`.
     fn embed(&self, tokens_bs: Tensor<2, Int>) -> Tensor<3>;

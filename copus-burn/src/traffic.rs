@@ -35,8 +35,9 @@ pub struct HostTraffic {
     /// Gradient values the noise probe reads for its squared norms (or the few sums it reads
     /// where the norms are reduced on the device).
     pub probe: u64,
-    /// Tensors built on the host for every call (none in the engine's step today: the causal
-    /// mask is built on the device).
+    /// Tensors built on the host and uploaded: a stage's context (a Llama's rotary tables),
+    /// once per rank and sequence length, with the first step and the first after a layout
+    /// change (the causal mask and the one-hot of the cross entropy are built on the device).
     pub constants: u64,
     /// Parameters and optimizer state read or written for a checkpoint, an export, a layout
     /// change or loading a state.

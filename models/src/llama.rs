@@ -10,7 +10,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use copus_burn::fused::{causal_attention, linear, rms_norm, rope, swiglu};
-use copus_burn::{CausalLm, cross_entropy_sum};
+use copus_burn::{CausalLm, cross_entropy_sum, traffic};
 use copus_core::model::{ModelSpec, ParamSpec};
 
 /// Configuration of a [`Llama`] model: a copus-core [`ModelSpec`] (every shape field, defined
@@ -148,7 +148,7 @@ impl Rope {
                 sin.push(angle.sin() as f32);
             }
         }
-        let t = |v: Vec<f32>| Tensor::<2>::from_data(TensorData::new(v, [seq_len, head_dim]), device);
+        let t = |v: Vec<f32>| traffic::upload(TensorData::new(v, [seq_len, head_dim]), device, traffic::Kind::Constants);
         Self { cos_se: t(cos), sin_se: t(sin) }
     }
 

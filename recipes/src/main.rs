@@ -217,8 +217,8 @@ enum BenchMode {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
-    /// A device backend against Flex (losses of five layouts over three steps; fails on a
-    /// difference above 1e-3 or a NaN), then its samples/s, model-FLOPs utilisation and host
+    /// A device backend against Flex (losses and gradient norms of six layouts over three
+    /// steps; fails on a difference above 1e-4 or a NaN), then its samples/s, model-FLOPs utilisation and host
     /// bytes per step on one and several ranks, in f32 and bf16 (scripts/gpu-check.sh).
     Device {
         /// The backend under test (the build needs its feature).

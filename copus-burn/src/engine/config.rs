@@ -44,6 +44,65 @@ pub fn device_index(local: usize, on_node: usize, visible: Option<usize>, ranks_
     local / per.max(1)
 }
 
+/// Where this process sits on its node, from the launcher's environment (`var` reads one
+/// variable): its rank among the node's processes and how many there are, each where the
+/// launcher says. Open MPI, MPICH/Hydra and PMI name both; Slurm names the rank
+/// (`SLURM_LOCALID`) and the count either as `SLURM_NTASKS_PER_NODE` (with `--ntasks-per-node`)
+/// or, always, as a per-node list (`SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE`: `4(x2),3`
+/// is 4, 4 and 3), read at this node's place in the job (`SLURM_NODEID`).
+pub fn node_place(var: impl Fn(&str) -> Option<String>) -> (Option<usize>, Option<usize>) {
+    let number = |k: &str| var(k)?.trim().parse::<usize>().ok();
+    let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"].into_iter().find_map(number);
+    let on_node = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]
+        .into_iter()
+        .find_map(number)
+        .or_else(|| {
+            let list = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"].into_iter().find_map(&var)?;
+            let counts = slurm_counts(&list)?;
+            match number("SLURM_NODEID") {
+                Some(node) => counts.get(node).copied(),
+                // Without the node's place, a count every node shares.
+                None => counts.first().copied().filter(|&c| counts.iter().all(|&x| x == c)),
+            }
+        });
+    (local, on_node)
+}
+
+/// Slurm's compressed per-node counts (`4(x2),3` -> 4, 4, 3); `None` where the list is not one.
+fn slurm_counts(list: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for entry in list.split(',').map(str::trim) {
+        let (count, times) = match entry.split_once("(x") {
+            Some((c, rest)) => (c, rest.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (entry, 1),
+        };
+        let count = count.parse::<usize>().ok()?;
+        out.extend(std::iter::repeat_n(count, times));
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// The device of a GPU rank of a multi-process run that is rank `local` of `on_node` on its
+/// node (see [`node_place`]), laid onto the node's `visible` devices by [`device_index`]
+/// (`ranks_per_device` each when given, else spread evenly): with one rank per GPU, rank 5 of
+/// two 4-GPU nodes takes GPU 1 of the second; 8 ranks of a one-GPU node all take GPU 0. Without
+/// the node's rank count, one rank per device. Other kinds of device, and a process that does
+/// not know its place, keep `device`.
+pub fn placed_on_node(
+    device: RankDevice,
+    (local, on_node): (Option<usize>, Option<usize>),
+    visible: Option<usize>,
+    ranks_per_device: Option<usize>,
+) -> RankDevice {
+    match (device, local) {
+        (RankDevice::Cuda(_) | RankDevice::Rocm(_) | RankDevice::TchCuda(_), Some(l)) => {
+            let visible = on_node.and(visible);
+            device.with_index(device_index(l, on_node.unwrap_or(l + 1), visible, ranks_per_device))
+        }
+        (d, _) => d,
+    }
+}
+
 /// The number of devices a `CUDA_VISIBLE_DEVICES`-style list names: its entries up to the first
 /// empty or negative one (where the CUDA runtime stops reading it too).
 pub fn count_visible(list: &str) -> usize {
@@ -201,8 +260,9 @@ pub struct EngineConfig {
     pub ranks_per_device: Option<usize>,
     /// Under mpirun, reductions over MPI gather every rank's buffer and add them in rank order,
     /// bit-equal to in-process ranks (`true`, for parity tests), or run as MPI's own
-    /// all-reduce (`false`, the default: a ring or tree, equal to rounding). GPU ranks with
-    /// NCCL or RCCL use the library either way.
+    /// all-reduce (`false`, the default: a ring or tree, equal to rounding). GPU ranks take
+    /// NCCL or RCCL only with `false` (the libraries sum in their own order); with `true` they
+    /// reduce over MPI too.
     #[config(default = false)]
     pub exact_reductions: bool,
     /// Activation checkpointing: what a micro-batch keeps between its forward and backward
@@ -314,6 +374,51 @@ mod tests {
         assert_eq!(count_visible("-1"), 0);
         assert_eq!(count_visible("2,-1,3"), 1);
         assert_eq!(count_visible("GPU-8f3a, GPU-11c0"), 2);
+    }
+
+    /// The node's place from each launcher's variables; Slurm's per-node lists read at this
+    /// node's place.
+    #[test]
+    fn launchers_tell_a_process_its_place_on_the_node() {
+        let env = |pairs: &[(&str, &str)]| {
+            let map: std::collections::HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            node_place(move |k| map.get(k).cloned())
+        };
+        assert_eq!(env(&[]), (None, None));
+        assert_eq!(env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "3"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "8")]), (Some(3), Some(8)));
+        assert_eq!(env(&[("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "2")]), (Some(1), Some(2)));
+        assert_eq!(env(&[("PMI_LOCAL_RANK", "0"), ("PMI_LOCAL_SIZE", "4")]), (Some(0), Some(4)));
+        assert_eq!(env(&[("SLURM_LOCALID", "2"), ("SLURM_NTASKS_PER_NODE", "4")]), (Some(2), Some(4)));
+        // srun without --ntasks-per-node: the per-node list, at this node's place.
+        let slurm = [("SLURM_LOCALID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2),3"), ("SLURM_NODEID", "2")];
+        assert_eq!(env(&slurm), (Some(1), Some(3)));
+        assert_eq!(env(&[("SLURM_LOCALID", "5"), ("SLURM_TASKS_PER_NODE", "8(x2)")]), (Some(5), Some(8)), "every node alike");
+        assert_eq!(env(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "4,3")]), (Some(1), None), "nodes differ, place unknown");
+        assert_eq!(env(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "4(x")]), (Some(1), None), "not a list");
+        assert_eq!(env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "x")]), (None, None));
+        // Open MPI inside a Slurm allocation: the launcher that started the process speaks first.
+        assert_eq!(
+            env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "0"), ("SLURM_LOCALID", "7"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")]),
+            (Some(0), Some(2))
+        );
+    }
+
+    /// A node's place onto its devices: 8 ranks on one GPU share it, one per GPU on 8, rank
+    /// `l` on device `l` without the node's count; CPU kinds keep their device.
+    #[test]
+    fn ranks_of_a_node_take_its_devices() {
+        let cuda = RankDevice::Cuda(0);
+        let place = |local, on_node, visible, per| placed_on_node(cuda, (local, on_node), visible, per);
+        assert_eq!((0..8).map(|l| place(Some(l), Some(8), Some(1), None)).collect::<Vec<_>>(), vec![cuda; 8]);
+        assert_eq!(place(Some(5), Some(8), Some(8), None), RankDevice::Cuda(5));
+        assert_eq!(place(Some(5), Some(8), Some(4), None), RankDevice::Cuda(2));
+        assert_eq!(place(Some(5), None, Some(1), None), RankDevice::Cuda(5), "the count unknown: one rank per device");
+        assert_eq!(place(Some(5), Some(8), Some(1), Some(8)), cuda, "ranks_per_device");
+        assert_eq!(place(None, Some(8), Some(1), None), cuda, "the place unknown");
+        assert_eq!(placed_on_node(RankDevice::TchCuda(3), (Some(1), Some(2)), Some(2), None), RankDevice::TchCuda(1));
+        assert_eq!(placed_on_node(RankDevice::Rocm(0), (Some(3), Some(4)), Some(2), None), RankDevice::Rocm(1));
+        assert_eq!(placed_on_node(RankDevice::Wgpu, (Some(3), Some(4)), None, None), RankDevice::Wgpu);
+        assert_eq!(placed_on_node(RankDevice::TchCpu, (Some(3), Some(4)), None, None), RankDevice::TchCpu);
     }
 
     /// One process's ranks: GPU kinds spread, the others share their one device.

@@ -11,7 +11,9 @@
 use super::rank::{RankError, RankState};
 use super::regions::InFlight;
 use crate::collective::{Collective, ReduceOp};
-use crate::parallel::{ParallelLm, StageModel};
+use crate::grads::Deferred;
+use crate::parallel::ParallelLm;
+use crate::traffic::Kind;
 
 /// The pipeline tag of an evaluation's activations (a step's tags are below it, a live
 /// change's far above).
@@ -34,20 +36,23 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let s = self.cfg.seq_len;
         let count = windows.len() / (s + 1);
         let micro = micro.max(1);
-        let ctx = self.stage().context(s, self.cfg.precision);
+        let (key, ctx) = self.take_context(s);
         let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
-        let mut sum = 0f64;
+        // Each micro-batch's summed loss, read back together at the end.
+        let mut deferred = Deferred::default();
         for round in windows.chunks(self.cfg.dims.dp * micro * (s + 1)) {
             let Some(rows) = round.chunks(micro * (s + 1)).nth(self.dp_rank) else { continue };
             let mut fl = InFlight { evaluation: true, ..InFlight::default() };
             if !self.plan.is_first() {
                 fl.activation_in = Some(self.receive(prev, TAG_EVAL)?);
             }
-            sum += self.forward(rows, 1.0, &mut fl, &ctx)?;
+            deferred.push(Kind::Evaluation, self.forward(rows, 1.0, &mut fl, &ctx)?);
             if let Some(out) = fl.activation_out.take() {
                 self.hand_on(next, TAG_EVAL, out)?;
             }
         }
+        self.keep_context((key, ctx));
+        let sum = deferred.read().into_iter().fold(0f64, |sum, l| sum + l);
         let mut total = [if self.plan.is_last() && self.plan.tp_rank == 0 { sum } else { 0.0 }];
         self.world.all_reduce(&mut total, ReduceOp::Sum)?;
         Ok(total[0] / (count * s).max(1) as f64)

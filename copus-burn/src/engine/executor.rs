@@ -15,8 +15,9 @@ use super::messages::EngineStep;
 use super::rank::{RankError, RankState};
 use super::regions::{Boundary, InFlight};
 use crate::collective::{Collective, ReduceOp};
-use crate::grads;
-use crate::parallel::{ParallelLm, StageModel};
+use crate::grads::{self, Deferred};
+use crate::parallel::ParallelLm;
+use crate::traffic::Kind;
 use crate::trainer::{StepMetrics, TrainError};
 
 const TAG_ACT: u32 = 1;
@@ -35,10 +36,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let n_total = self.cfg.global_batch / self.cfg.micro_batch;
         let actions = build_schedule(self.cfg.schedule, dims.pp, a).map_err(|e| TrainError::Batch(e.to_string()))?;
         let my_actions = actions[self.plan.stage].clone();
-        let ctx = self.stage().context(self.cfg.seq_len, self.cfg.precision);
+        let (key, ctx) = self.take_context(self.cfg.seq_len);
         let mut flights: Vec<InFlight> = (0..a).map(|_| InFlight::default()).collect();
         let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
-        let mut loss = 0f64;
+        // Each micro-batch's loss share and |g|^2, read back together after the last backward
+        // pass (on a device: one wait for it per step, not two per micro-batch).
+        let mut deferred = Deferred::default();
+        let (mut losses, mut micro) = (Vec::new(), Vec::new());
         let mut micro_sq = vec![0f64; n_total + 1];
         let mut acc: Option<GradientsParams> = None;
         let tp_rank = self.plan.tp_rank;
@@ -49,7 +53,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 Action::RecvActivation { mb } => flights[mb].activation_in = Some(self.receive(prev, TAG_ACT)?),
                 Action::Forward { mb } => {
                     let mut fl = std::mem::take(&mut flights[mb]);
-                    loss += self.forward(self.micro_rows(batch, mb), scale, &mut fl, &ctx)?;
+                    let share = self.forward(self.micro_rows(batch, mb), scale, &mut fl, &ctx)?;
+                    losses.push(deferred.push(Kind::Activations, share));
                     flights[mb] = fl;
                 }
                 Action::SendActivation { mb } => {
@@ -95,8 +100,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     }
                     // This micro-batch's gradient is its share of the step mean: its own mean
                     // gradient is n_total times it (equal tokens per micro-batch).
-                    micro_sq[self.dp_rank * a + mb] =
-                        self.index.sq_norm(self.stage(), &g, None, |p| p.counted(tp_rank)) * (n_total * n_total) as f64;
+                    let sq = self.index.sq_norm(self.stage(), &g, None, |p| p.counted(tp_rank), (n_total * n_total) as f64);
+                    micro.push((self.dp_rank * a + mb, deferred.push(Kind::Probe, sq)));
                     acc = Some(grads::add(self.stage(), acc.take(), g));
                 }
                 Action::SendGrad { mb } => {
@@ -104,6 +109,12 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     self.hand_on(prev, TAG_GRAD, v)?;
                 }
             }
+        }
+        self.keep_context((key, ctx));
+        let values = deferred.read();
+        let loss = losses.iter().fold(0f64, |sum, &i| sum + values[i]);
+        for (slot, i) in micro {
+            micro_sq[slot] = values[i];
         }
         let mut acc = acc.unwrap_or_default();
         // The tied embedding's summed gradient goes back to the mirror.
@@ -146,16 +157,20 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             }
             None => None,
         };
-        // Data parallel: the flattened gradients all-reduced where they lie on a device, in
-        // buckets through host buffers where they lie in host memory.
+        // Data parallel: the gradients all-reduced in buckets of `bucket_elems`, flattened
+        // where they lie on a device (each bucket one tensor there, so no more than a bucket is
+        // copied beside the gradients at once), through host buffers where they lie in host
+        // memory (where MPI ranks keep the buckets too: one all-reduce of the whole gradient
+        // would stage dp copies of it).
         if dims.dp > 1 && zero_chunk.is_none() {
-            // (Through host memory, MPI ranks keep the buckets: one all-reduce of the whole
-            // gradient would stage dp copies of it.)
-            let in_place = self.device_resident() && self.dp.reduces_tensors_in_place();
-            let on_device = if in_place { self.index.flatten_on_device(self.stage(), &acc, |_| true) } else { None };
-            if let Some(flat) = on_device {
-                let sum = self.dp.all_reduce_tensor(flat, ReduceOp::Sum)?;
-                self.index.unflatten_on_device(self.stage(), &mut acc, |_| true, sum);
+            let in_place = self.device_resident() && self.dp.reduces_tensors_in_place() && !grads::host_device(&self.device);
+            if in_place {
+                for bucket in self.index.buckets(self.stage(), |_| true, self.cfg.bucket_elems) {
+                    let select = |p: &ParamInfo| bucket.contains(&p.id);
+                    let flat = self.index.flatten_on_device(self.stage(), &acc, select).expect("gradients on a device");
+                    let sum = self.dp.all_reduce_tensor(flat, ReduceOp::Sum)?;
+                    self.index.unflatten_on_device(self.stage(), &mut acc, select, sum);
+                }
             } else {
                 let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
                 for chunk in flat.chunks_mut(self.cfg.bucket_elems) {
@@ -176,10 +191,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             self.world.all_reduce(&mut sq, ReduceOp::Sum)?;
             sq
         } else {
-            let mut sq = [
-                self.index.sq_norm(self.stage(), &acc, None, counted),
-                previous.map_or(0.0, |p| self.index.sq_norm(self.stage(), &acc, Some(p), counted)),
-            ];
+            let mut norms = Deferred::default();
+            norms.push(Kind::Probe, self.index.sq_norm(self.stage(), &acc, None, counted, 1.0));
+            if let Some(p) = previous {
+                norms.push(Kind::Probe, self.index.sq_norm(self.stage(), &acc, Some(p), counted, 1.0));
+            }
+            let norms = norms.read();
+            let mut sq = [norms[0], norms.get(1).copied().unwrap_or(0.0)];
             self.mp.all_reduce(&mut sq, ReduceOp::Sum)?;
             sq
         };

@@ -11,7 +11,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::grads::{host_device, host_diff_sq, host_sq, in_host_memory, read_sum};
+use crate::grads::{Scalar, host_device, host_diff_sq, host_sq, in_host_memory};
 use crate::traffic::{self, Kind};
 
 /// How a parameter's gradient is counted and reduced.
@@ -105,6 +105,35 @@ impl GradIndex {
         v.out
     }
 
+    /// The selected parameters in stage visit order, in runs of whole parameters of at most
+    /// `elems` elements each (a larger parameter alone): the buckets of a reduction on a device,
+    /// so that no more than a bucket is copied beside the gradients at once. The same on every
+    /// rank whose stage has the same shapes.
+    pub(super) fn buckets<S: Module>(&self, stage: &S, select: impl Fn(&ParamInfo) -> bool, elems: usize) -> Vec<HashSet<ParamId>> {
+        struct V {
+            wanted: HashSet<ParamId>,
+            elems: usize,
+            buckets: Vec<(HashSet<ParamId>, usize)>,
+        }
+        impl ModuleVisitor for V {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                if self.wanted.contains(&p.id) {
+                    let n = p.val().shape().num_elements();
+                    match self.buckets.last_mut() {
+                        Some((ids, len)) if *len + n <= self.elems => {
+                            ids.insert(p.id);
+                            *len += n;
+                        }
+                        _ => self.buckets.push((HashSet::from([p.id]), n)),
+                    }
+                }
+            }
+        }
+        let mut v = V { wanted: self.ids(select), elems, buckets: Vec::new() };
+        stage.visit(&mut v);
+        v.buckets.into_iter().map(|(ids, _)| ids).collect()
+    }
+
     /// The selected parameters' gradients as one tensor on the rank's device, laid out as
     /// [`Self::flatten`] (zeros where a parameter has none); `None` when the rank's device is
     /// host memory, where [`Self::flatten`] reads them without a copy to a device. Decided by the
@@ -194,16 +223,18 @@ impl GradIndex {
         stage.visit(&mut V { g, wanted: self.ids(select), values, at: 0, device: &device });
     }
 
-    /// Sum of squares of the selected parameters' gradients (of `a - b` when `b` is given). In
-    /// host memory each tensor is read in place and summed in f64; on a device each tensor's
-    /// sum is reduced where it lies (in f32) and the sums are read back together, added in f64.
+    /// Sum of squares of the selected parameters' gradients (of `a - b` when `b` is given),
+    /// times `factor`. In host memory each tensor is read in place and summed in f64; on a
+    /// device each tensor's sum is reduced where it lies (in f32), to be read back with the
+    /// step's other numbers and added in f64.
     pub(super) fn sq_norm<S: Module>(
         &self,
         stage: &S,
         a: &GradientsParams,
         b: Option<&GradientsParams>,
         select: impl Fn(&ParamInfo) -> bool,
-    ) -> f64 {
+        factor: f64,
+    ) -> Scalar {
         struct V<'a> {
             a: &'a GradientsParams,
             b: Option<&'a GradientsParams>,
@@ -232,7 +263,7 @@ impl GradIndex {
         }
         let mut v = V { a, b, wanted: self.ids(select), acc: 0.0, on_device: Vec::new() };
         stage.visit(&mut v);
-        v.acc + read_sum(v.on_device)
+        Scalar::new(v.acc, v.on_device, factor)
     }
 }
 
@@ -256,5 +287,52 @@ impl GradIndex {
         let mut v = V { g, out: Vec::with_capacity(self.params.len()) };
         stage.visit(&mut v);
         v.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    /// Buckets are runs of whole parameters in visit order, each within the bound unless one
+    /// parameter alone is larger; unselected parameters are left out.
+    #[test]
+    fn buckets_are_runs_of_whole_parameters_within_the_bound() {
+        let device = Device::flex();
+        // Each layer: a weight of 32 elements, then a bias of 8.
+        let stage: Vec<Linear> = (0..3).map(|_| LinearConfig::new(4, 8).init(&device)).collect();
+        struct Ids(Vec<(ParamId, usize)>);
+        impl ModuleVisitor for Ids {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                self.0.push((p.id, p.val().shape().num_elements()));
+            }
+        }
+        let mut ids = Ids(Vec::new());
+        stage.visit(&mut ids);
+        let sizes: Vec<usize> = ids.0.iter().map(|&(_, n)| n).collect();
+        assert_eq!(sizes, [32, 8, 32, 8, 32, 8]);
+        let info = |id| ParamInfo { id, role: Role::Sharded, mirror: false, tied_owner: false };
+        let index = GradIndex::new(ids.0.iter().map(|&(id, _)| info(id)).collect(), device);
+        // Bucket sizes in elements, in order.
+        let shape = |select: &dyn Fn(&ParamInfo) -> bool, elems| {
+            let buckets = index.buckets(&stage, select, elems);
+            let mut seen = HashSet::new();
+            let sizes: Vec<usize> = buckets
+                .iter()
+                .map(|b| {
+                    assert!(b.iter().all(|id| seen.insert(*id)), "a parameter in two buckets");
+                    ids.0.iter().filter(|(id, _)| b.contains(id)).map(|&(_, n)| n).sum()
+                })
+                .collect();
+            (sizes, seen.len())
+        };
+        assert_eq!(shape(&|_| true, 40), (vec![40, 40, 40], 6));
+        assert_eq!(shape(&|_| true, 100), (vec![80, 40], 6));
+        assert_eq!(shape(&|_| true, 20), (vec![32, 8, 32, 8, 32, 8], 6), "a parameter over the bound alone");
+        assert_eq!(shape(&|_| true, 1 << 20), (vec![120], 6));
+        let first_weight = ids.0[0].0;
+        assert_eq!(shape(&|p| p.id != first_weight, 16), (vec![8, 32, 8, 32, 8], 5), "unselected parameters left out");
     }
 }

@@ -8,6 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use copus_core::layout::{Axis, RankGrid};
+use copus_core::memory::Precision;
 use copus_core::model::{ParamSpec, Placement, TpSplit};
 use thiserror::Error;
 
@@ -78,7 +79,15 @@ pub(super) struct RankState<L: ParallelLm, C: Collective = ThreadComm> {
     pub(super) parallel: Arc<ParallelPlan>,
     /// With ZeRO-1 over dp > 1: how this rank's optimizer state is sharded.
     pub(super) zero: Option<ZeroPlan>,
+    /// The stage's context ([`StageModel::context`]) and the sequence length and precision it
+    /// was built for, kept from one step (or evaluation) to the next: it depends on neither the
+    /// weights nor the step, and building it may upload tables (a Llama's rotary tables), which
+    /// a steady step should not.
+    ctx: Option<(CtxKey, <L::Stage as StageModel>::Ctx)>,
 }
+
+/// What a stage's context is built for: a sequence length and a precision.
+type CtxKey = (usize, Precision);
 
 impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// Builds this rank: process groups, the stage from its shards, the optimizer and the rest
@@ -181,6 +190,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             vocab_local,
             parallel: parallel.clone(),
             zero: None,
+            ctx: None,
         };
         state.resume(resume)?;
         Ok(state)
@@ -419,6 +429,22 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     pub(super) fn stage(&self) -> &L::Stage {
         self.stage.as_ref().expect("stage present between steps")
+    }
+
+    /// The stage's context for sequences of `seq_len` in the configured precision: the one kept
+    /// from before where it was built for the same, otherwise a new one (its uploads counted as
+    /// [`Kind::Constants`]). Hand it back with [`keep_context`](Self::keep_context) when done.
+    pub(super) fn take_context(&mut self, seq_len: usize) -> (CtxKey, <L::Stage as StageModel>::Ctx) {
+        let key = (seq_len, self.cfg.precision);
+        match self.ctx.take() {
+            Some((k, ctx)) if k == key => (key, ctx),
+            _ => (key, traffic::counted_as(Kind::Constants, || self.stage().context(seq_len, key.1))),
+        }
+    }
+
+    /// Keeps a context from [`take_context`](Self::take_context) for the next step.
+    pub(super) fn keep_context(&mut self, ctx: (CtxKey, <L::Stage as StageModel>::Ctx)) {
+        self.ctx = Some(ctx);
     }
 
     /// This rank's parameters by global name (read for an evaluation or a report).

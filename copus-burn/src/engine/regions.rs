@@ -25,7 +25,7 @@ use super::rank::{RankError, RankState};
 use super::tp_graph::{Group, copy_to_group, reduce_from_group};
 use crate::collective::{Collective, CommError, ReduceOp};
 use crate::fused;
-use crate::grads;
+use crate::grads::{self, Scalar};
 use crate::parallel::{ParallelLm, StageModel};
 use crate::traffic::{self, Kind};
 
@@ -190,14 +190,15 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
 
     /// Forward of one micro-batch (`rows`: its sequences of `seq + 1` ids) through this stage;
     /// returns the loss share on the last stage: the summed cross entropy times `scale` (one
-    /// over the step's target tokens in training, 1 for an evaluation's sum).
+    /// over the step's target tokens in training, 1 for an evaluation's sum), on a device still
+    /// there, to be read with the step's other numbers.
     pub(super) fn forward(
         &self,
         rows: &[i64],
         scale: f64,
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
-    ) -> Result<f64, RankError> {
+    ) -> Result<Scalar, RankError> {
         if self.device_resident() {
             let group = self.tp_group()?;
             return match self.cfg.checkpointing {
@@ -243,13 +244,13 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         if !self.plan.is_last() {
             fl.activation_out = Some(Boundary::Host(h));
-            return Ok(0.0);
+            return Ok(Scalar::host(0.0));
         }
         let x = input_leaf(self.constant(h, shape), fl);
         let z = stage.logits(x.clone(), ctx);
         let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), rows, scale)?;
         fl.head = Some((x, z, Boundary::Host(dz)));
-        Ok(loss)
+        Ok(Scalar::host(loss))
     }
 
     /// Under checkpointing, the end of the segment that starts at block `i`, if one does.
@@ -320,14 +321,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     }
 
     /// [`Self::vocab_parallel_cross_entropy`] where the logits lie: the max, the sums of
-    /// exponentials and the target logits combined over the tp group as tensors; one scalar
-    /// (the loss) read back.
+    /// exponentials and the target logits combined over the tp group as tensors; the loss a
+    /// scalar on the device.
     fn vocab_parallel_cross_entropy_on_device(
         &self,
         z: Tensor<3>,
         targets: Tensor<2, Int>,
         scale: f64,
-    ) -> Result<(f64, Tensor<3>), RankError> {
+    ) -> Result<(Scalar, Tensor<3>), RankError> {
         let [bm, s, v] = z.dims();
         let rows = bm * s;
         let device = z.device();
@@ -343,10 +344,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let sum = both.clone().narrow(0, 0, rows).reshape([bm, s, 1]);
         let picked = both.narrow(0, rows, rows).reshape([bm, s, 1]);
         let loss = (sum.clone().log() + max - picked).sum();
-        let loss = traffic::read(loss, Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from) * scale;
+        let loss = Scalar::new(0.0, vec![loss], scale);
         // d loss / d z = (softmax - onehot(target)) / tokens, the one-hot only where the target
         // is in this rank's slice.
-        let classes = Tensor::<1, Int>::arange(0..v as i64, &device).reshape([1, 1, v]).expand([bm, s, v]);
+        let classes = fused::index_range(v, &device).reshape([1, 1, v]).expand([bm, s, v]);
         let onehot = classes.equal(index.expand([bm, s, v])).bool_and(inside.expand([bm, s, v])).float();
         Ok((loss, (exp / sum - onehot).mul_scalar(scale)))
     }
@@ -375,7 +376,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
         group: Option<Group>,
-    ) -> Result<f64, RankError> {
+    ) -> Result<Scalar, RankError> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
         let (inputs, targets) = self.stage_tokens(rows);
@@ -394,7 +395,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let n = h.shape().num_elements();
             fl.activation_out = Some(Boundary::Device(h.clone().detach().reshape([n])));
             fl.whole = Some((input, Output::Activation(h)));
-            return Ok(0.0);
+            return Ok(Scalar::host(0.0));
         }
         let (value, out) = self.head(h, targets, scale, ctx, group.as_ref())?;
         fl.whole = Some((input, out));
@@ -425,7 +426,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         scale: f64,
         ctx: &<L::Stage as StageModel>::Ctx,
         group: Option<&Group>,
-    ) -> Result<(f64, Output), RankError> {
+    ) -> Result<(Scalar, Output), RankError> {
         let targets = targets.expect("the last stage has its targets");
         let z = self.stage().logits(enter(h, group)?, ctx);
         if group.is_some() {
@@ -433,8 +434,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             return Ok((loss, Output::Seeded(z, dz)));
         }
         let loss = fused::cross_entropy_sum(z, targets).mul_scalar(scale);
-        let value = traffic::read(loss.clone(), Kind::Activations).iter::<f32>().next().map_or(f64::NAN, f64::from);
-        Ok((value, Output::Loss(loss)))
+        Ok((Scalar::new(0.0, vec![loss.clone()], 1.0), Output::Loss(loss)))
     }
 
     /// [`Self::backward`] of a stage run as one graph; under tensor parallelism, an error when a
@@ -489,7 +489,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl: &mut InFlight,
         ctx: &<L::Stage as StageModel>::Ctx,
         group: Option<Group>,
-    ) -> Result<f64, RankError> {
+    ) -> Result<Scalar, RankError> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
         let n = shape.iter().product::<usize>();
@@ -513,7 +513,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         fl.group = group.clone();
         if !self.plan.is_last() {
             fl.activation_out = Some(Boundary::Device(h.reshape([n])));
-            return Ok(0.0);
+            return Ok(Scalar::host(0.0));
         }
         let x = input_leaf(h, fl);
         let (value, out) = self.head(x.clone(), targets, scale, ctx, g)?;

@@ -50,4 +50,5 @@ pub use loss::cross_entropy_sum;
 pub use norm::rms_norm;
 pub use rope::rope;
 pub(crate) use rows::{picked, rescale_sums, row_stats, softmax_grad_in_place};
+pub(crate) use softmax::index_range;
 pub use softmax::{causal_softmax, softmax};

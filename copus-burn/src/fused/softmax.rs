@@ -102,16 +102,13 @@ pub(super) fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: O
 
 /// The additive causal mask of [`causal_softmax`] for scores of `shape`: 0 where a row sees the
 /// key, -1e30 where it does not (finite, so that no `0 * -inf` appears in a backward pass),
-/// broadcast over the leading dimensions. Built on `device` from two index ranges (row `r`
+/// broadcast over the leading dimensions. Built on `device` from two [`index_range`]s (row `r`
 /// sees keys `k <= start + r % s`), so nothing is uploaded per call.
 pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device: &Device) -> Tensor<D> {
     let (rows, keys) = (if D >= 2 { shape[D - 2] } else { 1 }, shape[D - 1]);
-    let last_seen = Tensor::<1, Int>::arange(0..rows as i64, device)
-        .remainder_scalar(s.max(1) as i64)
-        .add_scalar(start as i64)
-        .reshape([rows, 1])
-        .expand([rows, keys]);
-    let key = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]).expand([rows, keys]);
+    let last_seen =
+        index_range(rows, device).remainder_scalar(s.max(1) as i64).add_scalar(start as i64).reshape([rows, 1]).expand([rows, keys]);
+    let key = index_range(keys, device).reshape([1, keys]).expand([rows, keys]);
     let mask = Tensor::<2>::zeros([rows, keys], device).mask_fill(key.greater(last_seen), -1e30);
     let mut mask_shape = [1; D];
     mask_shape[D - 1] = keys;
@@ -119,4 +116,11 @@ pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: us
         mask_shape[D - 2] = rows;
     }
     mask.reshape(mask_shape)
+}
+
+/// `0, 1, .., n - 1` on `device`, computed there: a running sum of ones, less one. Burn's
+/// `arange` builds the range on the host and uploads it on backends that do not override it
+/// (CubeCL's wgpu and CUDA without fusion), once per call.
+pub(crate) fn index_range(n: usize, device: &Device) -> Tensor<1, Int> {
+    Tensor::<1, Int>::ones([n], device).cumsum(0).sub_scalar(1)
 }
