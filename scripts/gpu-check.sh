@@ -148,24 +148,31 @@ if [ -n "$only" ]; then
   esac
 fi
 
-# Peak memory in use on the GPU the binaries see (the first entry of CUDA_VISIBLE_DEVICES, an
-# index or a UUID, as nvidia-smi -i takes them; else GPU 0) while a part runs (MiB), sampled
-# every 200 ms; the sampler stops with the script, however it ends.
-gpu="${CUDA_VISIBLE_DEVICES:-0}"
-gpu="${gpu%%,*}"
-sample() { nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$1" 2>/dev/null & echo $!; }
-in_use() { nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+# Memory in use on every GPU (MiB) while a part runs, sampled every 200 ms as `index, MiB`
+# lines; the sampler stops with the script, however it ends. A part's peak is the largest rise
+# over what each GPU had in use before it (LibTorch takes the first GPU of CUDA_VISIBLE_DEVICES,
+# which nvidia-smi may number otherwise, and wgpu the first Vulkan adapter, which ignores it).
+query=(--query-gpu=index,memory.used --format=csv,noheader,nounits)
+sample() { nvidia-smi "${query[@]}" -lms 200 > "$1" 2>/dev/null & echo $!; }
+# The largest rise of a GPU's memory in use from $1 (before) to the peak in $2 (samples), and
+# that GPU's peak, as `rise peak index`; nothing where either file has no number.
+rise() {
+  awk -F', *' 'FNR == NR { if ($2 ~ /^[0-9]+$/) base[$1] = $2; next }
+    $2 ~ /^[0-9]+$/ && ($1 in base) { if (!($1 in peak) || $2 > peak[$1]) peak[$1] = $2 }
+    END { best = ""; for (i in peak) { r = peak[i] - base[i]; if (best == "" || r > best) { best = r; p = peak[i]; g = i } }
+          if (best != "") print best, p, g }' "$1" "$2"
+}
 sampler=""
 trap '[ -z "$sampler" ] || kill "$sampler" 2>/dev/null || true' EXIT
 # One part: a name, its time limit in seconds, then the command; its output is printed and
 # kept in $out/NAME.md, the GPU's memory in use sampled while it runs. Fails the check on an
 # error, the limit or a NaN.
 part() {
-  local name="$1" limit="$2" rc peak base=""
+  local name="$1" limit="$2" rc grew up top gpu
   shift 2
   say "$name (at most $limit s; log: $out/$name.md)"
   if [ "$cpu" != 1 ]; then
-    base="$(in_use)"
+    nvidia-smi "${query[@]}" > "$out/$name-memory-before.txt" 2>/dev/null || true
     sampler="$(sample "$out/$name-memory.txt")"
   fi
   set +e
@@ -175,13 +182,18 @@ part() {
   if [ -n "$sampler" ]; then
     kill "$sampler" 2>/dev/null || true
     sampler=""
-    peak="$(sort -n "$out/$name-memory.txt" 2>/dev/null | tail -1)"
-    say "$name: peak memory in use on GPU $gpu: ${peak:-not sampled (nvidia-smi -lms gave nothing)} MiB (${base:-?} before)"
-    # wgpu takes the first adapter its graphics API offers that is not a CPU, else a CPU one
-    # (lavapipe): a run that left the GPU's memory alone ran on the CPU.
-    if [ "$name" = Wgpu ] && [ -n "$peak" ] && [ -n "$base" ] && [ "$peak" -lt $((base + 256)) ]; then
-      say "Wgpu: FAILED (the GPU's memory in use rose by $((peak - base)) MiB: wgpu ran on another adapter, a CPU one such as lavapipe?)"
-      status=1
+    grew="$(rise "$out/$name-memory-before.txt" "$out/$name-memory.txt" 2>/dev/null || true)"
+    if [ -z "$grew" ]; then
+      say "$name: peak memory in use not sampled (nvidia-smi gave no numbers)"
+    else
+      read -r up top gpu <<< "$grew"
+      say "$name: peak memory in use on GPU $gpu: $top MiB ($up MiB more than before the part)"
+      # wgpu takes the first adapter its graphics API offers that is not a CPU, else a CPU one
+      # (lavapipe): a run that left every GPU's memory alone ran on the CPU.
+      if [ "$name" = Wgpu ] && [ "$up" -lt 256 ]; then
+        say "Wgpu: FAILED (no GPU's memory in use rose by 256 MiB: wgpu ran on another adapter, a CPU one such as lavapipe?)"
+        status=1
+      fi
     fi
   fi
   if [ "$rc" != 0 ]; then

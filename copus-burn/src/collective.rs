@@ -789,9 +789,9 @@ impl Collective for ThreadComm {
         }
         let (n, size) = (t.dims()[0], self.size());
         // From three ranks on, each combines its chunk of every rank's tensor and the chunks
-        // are gathered: per rank, n - 1 additions of a 1/n chunk and one copy of the whole,
-        // where combining the whole on every rank takes n - 1 additions of the whole (8 ranks on
-        // one GPU: about 2 tensors' worth of work each against 7). Per element the same sums in
+        // are gathered: per rank, size - 1 additions of a 1/size chunk and one copy of the
+        // whole, where combining the whole on every rank takes size - 1 additions of the whole
+        // (8 ranks on one GPU: about 2 tensors' worth of work each against 7). Per element the same sums in
         // the same rank order, so the same bits. Small tensors take one rendezvous instead of two.
         if size < 3 || n < SMALL {
             return self.combine_tensors("all_reduce_tensor", t, Some(op), 0..n, |_| n);

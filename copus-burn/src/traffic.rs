@@ -37,7 +37,8 @@ pub struct HostTraffic {
     pub probe: u64,
     /// Tensors built on the host and uploaded: a stage's context (a Llama's rotary tables),
     /// once per rank and sequence length, with the first step and the first after a layout
-    /// change (the causal mask and the one-hot of the cross entropy are built on the device).
+    /// change; the index ranges of the causal mask and the cross entropy's one-hot, once per
+    /// rank thread and length.
     pub constants: u64,
     /// Parameters and optimizer state read or written for a checkpoint, an export, a layout
     /// change or loading a state.

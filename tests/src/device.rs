@@ -1,9 +1,9 @@
 //! Ranks on a device backend (wgpu, LibTorch) against ranks on Flex: the shared body of the
 //! `wgpu` and `tch` tests.
 //!
-//! Tolerance, over five steps on dp1, dp2, pp2, tp2, dp2xtp2 and tp2xpp2 (four micro-batches
-//! of two a step), on dp1 and tp2 with one micro-batch a step (the probe differencing against
-//! the previous step's gradient, kept on the device) and across layout changes:
+//! Tolerance, over five steps on dp1, dp2, pp2, tp2, dp2xtp2 and tp2xpp2 (two micro-batches a
+//! step), on dp1 and tp2 with one micro-batch a step (the probe differencing against the
+//! previous step's gradient, kept on the device) and across layout changes:
 //! per-step losses within 1e-6 relative; gradient norms and the probe's |g|^2 within 1e-5
 //! relative, the estimator's tr(Sigma) within 1e-4 and its |G|^2 within 1e-4 or 1e-5 of the
 //! probe's |g|^2 (see [`assert_estimate_close`]); the weights after the last step within
@@ -40,10 +40,11 @@ use crate::{SEQ, config, dims, initial_full, rel, structured_batch};
 pub const STEPS: usize = 5;
 
 /// One step's numbers: loss, gradient norm, mean micro-batch |g|^2, the estimator's |G|^2 and
-/// tr(Sigma).
-type Step = (f64, f64, f64, Option<f64>, Option<f64>);
+/// tr(Sigma), and |g - g_prev|^2 (a step of one micro-batch after another).
+type Step = (f64, f64, f64, Option<f64>, Option<f64>, Option<f64>);
 
 /// A layout and its batch arithmetic: dp, tp, pp, sequences a step, sequences a micro-batch.
+/// Two sequences a micro-batch throughout.
 #[derive(Clone, Copy)]
 struct Layout {
     dp: usize,
@@ -54,14 +55,19 @@ struct Layout {
 }
 
 impl Layout {
-    /// `dp x tp x pp` with four micro-batches of two a step.
-    const fn four(dp: usize, tp: usize, pp: usize) -> Self {
+    /// `dp x tp x pp` (dp at most 2) with two micro-batches a step (one per replica on dp2).
+    const fn split(dp: usize, tp: usize, pp: usize) -> Self {
         Self { dp, tp, pp, global: 4, micro: 2 }
     }
 
-    /// `1 x tp x 1` with one micro-batch of two a step.
-    const fn one(tp: usize) -> Self {
+    /// `1 x tp x 1` with one micro-batch a step.
+    const fn whole(tp: usize) -> Self {
         Self { dp: 1, tp, pp: 1, global: 2, micro: 2 }
+    }
+
+    /// One micro-batch a step: the probe differences against the previous step's gradient.
+    fn one_micro(&self) -> bool {
+        self.global == self.micro
     }
 
     fn ranks(&self) -> usize {
@@ -84,11 +90,12 @@ impl std::fmt::Display for Layout {
 /// Held-out sequences evaluated after the steps: an odd count, so a micro-batch is short.
 const EVAL_SEQS: usize = 7;
 
-/// A run's results: per step its numbers, the last step's host traffic (without the
-/// evaluation's), the weights after the last step, the held-out loss on the ranks before the
-/// last step, and the evaluation's host bytes.
+/// A run's results: per step its numbers, the first step's host traffic and the last step's
+/// (without the evaluation's), the weights after the last step, the held-out loss on the ranks
+/// before the last step, and the evaluation's host bytes.
 struct Run {
     steps: Vec<Step>,
+    first: HostTraffic,
     host: HostTraffic,
     weights: Weights,
     eval_loss: f64,
@@ -100,7 +107,7 @@ fn run(devices: Vec<RankDevice>, l: Layout) -> Run {
     // Buckets of 64 Ki elements: the data-parallel reduction of tiny-1m's gradient in several.
     let ec = EngineConfig::new(dims(l.dp, l.tp, l.pp), l.global, l.micro, SEQ, optim).with_devices(devices).with_bucket_elems(1 << 16);
     let mut engine = Engine::new(Arc::new(config()), initial_full(), ec).unwrap();
-    let (mut host, mut eval_loss) = (HostTraffic::default(), f64::NAN);
+    let (mut first, mut host, mut eval_loss) = (HostTraffic::default(), HostTraffic::default(), f64::NAN);
     let steps = (0..STEPS)
         .map(|s| {
             if s + 1 == STEPS {
@@ -109,14 +116,18 @@ fn run(devices: Vec<RankDevice>, l: Layout) -> Run {
             }
             let out = engine.step(structured_batch(s, config().shape.vocab_size, l.global)).unwrap();
             assert!(!out.skipped);
-            assert_eq!(out.metrics.gns_biased, l.global == l.micro && s > 0, "{l} step {s}: the probe's mode");
+            assert_eq!(out.metrics.gns_biased, l.one_micro() && s > 0, "{l} step {s}: the probe's mode");
+            if s == 0 {
+                first = out.host;
+            }
             host = out.host;
-            (out.metrics.loss, out.metrics.grad_norm, out.stats.mean_micro_sq_norm, out.metrics.grad_sq, out.metrics.trace)
+            let m = &out.metrics;
+            (m.loss, m.grad_norm, out.stats.mean_micro_sq_norm, m.grad_sq, m.trace, out.stats.diff_sq_norm)
         })
         .collect();
     let weights = engine.gather().unwrap();
     let eval_bytes = std::mem::take(&mut host.evaluation);
-    Run { steps, host, weights, eval_loss, eval_bytes }
+    Run { steps, first, host, weights, eval_loss, eval_bytes }
 }
 
 /// How far the weights `b` are from `a`: the difference's norm over `a`'s, and the largest
@@ -148,14 +159,14 @@ pub fn assert_weights_close(a: &Weights, b: &Weights, what: &str) {
 /// evaluation the same.
 pub fn ranks_train_like_flex_ranks(device: RankDevice) {
     let layouts = [
-        Layout::four(1, 1, 1),
-        Layout::four(2, 1, 1),
-        Layout::four(1, 1, 2),
-        Layout::four(1, 2, 1),
-        Layout::four(2, 2, 1),
-        Layout::four(1, 2, 2),
-        Layout::one(1),
-        Layout::one(2),
+        Layout::split(1, 1, 1),
+        Layout::split(2, 1, 1),
+        Layout::split(1, 1, 2),
+        Layout::split(1, 2, 1),
+        Layout::split(2, 2, 1),
+        Layout::split(1, 2, 2),
+        Layout::whole(1),
+        Layout::whole(2),
     ];
     for l in layouts {
         let (f, w) = (run(Vec::new(), l), run(vec![device; l.ranks()], l));
@@ -184,6 +195,10 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
         assert!((l.ids()..=l.ids() * (l.tp * l.pp) as u64).contains(&dev_host.batch), "{l}: token ids {dev_host:?}");
         assert!(dev_host.beyond_batch() <= 64 << 10, "{l}: {dev_host:?} beyond the token ids");
         assert!(dev_host.total() <= l.ids() + (64 << 10), "{l}: {dev_host:?} in all, the batch's ids {}", l.ids());
+        // What is built on the host once (the rotary tables, the mask's index ranges) is
+        // uploaded with the first step, and kept.
+        assert!(w.first.constants > 0, "{l}: {:?} in the first step", w.first);
+        assert_eq!(dev_host.constants, 0, "{l}: constants uploaded by a steady step");
         for (s, (f, w)) in flex.iter().zip(&dev).enumerate() {
             eprintln!(
                 "{l} step {s}: loss rel {:.2e}, grad norm rel {:.2e}, |g|^2 rel {:.2e}, |G|^2 rel {:.2e}, tr(Sigma) rel {:.2e}",
@@ -198,7 +213,13 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
             assert!(rel(w.2, f.2) <= 1e-5, "{l} step {s}: |g|^2 {} on {device:?}, {} on Flex", w.2, f.2);
             // The estimator's |G|^2 and tr(Sigma): from the second step of one micro-batch on (the
             // first has no gradient to difference against), from the first of several.
-            let estimated = s > 0 || l.global > l.micro;
+            let estimated = s > 0 || !l.one_micro();
+            // With one micro-batch, every step after the first differences against the
+            // previous step's gradient, kept on the device.
+            assert_eq!(w.5.is_some(), l.one_micro() && s > 0, "{l} step {s}: |g - g_prev|^2 {:?} on {device:?}", w.5);
+            if let (Some(dw), Some(df)) = (w.5, f.5) {
+                assert!(rel(dw, df) <= 1e-4, "{l} step {s}: |g - g_prev|^2 {dw} on {device:?}, {df} on Flex");
+            }
             let (Some(gw), Some(gf), Some(tw), Some(tf)) = (w.3, f.3, w.4, f.4) else {
                 assert!(!estimated && [w.3, f.3, w.4, f.4].iter().all(Option::is_none), "{l} step {s}: {w:?} on {device:?}, {f:?} on Flex");
                 continue;
@@ -216,7 +237,7 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
 /// (B |G_B|^2 - b |g_b|^2) / (B - b), and where noise dominates it is a hundredth of them or
 /// less: the norms' rounding differences (1e-7 relative) reach it scaled by the norms, not by
 /// the difference (8.4e-5 relative measured on LibTorch's CPU with |g|^2 within 8.3e-7).
-fn assert_estimate_close(w: f64, f: f64, g2: f64, what: &str) {
+pub fn assert_estimate_close(w: f64, f: f64, g2: f64, what: &str) {
     let bound = (1e-4 * f.abs()).max(1e-5 * g2.abs());
     assert!((w - f).abs() <= bound, "{what}: |G|^2 {w} on the device, {f} on Flex (bound {bound:.3e})");
 }
@@ -224,8 +245,9 @@ fn assert_estimate_close(w: f64, f: f64, g2: f64, what: &str) {
 /// Full parameters by name.
 pub type Weights = std::collections::HashMap<String, Vec<f32>>;
 
-/// A step's loss, mean micro-batch |g|^2 and the smoothed estimate's |G|^2 and tr(Sigma).
-type Estimated = (f64, f64, Option<f64>, Option<f64>);
+/// A step's loss, mean micro-batch |g|^2, the smoothed estimate's |G|^2 and tr(Sigma), and
+/// |g - g_prev|^2.
+type Estimated = (f64, f64, Option<f64>, Option<f64>, Option<f64>);
 
 /// Trains two steps on `from`, changes the layout to `to` in memory, trains two more: per step
 /// (loss, the probe's |g|^2, the smoothed estimate's |G|^2 and tr(Sigma)), the weights at the end, the host traffic of
@@ -249,7 +271,8 @@ fn run_with_switch(devices: Vec<RankDevice>, from: Layout, to: Layout, zero1: bo
             2 => switch = out.host,
             _ => {}
         }
-        steps.push((out.metrics.loss, out.stats.mean_micro_sq_norm, out.metrics.grad_sq, out.metrics.trace));
+        let m = &out.metrics;
+        steps.push((m.loss, out.stats.mean_micro_sq_norm, m.grad_sq, m.trace, out.stats.diff_sq_norm));
     }
     (steps, engine.gather().unwrap(), host, switch)
 }
@@ -262,8 +285,9 @@ fn run_with_switch(devices: Vec<RankDevice>, from: Layout, to: Layout, zero1: bo
 /// micro-batch a step, where the probe's previous gradient, kept on the device, is cut and
 /// handed over with the weights, and the step after the change differences against it.
 pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
-    let one_pp2 = Layout { pp: 2, ..Layout::one(1) };
-    for (from, to, zero1s) in [(Layout::four(2, 1, 1), Layout::four(1, 2, 1), &[false, true][..]), (Layout::one(2), one_pp2, &[false])] {
+    let one_pp2 = Layout { pp: 2, ..Layout::whole(1) };
+    for (from, to, zero1s) in [(Layout::split(2, 1, 1), Layout::split(1, 2, 1), &[false, true][..]), (Layout::whole(2), one_pp2, &[false])]
+    {
         let (flex, flex_weights, _, flex_switch) = run_with_switch(Vec::new(), from, to, false);
         for &zero1 in zero1s {
             let what = format!("{from} -> {to}, zero1 {zero1}");
@@ -276,11 +300,19 @@ pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
             eprintln!("{device:?} {what}: host traffic of the change and the step after it {switch:?} (Flex {flex_switch:?})");
             assert!(switch.state <= 64 << 10, "{what}: the change staged {} bytes of state on the host", switch.state);
             assert!(switch.beyond_batch() <= 128 << 10, "{what}: {switch:?} beyond the token ids");
+            // The new ranks build their context (the rotary tables) once, with the change's step.
+            assert_eq!(host.constants, 0, "{what}: constants uploaded by a steady step");
+            assert!(switch.constants > 0, "{what}: no context built after the change");
             for (s, (f, w)) in flex.iter().zip(&dev).enumerate() {
                 assert!(rel(w.0, f.0) <= 1e-6, "{what} step {s}: loss {} on {device:?}, {} on Flex", w.0, f.0);
                 // The estimator's |G|^2 and tr(Sigma), from the probe's norms of every step so
                 // far (with one micro-batch, from the second step on).
-                if from.global == from.micro && s == 0 {
+                // The step after the change differences against the gradient handed over.
+                assert_eq!(w.4.is_some(), from.one_micro() && s > 0, "{what} step {s}: |g - g_prev|^2 {:?}", w.4);
+                if let (Some(dw), Some(df)) = (w.4, f.4) {
+                    assert!(rel(dw, df) <= 1e-4, "{what} step {s}: |g - g_prev|^2 {dw} on {device:?}, {df} on Flex");
+                }
+                if from.one_micro() && s == 0 {
                     assert_eq!((w.2, w.3, f.2, f.3), (None, None, None, None), "{what} step 0: an estimate without a previous gradient");
                     continue;
                 }
@@ -297,6 +329,53 @@ pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
                 assert!(rel(tw, tf) <= 1e-4, "{what} step {s}: tr(Sigma) {tw} on {device:?}, {tf} on Flex");
             }
             assert_weights_close(&flex_weights, &dev_weights, &format!("{what}: after the change and four steps"));
+        }
+    }
+}
+
+/// The in-process collectives on tensors of `device` give the host collectives' values to the
+/// bit, for groups of 2, 3 and 4 rank threads: the all-reduce (sums and maxima; from three ranks
+/// on, of lengths past `collective`'s small-buffer bound, each rank combines its chunk and the
+/// chunks are gathered), the reduce-scatter and the all-gather. A group of 3 or 4 does not occur
+/// in the parity layouts above, and five steps of dp3 differ from Flex by more than the weights'
+/// bounds allow for reasons of their own (Adam on near-zero gradients), so the chunked path is
+/// checked here, against the host's rank-order sums, rather than through training.
+pub fn tensor_collectives_match_the_host_ones(device: RankDevice) {
+    use burn::tensor::{Tensor, TensorData};
+    use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+    let bits = |t: Tensor<1>| t.into_data().iter::<f32>().map(f32::to_bits).collect::<Vec<_>>();
+    let host_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for size in [2, 3, 4] {
+        // Past 2^14 elements, and not a multiple of the group size for the all-reduce.
+        let len = 3 * (1 << 14) + 5;
+        let handles: Vec<_> = ThreadComm::world(size)
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let dev = device.device().expect("the backend is built");
+                    let r = c.rank() as f32;
+                    let v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37 + r).sin() * 10f32.powi(i as i32 % 7 - 3)).collect();
+                    let tensor = |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &dev);
+                    for op in [ReduceOp::Sum, ReduceOp::Max] {
+                        let mut host = v.clone();
+                        c.all_reduce(&mut host, op).unwrap();
+                        let on_device = bits(c.all_reduce_tensor(tensor(&v), op).unwrap());
+                        assert_eq!(on_device, host_bits(&host), "{device:?}, {size} ranks: the {op:?} all-reduce differs from the host's");
+                    }
+                    let even = &v[..len - len % size];
+                    let host = c.reduce_scatter(even, ReduceOp::Sum).unwrap();
+                    assert_eq!(
+                        bits(c.reduce_scatter_tensor(tensor(even), ReduceOp::Sum).unwrap()),
+                        host_bits(&host),
+                        "{size} ranks: reduce-scatter"
+                    );
+                    let host = c.all_gather(&v[..1000]).unwrap();
+                    assert_eq!(bits(c.all_gather_tensor(tensor(&v[..1000])).unwrap()), host_bits(&host), "{size} ranks: all-gather");
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a rank thread failed; its message is above");
         }
     }
 }

@@ -24,6 +24,11 @@ fn libtorch_ranks_train_like_flex_ranks() {
 }
 
 #[test]
+fn tensor_collectives_on_libtorch_match_the_host_ones_bit_for_bit() {
+    device::tensor_collectives_match_the_host_ones(RankDevice::TchCpu);
+}
+
+#[test]
 fn a_layout_change_on_libtorch_trains_like_one_on_flex() {
     device::a_layout_change_trains_like_one_on_flex(RankDevice::TchCpu);
 }

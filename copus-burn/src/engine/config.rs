@@ -46,25 +46,29 @@ pub fn device_index(local: usize, on_node: usize, visible: Option<usize>, ranks_
 
 /// Where this process sits on its node, from the launcher's environment (`var` reads one
 /// variable): its rank among the node's processes and how many there are, each where the
-/// launcher says. Open MPI, MPICH/Hydra and PMI name both; Slurm names the rank
-/// (`SLURM_LOCALID`) and the count either as `SLURM_NTASKS_PER_NODE` (with `--ntasks-per-node`)
-/// or, always, as a per-node list (`SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE`: `4(x2),3`
-/// is 4, 4 and 3), read at this node's place in the job (`SLURM_NODEID`).
+/// launcher says. Open MPI, MPICH/Hydra and PMI name both. Slurm names the rank
+/// (`SLURM_LOCALID`) and the count as the job step's per-node list
+/// (`SLURM_STEP_TASKS_PER_NODE`: `4(x2),3` is 4, 4 and 3) read at this node's place in the step
+/// (`SLURM_NODEID`), else as `SLURM_NTASKS_PER_NODE` (which a step inherits from its
+/// allocation's `--ntasks-per-node` even when it runs fewer), else as the allocation's list
+/// (`SLURM_TASKS_PER_NODE`).
 pub fn node_place(var: impl Fn(&str) -> Option<String>) -> (Option<usize>, Option<usize>) {
     let number = |k: &str| var(k)?.trim().parse::<usize>().ok();
+    let slurm_list = |k: &str| {
+        let counts = slurm_counts(&var(k)?)?;
+        match number("SLURM_NODEID") {
+            Some(node) => counts.get(node).copied(),
+            // Without the node's place, a count every node shares.
+            None => counts.first().copied().filter(|&c| counts.iter().all(|&x| x == c)),
+        }
+    };
     let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID"].into_iter().find_map(number);
-    let on_node = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]
+    let on_node = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"]
         .into_iter()
         .find_map(number)
-        .or_else(|| {
-            let list = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"].into_iter().find_map(&var)?;
-            let counts = slurm_counts(&list)?;
-            match number("SLURM_NODEID") {
-                Some(node) => counts.get(node).copied(),
-                // Without the node's place, a count every node shares.
-                None => counts.first().copied().filter(|&c| counts.iter().all(|&x| x == c)),
-            }
-        });
+        .or_else(|| slurm_list("SLURM_STEP_TASKS_PER_NODE"))
+        .or_else(|| number("SLURM_NTASKS_PER_NODE"))
+        .or_else(|| slurm_list("SLURM_TASKS_PER_NODE"));
     (local, on_node)
 }
 
@@ -86,8 +90,9 @@ fn slurm_counts(list: &str) -> Option<Vec<usize>> {
 /// node (see [`node_place`]), laid onto the node's `visible` devices by [`device_index`]
 /// (`ranks_per_device` each when given, else spread evenly): with one rank per GPU, rank 5 of
 /// two 4-GPU nodes takes GPU 1 of the second; 8 ranks of a one-GPU node all take GPU 0. Without
-/// the node's rank count, one rank per device. Other kinds of device, and a process that does
-/// not know its place, keep `device`.
+/// the node's rank count, `ranks_per_device` each when given, else the ranks dealt round the
+/// visible devices (rank `l` on device `l % visible`), else rank `l` on device `l`. Other kinds
+/// of device, and a process that does not know its place, keep `device`.
 pub fn placed_on_node(
     device: RankDevice,
     (local, on_node): (Option<usize>, Option<usize>),
@@ -96,8 +101,12 @@ pub fn placed_on_node(
 ) -> RankDevice {
     match (device, local) {
         (RankDevice::Cuda(_) | RankDevice::Rocm(_) | RankDevice::TchCuda(_), Some(l)) => {
-            let visible = on_node.and(visible);
-            device.with_index(device_index(l, on_node.unwrap_or(l + 1), visible, ranks_per_device))
+            device.with_index(match (on_node, ranks_per_device, visible) {
+                (Some(n), _, _) => device_index(l, n, visible, ranks_per_device),
+                (None, Some(k), _) => l / k.max(1),
+                (None, None, Some(v)) if v > 0 => l % v,
+                (None, None, _) => l,
+            })
         }
         (d, _) => d,
     }
@@ -392,6 +401,11 @@ mod tests {
         // srun without --ntasks-per-node: the per-node list, at this node's place.
         let slurm = [("SLURM_LOCALID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2),3"), ("SLURM_NODEID", "2")];
         assert_eq!(env(&slurm), (Some(1), Some(3)));
+        // A step of 4 in an allocation of 8 per node: the step's list, not the inherited count.
+        let step =
+            [("SLURM_LOCALID", "1"), ("SLURM_NTASKS_PER_NODE", "8"), ("SLURM_STEP_TASKS_PER_NODE", "4"), ("SLURM_TASKS_PER_NODE", "8")];
+        assert_eq!(env(&step), (Some(1), Some(4)));
+        assert_eq!(env(&[("SLURM_LOCALID", "1"), ("SLURM_NTASKS_PER_NODE", "8"), ("SLURM_TASKS_PER_NODE", "2")]), (Some(1), Some(8)));
         assert_eq!(env(&[("SLURM_LOCALID", "5"), ("SLURM_TASKS_PER_NODE", "8(x2)")]), (Some(5), Some(8)), "every node alike");
         assert_eq!(env(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "4,3")]), (Some(1), None), "nodes differ, place unknown");
         assert_eq!(env(&[("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "4(x")]), (Some(1), None), "not a list");
@@ -412,7 +426,11 @@ mod tests {
         assert_eq!((0..8).map(|l| place(Some(l), Some(8), Some(1), None)).collect::<Vec<_>>(), vec![cuda; 8]);
         assert_eq!(place(Some(5), Some(8), Some(8), None), RankDevice::Cuda(5));
         assert_eq!(place(Some(5), Some(8), Some(4), None), RankDevice::Cuda(2));
-        assert_eq!(place(Some(5), None, Some(1), None), RankDevice::Cuda(5), "the count unknown: one rank per device");
+        // The node's count unknown: dealt round the visible devices, or ranks_per_device each.
+        assert_eq!(place(Some(5), None, Some(1), None), cuda, "one GPU: all on it");
+        assert_eq!(place(Some(5), None, Some(4), None), RankDevice::Cuda(1));
+        assert_eq!(place(Some(5), None, Some(4), Some(2)), RankDevice::Cuda(2));
+        assert_eq!(place(Some(5), None, None, None), RankDevice::Cuda(5), "nothing known: rank l on device l");
         assert_eq!(place(Some(5), Some(8), Some(1), Some(8)), cuda, "ranks_per_device");
         assert_eq!(place(None, Some(8), Some(1), None), cuda, "the place unknown");
         assert_eq!(placed_on_node(RankDevice::TchCuda(3), (Some(1), Some(2)), Some(2), None), RankDevice::TchCuda(1));

@@ -131,7 +131,8 @@ pub(super) fn slice_along(values: &[f32], shape: &[usize], dim: usize, offset: u
 enum Piece {
     Owned(Vec<f32>),
     Shared(Shared),
-    Device(Tensor<3>),
+    // Boxed: a tensor handle is some hundreds of bytes under wgpu.
+    Device(Box<Tensor<3>>),
 }
 
 impl Piece {
@@ -429,8 +430,10 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let name = &job.specs[m.param].name;
             for kind in 0..kinds {
                 let t = tag(i, kind, kinds);
-                let handed =
-                    job.handoff.as_ref().and_then(|h| h.take_tensor(t).map(Piece::Device).or_else(|| h.take(t).map(Piece::Shared)));
+                let handed = job
+                    .handoff
+                    .as_ref()
+                    .and_then(|h| h.take_tensor(t).map(|x| Piece::Device(Box::new(x))).or_else(|| h.take(t).map(Piece::Shared)));
                 let piece = match handed {
                     Some(p) => p,
                     None => Piece::Owned(self.world.recv(m.src_rank, t).map_err(|e| load(e.to_string()))?),
@@ -473,7 +476,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     let Piece::Device(x) = piece else {
                         return Err(load(format!("`{name}`: pieces arrived both on a device and in host memory")));
                     };
-                    tensors.push((o, l, t, x));
+                    tensors.push((o, l, t, *x));
                 }
                 // On this rank's device, without autodiff (the state's flat tensors have none;
                 // a weight becomes a parameter in the new stage).

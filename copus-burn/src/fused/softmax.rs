@@ -103,7 +103,8 @@ pub(super) fn masked_softmax<const D: usize>(x: Tensor<D>, scale: f64, causal: O
 /// The additive causal mask of [`causal_softmax`] for scores of `shape`: 0 where a row sees the
 /// key, -1e30 where it does not (finite, so that no `0 * -inf` appears in a backward pass),
 /// broadcast over the leading dimensions. Built on `device` from two [`index_range`]s (row `r`
-/// sees keys `k <= start + r % s`), so nothing is uploaded per call.
+/// sees keys `k <= start + r % s`), which are uploaded once and kept, so nothing is uploaded
+/// per call.
 pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: usize, device: &Device) -> Tensor<D> {
     let (rows, keys) = (if D >= 2 { shape[D - 2] } else { 1 }, shape[D - 1]);
     let last_seen =
@@ -118,9 +119,24 @@ pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: us
     mask.reshape(mask_shape)
 }
 
-/// `0, 1, .., n - 1` on `device`, computed there: a running sum of ones, less one. Burn's
-/// `arange` builds the range on the host and uploads it on backends that do not override it
-/// (CubeCL's wgpu and CUDA without fusion), once per call.
+/// `0, 1, .., n - 1` on `device`: uploaded once per thread, length and device (counted as
+/// [`Kind::Constants`](crate::traffic::Kind::Constants)) and kept, so a steady step uploads
+/// none. Burn's `arange` uploads its range with every call on backends that do not override it
+/// (CubeCL's wgpu and CUDA without fusion), and a running sum of ones on the device costs
+/// `n^2 / 2` additions there (CubeCL's cumulative sum), too many for a vocabulary slice. Per
+/// thread, because a rank thread's fused operations run on a stream of its own.
 pub(crate) fn index_range(n: usize, device: &Device) -> Tensor<1, Int> {
-    Tensor::<1, Int>::ones([n], device).cumsum(0).sub_scalar(1)
+    thread_local! {
+        static RANGES: std::cell::RefCell<Vec<(usize, Device, Tensor<1, Int>)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    RANGES.with(|ranges| {
+        let mut ranges = ranges.borrow_mut();
+        if let Some((_, _, t)) = ranges.iter().find(|(len, d, _)| *len == n && d == device) {
+            return t.clone();
+        }
+        let data = TensorData::new((0..n as i64).collect::<Vec<_>>(), [n]);
+        let t: Tensor<1, Int> = crate::traffic::upload(data, device, crate::traffic::Kind::Constants);
+        ranges.push((n, device.clone(), t.clone()));
+        t
+    })
 }
