@@ -151,13 +151,14 @@ fi
 # Memory in use on every GPU (MiB) while a part runs, sampled every 200 ms as `index, MiB`
 # lines; the sampler stops with the script, however it ends. A part's peak is the largest rise
 # over what each GPU had in use before it (LibTorch takes the first GPU of CUDA_VISIBLE_DEVICES,
-# which nvidia-smi may number otherwise, and wgpu the first Vulkan adapter, which ignores it).
+# which nvidia-smi may number otherwise, and wgpu the first Vulkan adapter, which ignores it;
+# on a shared multi-GPU node another job's rise may be taken for the part's).
 query=(--query-gpu=index,memory.used --format=csv,noheader,nounits)
 sample() { nvidia-smi "${query[@]}" -lms 200 > "$1" 2>/dev/null & echo $!; }
 # The largest rise of a GPU's memory in use from $1 (before) to the peak in $2 (samples), and
 # that GPU's peak, as `rise peak index`; nothing where either file has no number.
 rise() {
-  awk -F', *' 'FNR == NR { if ($2 ~ /^[0-9]+$/) base[$1] = $2; next }
+  awk -F', *' 'FILENAME == ARGV[1] { if ($2 ~ /^[0-9]+$/) base[$1] = $2; next }
     $2 ~ /^[0-9]+$/ && ($1 in base) { if (!($1 in peak) || $2 > peak[$1]) peak[$1] = $2 }
     END { best = ""; for (i in peak) { r = peak[i] - base[i]; if (best == "" || r > best) { best = r; p = peak[i]; g = i } }
           if (best != "") print best, p, g }' "$1" "$2"

@@ -217,6 +217,7 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
             // With one micro-batch, every step after the first differences against the
             // previous step's gradient, kept on the device.
             assert_eq!(w.5.is_some(), l.one_micro() && s > 0, "{l} step {s}: |g - g_prev|^2 {:?} on {device:?}", w.5);
+            assert_eq!(w.5.is_some(), f.5.is_some(), "{l} step {s}: |g - g_prev|^2 {:?} on {device:?}, {:?} on Flex", w.5, f.5);
             if let (Some(dw), Some(df)) = (w.5, f.5) {
                 assert!(rel(dw, df) <= 1e-4, "{l} step {s}: |g - g_prev|^2 {dw} on {device:?}, {df} on Flex");
             }
@@ -269,6 +270,8 @@ fn run_with_switch(devices: Vec<RankDevice>, from: Layout, to: Layout, zero1: bo
         match s {
             1 => host = out.host,
             2 => switch = out.host,
+            // The step after the change's uploads nothing the change's step built.
+            3 => assert_eq!(out.host.constants, 0, "step {s} after the change: {:?}", out.host),
             _ => {}
         }
         let m = &out.metrics;
@@ -309,6 +312,7 @@ pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
                 // far (with one micro-batch, from the second step on).
                 // The step after the change differences against the gradient handed over.
                 assert_eq!(w.4.is_some(), from.one_micro() && s > 0, "{what} step {s}: |g - g_prev|^2 {:?}", w.4);
+                assert_eq!(w.4.is_some(), f.4.is_some(), "{what} step {s}: |g - g_prev|^2 {:?} on {device:?}, {:?} on Flex", w.4, f.4);
                 if let (Some(dw), Some(df)) = (w.4, f.4) {
                     assert!(rel(dw, df) <= 1e-4, "{what} step {s}: |g - g_prev|^2 {dw} on {device:?}, {df} on Flex");
                 }

@@ -417,8 +417,9 @@ mod tests {
         );
     }
 
-    /// A node's place onto its devices: 8 ranks on one GPU share it, one per GPU on 8, rank
-    /// `l` on device `l` without the node's count; CPU kinds keep their device.
+    /// A node's place onto its devices: 8 ranks on one GPU share it, one per GPU on 8; without
+    /// the node's count, dealt round the visible devices (or `ranks_per_device` each, or rank
+    /// `l` on device `l` when nothing is known); CPU kinds keep their device.
     #[test]
     fn ranks_of_a_node_take_its_devices() {
         let cuda = RankDevice::Cuda(0);

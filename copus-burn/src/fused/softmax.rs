@@ -119,24 +119,37 @@ pub(super) fn causal_mask<const D: usize>(shape: [usize; D], s: usize, start: us
     mask.reshape(mask_shape)
 }
 
-/// `0, 1, .., n - 1` on `device`: uploaded once per thread, length and device (counted as
-/// [`Kind::Constants`](crate::traffic::Kind::Constants)) and kept, so a steady step uploads
-/// none. Burn's `arange` uploads its range with every call on backends that do not override it
-/// (CubeCL's wgpu and CUDA without fusion), and a running sum of ones on the device costs
-/// `n^2 / 2` additions there (CubeCL's cumulative sum), too many for a vocabulary slice. Per
-/// thread, because a rank thread's fused operations run on a stream of its own.
+/// `0, 1, .., n - 1` on `device`: a view of a range uploaded once per thread and device (counted
+/// as [`Kind::Constants`](crate::traffic::Kind::Constants)) and kept, uploaded again, twice as
+/// long, only when a longer one is asked for (a decoder's growing keys), so a steady step
+/// uploads none. Burn's `arange` uploads its range with every call on backends that do not
+/// override it (CubeCL's wgpu and CUDA without fusion), and a running sum of ones on the device
+/// costs `n^2 / 2` additions there (CubeCL's cumulative sum), too many for a vocabulary slice.
+/// Per thread, because a rank thread's fused operations run on a stream of its own (a thread
+/// that mixes autodiff checkpointing strategies on one device should not share a range
+/// between them).
 pub(crate) fn index_range(n: usize, device: &Device) -> Tensor<1, Int> {
     thread_local! {
-        static RANGES: std::cell::RefCell<Vec<(usize, Device, Tensor<1, Int>)>> = const { std::cell::RefCell::new(Vec::new()) };
+        static RANGES: std::cell::RefCell<Vec<(Device, Tensor<1, Int>)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if n == 0 {
+        // As Burn's `arange(0..0)`.
+        return Tensor::from_data(TensorData::new(Vec::<i64>::new(), [0]), device);
     }
     RANGES.with(|ranges| {
         let mut ranges = ranges.borrow_mut();
-        if let Some((_, _, t)) = ranges.iter().find(|(len, d, _)| *len == n && d == device) {
-            return t.clone();
+        let at = ranges.iter().position(|(d, _)| d == device);
+        let have = at.map_or(0, |i| ranges[i].1.dims()[0]);
+        if have < n {
+            let len = n.max(2 * have);
+            let data = TensorData::new((0..len as i64).collect::<Vec<_>>(), [len]);
+            let t = crate::traffic::upload(data, device, crate::traffic::Kind::Constants);
+            match at {
+                Some(i) => ranges[i].1 = t,
+                None => ranges.push((device.clone(), t)),
+            }
         }
-        let data = TensorData::new((0..n as i64).collect::<Vec<_>>(), [n]);
-        let t: Tensor<1, Int> = crate::traffic::upload(data, device, crate::traffic::Kind::Constants);
-        ranges.push((n, device.clone(), t.clone()));
-        t
+        let (_, t) = ranges.iter().find(|(d, _)| d == device).expect("a range for the device");
+        if n == t.dims()[0] { t.clone() } else { t.clone().narrow(0, 0, n) }
     })
 }

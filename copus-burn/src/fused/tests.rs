@@ -506,3 +506,24 @@ fn the_fused_rope_equals_the_decomposed_rotation_in_value_and_gradient() {
         }
     }
 }
+
+/// Index ranges are views of one range per thread and device, uploaded with the first call and
+/// again, twice as long, only when a longer one is asked for; the meter sees each upload.
+#[test]
+fn index_ranges_are_uploaded_once_and_grow_by_doubling() {
+    use crate::traffic;
+    let device = Device::flex();
+    let values = |t: Tensor<1, Int>| t.into_data().iter::<i64>().collect::<Vec<_>>();
+    let _ = traffic::take();
+    let mut expect = |n: i64, uploaded: i64| {
+        assert_eq!(values(index_range(n as usize, &device)), (0..n).collect::<Vec<_>>());
+        assert_eq!(traffic::take().constants, 8 * uploaded as u64, "after asking for {n}");
+    };
+    expect(5, 5);
+    expect(3, 0);
+    expect(5, 0);
+    expect(7, 10);
+    expect(10, 0);
+    expect(25, 25);
+    expect(0, 0);
+}
