@@ -515,7 +515,7 @@ fn index_ranges_are_uploaded_once_and_grow_by_doubling() {
     let device = Device::flex();
     let values = |t: Tensor<1, Int>| t.into_data().iter::<i64>().collect::<Vec<_>>();
     let _ = traffic::take();
-    let mut expect = |n: i64, uploaded: i64| {
+    let expect = |n: i64, uploaded: i64| {
         assert_eq!(values(index_range(n as usize, &device)), (0..n).collect::<Vec<_>>());
         assert_eq!(traffic::take().constants, 8 * uploaded as u64, "after asking for {n}");
     };
