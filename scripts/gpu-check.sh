@@ -2,7 +2,7 @@
 # gpu-check.sh: copus on one NVIDIA GPU, from a bundle built elsewhere, in under 10 minutes.
 # For a machine with a GPU, no network, no Rust toolchain and PyTorch in its Python.
 #
-# Build the bundle (on a machine with Rust and the package registries; see the README's "The
+# Build the bundle (on a machine with Rust and the package registries; see docs/gpu.md, "The
 # GPU check"):
 #     scripts/build-gpu-bundle.sh            # writes target/gpu-bundle.tar.gz
 # Copy it to the GPU machine, unpack and run:

@@ -13,15 +13,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use copus_burn::driver::Clock;
-use copus_burn::{DataSource, Driver, Engine, EngineConfig, OptimConfig};
-use copus_core::candidates::CandidateSpace;
+use copus_burn::{DataSource, JobBuilder, OptimConfig};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
-use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{Copus, Policy, Scorer, SwitchRule};
 use copus_core::schedule::ScheduleKind;
-use copus_core::throughput::{ClusterModel, ClusterSpec};
+use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, SwitchRule};
 use copus_models::{LlamaConfig, full_params};
 
 /// Tokens per sequence the model reads.
@@ -53,38 +49,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let data = TextWindows(text);
 
-    // The model and its starting weights.
+    // The model, its starting weights and the candidate space: 2 ranks, B_g in {2, 4, ..., 32},
+    // B_m in {1, 2, 4}, every layout of 2 ranks whose numbers divide and that fits in memory.
     let spec = ModelSpec { name: "bytes-1m".into(), vocab_size: 256, seq_len: SEQ, ..ModelSpec::tiny_1m() };
     let cfg = LlamaConfig::from_spec(&spec);
     let device = burn::tensor::Device::flex().autodiff();
     device.seed(0);
     let full = full_params(&cfg.init(&device));
-
-    // The candidate space: 2 ranks, B_g in {2, 4, ..., 32}, B_m in {1, 2, 4}; every layout of
-    // 2 ranks whose numbers divide and that fits in memory.
-    let world = 2;
-    let space = CandidateSpace::new(world, vec![2, 4, 8, 16, 32], vec![1, 2, 4], ScheduleKind::OneFOneB, MemoryModel::fp32(), 8.0 * GIB)?
-        .enumerate(&cfg.spec("bytes-1m"));
+    let space = CandidateSpace::new(2, vec![2, 4, 8, 16, 32], vec![1, 2, 4], ScheduleKind::OneFOneB, MemoryModel::fp32(), 8.0 * GIB)?
+        .enumerate(&spec);
     // Throughput prior: the analytic model of CPU ranks on this machine, learned online from
-    // what each step measures.
+    // what each step measures. The job starts at B_g 8, B_m 4 on the layout the prior rates
+    // fastest, under the Copus policy.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let prior = ClusterModel { memory: MemoryModel::fp32(), ..ClusterModel::new(ClusterSpec::cpu_ranks(world, cores), spec.clone()) };
-    let b0 = 8;
-    let scorer = Scorer::plain(&space.feasible, &prior, b0 as f64)?;
-    let rule = SwitchRule { min_dwell_steps: 5, confirm_steps: 3, ..SwitchRule::default() };
-    let policy = Copus::new(scorer.clone(), rule)?;
-    println!("policy {} over {} feasible candidates", policy.name(), space.feasible.len());
-    let mut source = Orchestrator::new(Box::new(policy), scorer);
-
-    // Start at dp2, B_g 8, B_m 4 (one of the candidates).
-    let start = *space
-        .feasible
-        .iter()
-        .find(|c| c.dims.dp == 2 && c.global_batch == b0 && c.micro_batch == 4)
-        .ok_or("dp2, B_g 8, B_m 4 is not a candidate")?;
-    let optim = OptimConfig::new().with_lr(3e-3).with_b0(b0).with_warmup_steps(0).with_total_steps(steps);
-    let engine = Engine::new(Arc::new(cfg), &full, EngineConfig::new(start.dims, start.global_batch, start.micro_batch, SEQ, optim))?;
-    let mut driver = Driver::new(engine, space, Clock::Wall)?;
+    let prior = ClusterModel { memory: MemoryModel::fp32(), ..ClusterModel::new(ClusterSpec::cpu_ranks(2, cores), spec.clone()) };
+    let job =
+        JobBuilder::new(Arc::new(cfg), space, OptimConfig::new().with_lr(3e-3).with_b0(8).with_warmup_steps(0).with_total_steps(steps))
+            .prior(&prior)?
+            .start_batch(8, 4, None)
+            .copus(SwitchRule { min_dwell_steps: 5, confirm_steps: 3, ..SwitchRule::default() })
+            .build(&full)?;
+    let (mut driver, mut source) = (job.driver, job.orchestrator.ok_or("the Copus orchestrator")?);
+    println!("policy {} from {}", source.policy_name(), job.start);
 
     println!("| step | configuration | loss | B_simple | samples/s | decision |\n|---:|---|---:|---:|---:|---|");
     for _ in 0..steps {

@@ -25,8 +25,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use copus_core::candidates::{Candidate, Enumeration};
-use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{Decision, StepObservation};
+use copus_core::decision::DecisionSource;
+use copus_core::policy::StepObservation;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -40,91 +40,10 @@ pub trait DataSource {
     fn sequences(&self, first: u64, count: usize) -> Vec<i64>;
 }
 
-/// A decision source's saved state that it cannot continue from.
-#[derive(Debug, Error)]
-pub enum SourceStateError {
-    /// The saved state is not the JSON this source writes.
-    #[error("the saved orchestrator state does not parse: {0}")]
-    Parse(#[from] serde_json::Error),
-    /// The state parses but belongs to another source (another policy, say).
-    #[error("{0}")]
-    Mismatch(String),
-}
-
 /// Why the driver refuses a configuration: the candidate space's reason.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 #[error("{0}")]
 pub struct Refusal(pub String);
-
-/// Who decides the next configuration.
-pub trait DecisionSource {
-    /// For logs and reports.
-    fn name(&self) -> String;
-    /// The decision after a finished step; `samples_per_sec` is what the step measured.
-    fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision;
-    /// A decision was carried out and took `seconds` (as the run's clock counts them).
-    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool);
-    /// What the source learned so far (JSON), saved with each whole-run checkpoint; `None`
-    /// when it keeps nothing here (a scripted plan, a remote service that keeps its own).
-    fn save_state(&self) -> Option<String> {
-        None
-    }
-    /// Continues from a [`DecisionSource::save_state`].
-    fn restore_state(&mut self, _state: &str) -> Result<(), SourceStateError> {
-        Ok(())
-    }
-}
-
-impl DecisionSource for Orchestrator {
-    fn name(&self) -> String {
-        self.policy_name()
-    }
-    fn on_step(&mut self, obs: &StepObservation, samples_per_sec: f64) -> Decision {
-        self.on_step_measured(obs, samples_per_sec)
-    }
-    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
-        Orchestrator::on_reconfigured(self, seconds, layout_changed);
-    }
-    fn save_state(&self) -> Option<String> {
-        serde_json::to_string(&self.state()).ok()
-    }
-    fn restore_state(&mut self, state: &str) -> Result<(), SourceStateError> {
-        let state = serde_json::from_str(state)?;
-        self.restore(&state).map_err(|e| SourceStateError::Mismatch(e.to_string()))
-    }
-}
-
-/// Decisions fixed in advance: after step `s` (1-based, as [`StepObservation::step`]), go to
-/// the listed configuration. For tests and replays.
-#[derive(Clone, Debug, Default)]
-pub struct Scripted {
-    plan: BTreeMap<u64, Candidate>,
-    /// Reconfiguration costs reported back, in order.
-    pub reported: Vec<(f64, bool)>,
-}
-
-impl Scripted {
-    /// Goes to `target` after each listed step.
-    pub fn new(plan: impl IntoIterator<Item = (u64, Candidate)>) -> Self {
-        Self { plan: plan.into_iter().collect(), reported: Vec::new() }
-    }
-}
-
-impl DecisionSource for Scripted {
-    fn name(&self) -> String {
-        "scripted".into()
-    }
-    fn on_step(&mut self, obs: &StepObservation, _samples_per_sec: f64) -> Decision {
-        match self.plan.get(&obs.step) {
-            Some(&t) if t != obs.current && t.dims != obs.current.dims => Decision::ChangeLayout(t),
-            Some(&t) if t != obs.current => Decision::ChangeBatch(t),
-            _ => Decision::Keep,
-        }
-    }
-    fn on_reconfigured(&mut self, seconds: f64, layout_changed: bool) {
-        self.reported.push((seconds, layout_changed));
-    }
-}
 
 /// How the run's time is counted.
 pub enum Clock {
@@ -527,42 +446,7 @@ impl<L: ParallelLm> Driver<L> {
     /// One step on the next B_g sequences, then the decision and, if valid, the switch.
     pub fn step(&mut self, data: &dyn DataSource, source: &mut dyn DecisionSource) -> Result<DriverStep, DriverError> {
         let candidate = self.current;
-        let tokens = data.sequences(self.next_sample, candidate.global_batch);
-        let started = Instant::now();
-        let step = self.engine.step(tokens)?;
-        let secs = started.elapsed().as_secs_f64();
-        self.next_sample += candidate.global_batch as u64;
-        // Seconds of the step on the run's clock; the decision source sees samples/s on it too.
-        let step_secs = match &self.clock {
-            Clock::Wall => secs,
-            Clock::Modelled { step_secs, .. } => step_secs(&candidate),
-        };
-        self.clock_secs += step_secs;
-        let samples_per_sec = candidate.global_batch as f64 / step_secs.max(1e-12);
-        if step.skipped {
-            self.bad_in_row += 1;
-            let restored = if self.bad_in_row >= self.divergence.max_bad_steps { Some(self.restore()?) } else { None };
-            let clock_secs = self.clock_secs;
-            return Ok(DriverStep {
-                step,
-                candidate,
-                step_clock_secs: clock_secs,
-                clock_secs,
-                samples_per_sec,
-                decision: None,
-                switch: None,
-                restored,
-            });
-        }
-        self.bad_in_row = 0;
-        if step.metrics.step.is_multiple_of(self.divergence.snapshot_every.max(1)) {
-            self.take_snapshot()?;
-        }
-        let obs = StepObservation { step: step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
-        // 0: not measured (the first step after a relaunch pays for warm-up on the wall clock).
-        let warm_up = std::mem::take(&mut self.warming_up) && matches!(self.clock, Clock::Wall);
-        let decision = source.on_step(&obs, if warm_up { 0.0 } else { samples_per_sec });
-        let proposed = decision.target(candidate);
+        let (step, samples_per_sec) = self.train_step(data)?;
         let mut out = DriverStep {
             step,
             candidate,
@@ -573,59 +457,110 @@ impl<L: ParallelLm> Driver<L> {
             switch: None,
             restored: None,
         };
+        if out.step.skipped {
+            self.bad_in_row += 1;
+            if self.bad_in_row >= self.divergence.max_bad_steps {
+                // The restore is charged to the clock: the step ends after it.
+                out.restored = Some(self.restore()?);
+                (out.step_clock_secs, out.clock_secs) = (self.clock_secs, self.clock_secs);
+            }
+            return Ok(out);
+        }
+        self.bad_in_row = 0;
+        if out.step.metrics.step.is_multiple_of(self.divergence.snapshot_every.max(1)) {
+            self.take_snapshot()?;
+        }
+        let obs = StepObservation { step: out.step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
+        // 0: not measured (the first step after a relaunch pays for warm-up on the wall clock).
+        let warm_up = std::mem::take(&mut self.warming_up) && matches!(self.clock, Clock::Wall);
+        let proposed = source.on_step(&obs, if warm_up { 0.0 } else { samples_per_sec }).target(candidate);
         if proposed == candidate {
             return Ok(out);
         }
         let mut record = DecisionRecord { step: obs.step, current: candidate, proposed, applied: false, refused: None };
-        if let Err(Refusal(why)) = self.check(&proposed) {
-            tracing::warn!("{}: refused the decision {proposed} after step {}: {why}", source.name(), obs.step);
-            record.refused = Some(why);
-            out.decision = Some(record);
-            return Ok(out);
+        match self.check(&proposed) {
+            Err(Refusal(why)) => {
+                tracing::warn!("{}: refused the decision {proposed} after step {}: {why}", source.name(), obs.step);
+                record.refused = Some(why);
+            }
+            Ok(()) => match self.switch(obs.step, proposed, source)? {
+                Ok(switch) => {
+                    record.applied = true;
+                    out.clock_secs = self.clock_secs;
+                    out.switch = Some(switch);
+                }
+                Err(why) => record.refused = Some(why),
+            },
         }
+        out.decision = Some(record);
+        Ok(out)
+    }
+
+    /// Trains one step of the current candidate on the next B_g sequences and advances the
+    /// data and the clock; returns the step and its samples/s on the run's clock.
+    fn train_step(&mut self, data: &dyn DataSource) -> Result<(EngineStep, f64), DriverError> {
+        let b = self.current.global_batch;
+        let tokens = data.sequences(self.next_sample, b);
+        let started = Instant::now();
+        let step = self.engine.step(tokens)?;
+        let secs = started.elapsed().as_secs_f64();
+        self.next_sample += b as u64;
+        // Seconds of the step on the run's clock; the decision source sees samples/s on it too.
+        let step_secs = match &self.clock {
+            Clock::Wall => secs,
+            Clock::Modelled { step_secs, .. } => step_secs(&self.current),
+        };
+        self.clock_secs += step_secs;
+        Ok((step, b as f64 / step_secs.max(1e-12)))
+    }
+
+    /// Carries out a checked decision after step `step`: the switch's record, or why it failed
+    /// (refused before anything changed, or rolled back: the run goes on as it was). An engine
+    /// that could not roll back is an error.
+    fn switch(
+        &mut self,
+        step: u64,
+        proposed: Candidate,
+        source: &mut dyn DecisionSource,
+    ) -> Result<Result<SwitchRecord, String>, DriverError> {
+        let candidate = self.current;
         let started = Instant::now();
         // Should the change fail and its rollback fail too, the emergency checkpoint continues
         // the run with `Driver::resume` from here, as a whole-run checkpoint would.
         self.engine.set_emergency_extra(self.whole_run_extra(source, &BTreeMap::new()));
-        match self.engine.reconfigure(proposed.dims, proposed.global_batch, proposed.micro_batch) {
-            Ok(report) => {
-                let measured_secs = started.elapsed().as_secs_f64();
-                let clock_secs = match &self.clock {
-                    Clock::Wall => measured_secs,
-                    Clock::Modelled { batch_switch_secs, layout_switch_secs, .. } => {
-                        if report.layout_changed {
-                            *layout_switch_secs
-                        } else {
-                            *batch_switch_secs
-                        }
-                    }
-                };
-                self.clock_secs += clock_secs;
-                source.on_reconfigured(clock_secs, report.layout_changed);
-                tracing::info!("step {}: {candidate} -> {proposed} in {measured_secs:.3} s", obs.step);
-                self.current = proposed;
-                self.warming_up = report.layout_changed;
-                record.applied = true;
-                out.clock_secs = self.clock_secs;
-                out.switch = Some(SwitchRecord {
-                    step: obs.step,
-                    from: candidate,
-                    to: proposed,
-                    layout_changed: report.layout_changed,
-                    measured_secs,
-                    clock_secs,
-                    bytes: report.bytes,
-                    live: report.live,
-                });
-            }
+        let report = match self.engine.reconfigure(proposed.dims, proposed.global_batch, proposed.micro_batch) {
+            Ok(report) => report,
             Err(e) if self.engine.is_dead() => return Err(e.into()),
             Err(e) => {
-                // Refused before anything changed, or rolled back: the run goes on as it was.
-                tracing::warn!("step {}: the switch to {proposed} failed, continuing in {candidate}: {e}", obs.step);
-                record.refused = Some(e.to_string());
+                tracing::warn!("step {step}: the switch to {proposed} failed, continuing in {candidate}: {e}");
+                return Ok(Err(e.to_string()));
             }
-        }
-        out.decision = Some(record);
-        Ok(out)
+        };
+        let measured_secs = started.elapsed().as_secs_f64();
+        let clock_secs = match &self.clock {
+            Clock::Wall => measured_secs,
+            Clock::Modelled { batch_switch_secs, layout_switch_secs, .. } => {
+                if report.layout_changed {
+                    *layout_switch_secs
+                } else {
+                    *batch_switch_secs
+                }
+            }
+        };
+        self.clock_secs += clock_secs;
+        source.on_reconfigured(clock_secs, report.layout_changed);
+        tracing::info!("step {step}: {candidate} -> {proposed} in {measured_secs:.3} s");
+        self.current = proposed;
+        self.warming_up = report.layout_changed;
+        Ok(Ok(SwitchRecord {
+            step,
+            from: candidate,
+            to: proposed,
+            layout_changed: report.layout_changed,
+            measured_secs,
+            clock_secs,
+            bytes: report.bytes,
+            live: report.live,
+        }))
     }
 }

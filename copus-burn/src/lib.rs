@@ -1,5 +1,70 @@
 //! copus-burn: copus execution on Burn 0.22.
 //!
+//! copus adapts the global batch, the 3D-parallel layout and the micro-batch while an LLM
+//! trains, by Goodput (throughput times the statistical efficiency that the gradient noise
+//! scale gives). There are three ways to use it.
+//!
+//! **A recipe file**, with the `recipes` binary: a model, data, a schedule and a candidate
+//! space in RON, trained and reported end to end.
+//!
+//! ```text
+//! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
+//! ```
+//!
+//! **The driver**, from your own program: a [`JobBuilder`] turns a model that implements
+//! [`ParallelLm`], a candidate space and a throughput prior into a [`Driver`] over the
+//! 3D-parallel [`Engine`], and Copus decides after every step.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use copus_burn::{DataSource, JobBuilder, OptimConfig};
+//! use copus_core::memory::{GIB, MemoryModel};
+//! use copus_core::model::ModelSpec;
+//! use copus_core::schedule::ScheduleKind;
+//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, SwitchRule};
+//! use copus_models::{LlamaConfig, full_params};
+//!
+//! /// Sequences that count up by 3 from a start that varies: something to learn.
+//! struct Counting;
+//! impl DataSource for Counting {
+//!     fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
+//!         (first..first + count as u64).flat_map(|i| (0..17).map(move |j| ((i as i64 % 5) + 3 * j) % 256)).collect()
+//!     }
+//! }
+//!
+//! let spec = ModelSpec { seq_len: 16, vocab_size: 256, ..ModelSpec::tiny_1m() };
+//! let cfg = LlamaConfig::from_spec(&spec);
+//! let device = burn::tensor::Device::flex().autodiff();
+//! let full = full_params(&cfg.init(&device));
+//! // Two in-process ranks; B_g 2 or 4, B_m 1 or 2, on every layout of two ranks.
+//! let space = CandidateSpace::new(2, vec![2, 4], vec![1, 2], ScheduleKind::OneFOneB, MemoryModel::fp32(), 8.0 * GIB)?.enumerate(&spec);
+//! let prior = ClusterModel::new(ClusterSpec::cpu_ranks(2, 2), spec);
+//! let job = JobBuilder::new(Arc::new(cfg), space, OptimConfig::new().with_b0(2))
+//!     .prior(&prior)?
+//!     .start_batch(2, 1, None)
+//!     .copus(SwitchRule::default())
+//!     .build(&full)?;
+//! let (mut driver, mut copus) = (job.driver, job.orchestrator.expect("asked for"));
+//! for _ in 0..2 {
+//!     let step = driver.step(&Counting, &mut copus)?;
+//!     assert!(step.step.metrics.loss.is_finite());
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! **The Learner add-on** (feature `learner`): adaptive batching by noise scale and Goodput for
+//! burn-train's `SupervisedTraining`, on one device or several; `examples/learner.rs` is a
+//! whole program.
+//!
+//! ```ignore
+//! use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
+//! let copus = CopusBatchingConfig::new(4).with_initial_accumulation(4).init()?; // B0 = 16
+//! let learner = copus.learner(model, optim, schedule); // the schedule, scaled by the batch rule
+//! SupervisedTraining::new(dir, train_loader, valid_loader).with_copus(&copus, device).launch(learner);
+//! ```
+//!
+//! The modules:
+//!
 //! - [`optim`]: optimizer settings (`OptimConfig`: AdamW, schedule, LR rule, clipping) and the
 //!   AdamW they build, copus's (moments held as tensors, one host pass) or Burn's;
 //! - [`trainer`]: the single-rank trainer with micro-batching, token-normalised loss, AdamW,
@@ -11,7 +76,9 @@
 //! - [`fused`]: the fused operations of a training step on Flex (the softmax cross entropy
 //!   [`cross_entropy_sum`], the summed next-token loss models use; causal attention, linear
 //!   layers, RMSNorm, RoPE, SwiGLU) and the row kernels the vocabulary-parallel loss shares;
-//! - [`collective`]: the `Collective` trait and its in-process backend (a thread per rank);
+//! - [`comm`]: the communication wing: the `Collective` trait, its in-process backend (a
+//!   thread per rank), MPI processes (feature `mpi`), GPU libraries (`comm::gpu`, features
+//!   `nccl`, `rccl`, and LibTorch's memory with `tch`) and device placement (`comm::placement`);
 //! - [`parallel`]: what a model implements to be sharded (`ParallelLm` with its
 //!   `ParallelPlan`, `StageModel`), shard slicing and the vocabulary-parallel embedding;
 //! - [`state`]: the layout-independent training state (a leaf shared by the next three);
@@ -21,65 +88,59 @@
 //! - [`driver`]: the adaptive loop (step, observe, decide, validate, reconfigure) over a data
 //!   source and a decision source (embedded orchestrator, service client, scripted);
 //! - [`checkpoint`]: checkpoints of the training state, loadable into any layout;
+//! - [`job`]: the one way to assemble a run (engine options, start, policy) into a driver;
 //! - [`run_dir`]: a run folder's checkpoints (rotation, resume from the newest that loads) and
 //!   logs cut back to a checkpoint;
 //! - `learner` (feature `learner`): adaptive batching for burn-train's `SupervisedTraining`;
-//! - `mpi` (feature `mpi`): ranks as MPI processes; `gpu_comm` (features `nccl`, `rccl`): GPU
-//!   collectives behind the same trait.
 //!
-//! The root re-exports what a user starts from: the engine and its configuration, the driver
-//! with its data and decision sources, the run folder, the single-rank trainer, the optimizer
-//! settings, and the traits a model implements. Loop internals (`closing`, `trainer::accumulate`,
-//! the driver's clock and scripted source) stay one module down.
+//! The root re-exports what a user starts from: the job builder, the engine and its
+//! configuration, the driver with its clock and its data and decision sources, the run folder,
+//! the single-rank trainer, the optimizer settings, and the traits a model implements. Loop
+//! internals (`closing`, `trainer::accumulate`) stay one module down.
 //!
 //! The crate is model-agnostic: a model implements [`CausalLm`] for single-rank training and
 //! [`ParallelLm`] for the engine.
 //!
 //! `unsafe` code is denied here except in these modules, each of whose blocks carries its
 //! `SAFETY` comment (clippy's `undocumented_unsafe_blocks` checks it):
-//! - [`collective`]: the in-process in-place all-reduce, where rank threads read and write each
+//! - `comm::threads`: the in-process in-place all-reduce, where rank threads read and write each
 //!   other's buffers;
-//! - `mpi`: the MPI bindings (`Send` for communicator handles, request tests and waits,
+//! - `comm::mpi`: the MPI bindings (`Send` for communicator handles, request tests and waits,
 //!   non-blocking sends whose buffers live until they complete);
-//! - `gpu_comm` (`mod`, `nccl`, `rccl`): `Send` for a GPU communicator, cudarc's device pointers,
+//! - `comm::gpu` (`group`, `nccl`, `rccl`, `cuda_tensor`): `Send` for a GPU communicator, cudarc's device pointers,
 //!   and RCCL and HIP called through libloading;
 //! - `fused::gemm`: the `gemm` crate's raw-pointer products, behind bounds checks of every
 //!   operand;
 //! - `fused::attention`: its output buffer, which its tasks write at disjoint places;
-//! - `engine::config` (feature `cuda`): asking whether the CUDA driver library is installed
+//! - `comm::placement` (feature `cuda`): asking whether the CUDA driver library is installed
 //!   before counting its devices.
 
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
 pub mod closing;
-pub mod collective;
+pub mod comm;
 pub mod driver;
 pub mod engine;
 pub mod fused;
-#[cfg(any(feature = "nccl", feature = "rccl"))]
-pub mod gpu_comm;
 pub mod grads;
+pub mod job;
 #[cfg(feature = "learner")]
 pub mod learner;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 pub mod optim;
 pub mod parallel;
-#[cfg(feature = "mpi")]
-pub mod process_comm;
 pub mod reconfig;
 pub mod run_dir;
 pub mod state;
-#[cfg(feature = "tch")]
-pub mod tch_memory;
 pub mod traffic;
 pub mod trainer;
 mod wire;
 
-pub use driver::{DataSource, DecisionSource, Driver, DriverError, DriverStep};
+pub use copus_core::decision::DecisionSource;
+pub use driver::{Clock, DataSource, Driver, DriverError, DriverStep};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStep, RankDevice, ReconfigPhase};
 pub use fused::cross_entropy_sum;
+pub use job::{EngineOptions, Job, JobBuilder};
 #[cfg(feature = "learner")]
 pub use learner::{CopusBatching, CopusBatchingConfig, CopusTrainingExt};
 pub use optim::{OptimConfig, ScheduleClock};

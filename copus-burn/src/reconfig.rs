@@ -67,6 +67,32 @@ impl<L: ParallelLm> Engine<L> {
     pub fn reconfigure(&mut self, dims: ParallelDims, global_batch: usize, micro_batch: usize) -> Result<ReconfigReport, EngineError> {
         let start = Instant::now();
         let old = self.config().clone();
+        let target = self.reconfig_target(&old, dims, global_batch, micro_batch)?;
+        let change = Change { start, old, target };
+        if dims == change.old.dims {
+            self.set_batch(global_batch, micro_batch)?;
+            return Ok(change.report(false, false, 0.0, 0, 0));
+        }
+        let fault = self.take_fault();
+        // Live between in-process ranks, when no rank has to be added; a larger world starts
+        // its ranks from the staged state.
+        // A live change needs the ranks up, as threads of this process or an MPI job's processes.
+        if !self.is_dead() && dims.world_size() <= change.old.dims.world_size() {
+            return self.reconfigure_live(&change, fault);
+        }
+        self.reconfigure_staged(&change, fault)
+    }
+
+    /// Reconfigure, check: the configuration to switch to, `old` with `dims` and the batch sizes
+    /// (its device list cut to a smaller world); refused where this run cannot change its number
+    /// of ranks or the engine does not accept it.
+    fn reconfig_target(
+        &self,
+        old: &EngineConfig,
+        dims: ParallelDims,
+        global_batch: usize,
+        micro_batch: usize,
+    ) -> Result<EngineConfig, EngineError> {
         let mut target = EngineConfig { dims, global_batch, micro_batch, ..old.clone() };
         let (ranks, now) = (dims.world_size(), old.dims.world_size());
         if ranks != now {
@@ -82,72 +108,59 @@ impl<L: ParallelLm> Engine<L> {
             }
         }
         self.check_target(&target)?;
-        let report = |layout_changed: bool, live: bool, stage_secs: f64, bytes: u64, remote_bytes: u64| {
-            let total = start.elapsed().as_secs_f64();
-            ReconfigReport {
-                from: describe(&old),
-                to: describe(&target),
-                layout_changed,
-                live,
-                stage_secs,
-                rebuild_secs: total - stage_secs,
-                total_secs: total,
-                bytes,
-                remote_bytes,
+        Ok(target)
+    }
+
+    /// Reconfigure, live: switches with the ranks up; on a failure, reports the rollback, or where
+    /// even that failed, writes the old state to the emergency checkpoint and marks the engine
+    /// dead.
+    fn reconfigure_live(&mut self, change: &Change, fault: Fault) -> Result<ReconfigReport, EngineError> {
+        let (old, target) = (&change.old, &change.target);
+        match self.switch_live(target, fault) {
+            Ok(s) => {
+                let r = change.report(true, true, s.send_secs, s.bytes, s.remote_bytes);
+                tracing::debug!(
+                    "reconfigured {} -> {} live in {:.3} s ({} bytes moved, {} between ranks)",
+                    r.from,
+                    r.to,
+                    r.total_secs,
+                    r.bytes,
+                    r.remote_bytes
+                );
+                Ok(r)
             }
-        };
-        if dims == old.dims {
-            self.set_batch(global_batch, micro_batch)?;
-            return Ok(report(false, false, 0.0, 0, 0));
+            Err(LiveFailure::Refused(e) | LiveFailure::Engine(e)) => Err(e),
+            Err(LiveFailure::RolledBack((phase, message))) => {
+                tracing::warn!("reconfiguration to {} failed at {phase:?} ({message}); rolled back to {}", describe(target), describe(old));
+                Err(EngineError::RolledBack { phase, message, target: describe(target), restored: describe(old) })
+            }
+            Err(LiveFailure::Broken((phase, message))) => {
+                // The ranks still hold the old state but can no longer train together:
+                // stage it (no collective needed) and write it out before giving up.
+                let saved = match self.stage_state() {
+                    Ok(state) => self.save_emergency(&state, old),
+                    Err(e) => format!("the state could not be staged for an emergency checkpoint ({e})"),
+                };
+                let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too; {saved}");
+                tracing::error!("{msg}");
+                self.mark_dead(&msg);
+                Err(EngineError::Dead(msg))
+            }
         }
-        let fault = self.take_fault();
-        // Live between in-process ranks, when no rank has to be added; a larger world starts
-        // its ranks from the staged state.
-        // A live change needs the ranks up, as threads of this process or an MPI job's processes.
-        if !self.is_dead() && ranks <= now {
-            return match self.switch_live(&target, fault) {
-                Ok(s) => {
-                    let r = report(true, true, s.send_secs, s.bytes, s.remote_bytes);
-                    tracing::debug!(
-                        "reconfigured {} -> {} live in {:.3} s ({} bytes moved, {} between ranks)",
-                        r.from,
-                        r.to,
-                        r.total_secs,
-                        r.bytes,
-                        r.remote_bytes
-                    );
-                    Ok(r)
-                }
-                Err(LiveFailure::Refused(e) | LiveFailure::Engine(e)) => Err(e),
-                Err(LiveFailure::RolledBack((phase, message))) => {
-                    tracing::warn!(
-                        "reconfiguration to {} failed at {phase:?} ({message}); rolled back to {}",
-                        describe(&target),
-                        describe(&old)
-                    );
-                    Err(EngineError::RolledBack { phase, message, target: describe(&target), restored: describe(&old) })
-                }
-                Err(LiveFailure::Broken((phase, message))) => {
-                    // The ranks still hold the old state but can no longer train together:
-                    // stage it (no collective needed) and write it out before giving up.
-                    let saved = match self.stage_state() {
-                        Ok(state) => self.save_emergency(&state, &old),
-                        Err(e) => format!("the state could not be staged for an emergency checkpoint ({e})"),
-                    };
-                    let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too; {saved}");
-                    tracing::error!("{msg}");
-                    self.mark_dead(&msg);
-                    Err(EngineError::Dead(msg))
-                }
-            };
-        }
+    }
+
+    /// Reconfigure, staged: stages the state in host memory and restarts the ranks in the
+    /// target configuration from it; on a failure restarts the old one, or where even that
+    /// failed, writes the staged state to the emergency checkpoint and marks the engine dead.
+    fn reconfigure_staged(&mut self, change: &Change, fault: Fault) -> Result<ReconfigReport, EngineError> {
+        let (old, target) = (&change.old, &change.target);
         let state = self.stage_state()?;
-        let stage_secs = start.elapsed().as_secs_f64();
+        let stage_secs = change.start.elapsed().as_secs_f64();
         let attempt = if fault.hits(ReconfigPhase::AfterStaging) {
             self.stop_ranks();
             Err((ReconfigPhase::AfterStaging, "injected failure after staging".to_string()))
         } else {
-            self.relaunch(&state, &target, fault).map_err(|e| {
+            self.relaunch(&state, target, fault).map_err(|e| {
                 let phase = fault.phase().unwrap_or(match e {
                     EngineError::Verify(_) => ReconfigPhase::Verify,
                     _ => ReconfigPhase::Load,
@@ -157,28 +170,53 @@ impl<L: ParallelLm> Engine<L> {
         };
         match attempt {
             Ok(()) => {
-                let r = report(true, false, stage_secs, state.bytes(), state.bytes());
+                let r = change.report(true, false, stage_secs, state.bytes(), state.bytes());
                 tracing::debug!("reconfigured {} -> {} in {:.3} s ({} bytes staged)", r.from, r.to, r.total_secs, r.bytes);
                 Ok(r)
             }
-            Err((phase, message)) => match self.relaunch(&state, &old, fault.for_rollback()) {
+            Err((phase, message)) => match self.relaunch(&state, old, fault.for_rollback()) {
                 Ok(()) => {
                     tracing::warn!(
                         "reconfiguration to {} failed at {phase:?} ({message}); rolled back to {}",
-                        describe(&target),
-                        describe(&old)
+                        describe(target),
+                        describe(old)
                     );
-                    Err(EngineError::RolledBack { phase, message, target: describe(&target), restored: describe(&old) })
+                    Err(EngineError::RolledBack { phase, message, target: describe(target), restored: describe(old) })
                 }
                 Err(e) => {
                     // The staged state is now the only intact copy: write it out before giving up.
-                    let saved = self.save_emergency(&state, &old);
+                    let saved = self.save_emergency(&state, old);
                     let msg = format!("reconfiguration failed at {phase:?} ({message}) and the rollback failed too ({e}); {saved}");
                     tracing::error!("{msg}");
                     self.mark_dead(&msg);
                     Err(EngineError::Dead(msg))
                 }
             },
+        }
+    }
+}
+
+/// A reconfiguration under way: when it started, and the configurations it goes from and to.
+struct Change {
+    start: Instant,
+    old: EngineConfig,
+    target: EngineConfig,
+}
+
+impl Change {
+    /// The report of the change, ending now.
+    fn report(&self, layout_changed: bool, live: bool, stage_secs: f64, bytes: u64, remote_bytes: u64) -> ReconfigReport {
+        let total = self.start.elapsed().as_secs_f64();
+        ReconfigReport {
+            from: describe(&self.old),
+            to: describe(&self.target),
+            layout_changed,
+            live,
+            stage_secs,
+            rebuild_secs: total - stage_secs,
+            total_secs: total,
+            bytes,
+            remote_bytes,
         }
     }
 }

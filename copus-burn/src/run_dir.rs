@@ -14,7 +14,9 @@ use std::sync::Arc;
 use copus_core::candidates::Enumeration;
 
 use crate::checkpoint::{remove_dead_temporaries, sync_parent, write_atomically};
-use crate::driver::{Clock, DecisionSource, Driver, DriverError};
+use copus_core::decision::DecisionSource;
+
+use crate::driver::{Clock, Driver, DriverError};
 use crate::engine::{EngineConfig, EngineError};
 use crate::parallel::ParallelLm;
 

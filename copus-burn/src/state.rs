@@ -435,19 +435,7 @@ impl TrainingState {
         let prev: Vec<Index> = exports.iter().map(|e| e.previous.iter().flatten().map(|(n, v)| (n.as_str(), v)).collect()).collect();
         // A sharded optimizer's pieces, stitched into the shards of dp replica 0's ranks.
         let stitched = stitch_pieces(&exports, &grid)?;
-        // Per rank: parameter -> (field, values) of its optimizer state.
-        type Fields<'a> = HashMap<&'a str, Vec<(&'a str, &'a Vec<f32>)>>;
-        let mut optim: Vec<Fields> = vec![HashMap::new(); exports.len()];
-        for (r, e) in exports.iter().enumerate() {
-            if e.optim_offsets.is_none() {
-                for (n, f, v) in &e.optim {
-                    optim[r].entry(n.as_str()).or_default().push((f.as_str(), v));
-                }
-            }
-        }
-        for ((r, n, f), v) in &stitched {
-            optim[*r].entry(n.as_str()).or_default().push((f.as_str(), v));
-        }
+        let optim = optim_fields(&exports, &stitched);
         for spec in specs {
             let stage = match spec.placement {
                 Placement::Layer(i) => stage_of_layer(i, num_layers, dims.pp),
@@ -469,31 +457,64 @@ impl TrainingState {
             if let (Some(p), Some(full)) = (state.previous.as_mut(), gather(&prev, "previous")?) {
                 p.insert(spec.name.clone(), full);
             }
-            if let Some(fields) = optim[holders[0]].get(spec.name.as_str()) {
-                for (field, _) in fields {
-                    let mut shards = Vec::with_capacity(holders.len());
-                    for &r in &holders {
-                        let v = optim[r]
-                            .get(spec.name.as_str())
-                            .and_then(|fs| fs.iter().find(|(f, _)| f == field))
-                            .ok_or_else(|| StateError::Shard(ShardError::Missing(format!("{}#{field} on rank {r}", spec.name))))?;
-                        shards.push(v.1.clone());
-                    }
-                    state.optim.entry(spec.name.clone()).or_default().insert(field.to_string(), unshard(spec, &shards, dims.tp)?);
-                }
-            }
-            // (A sharded optimizer's scalars are on the replicas holding a piece.)
-            let replicas = (0..dims.dp).map(|d| grid.rank(Coord { dp: d, tp: 0, pp: stage }));
-            for r in replicas {
-                let mine: Vec<_> = exports[r].scalars.iter().filter(|(n, _, _)| n == &spec.name).collect();
-                if !mine.is_empty() {
-                    for (n, f, v) in mine {
-                        state.scalars.entry(n.clone()).or_default().insert(f.clone(), *v);
-                    }
-                    break;
-                }
-            }
+            state.insert_optim(spec, &holders, &optim, dims.tp)?;
+            state.insert_scalars(spec, &exports, &grid, dims.dp, stage);
         }
         Ok(state)
     }
+
+    /// From exports, optimizer state: `spec`'s optimizer fields, each unsharded from the tp
+    /// ranks `holders` of its stage (`optim`: per rank, its fields by parameter).
+    fn insert_optim(&mut self, spec: &ParamSpec, holders: &[usize], optim: &[Fields], tp: usize) -> Result<(), StateError> {
+        if let Some(fields) = optim[holders[0]].get(spec.name.as_str()) {
+            for (field, _) in fields {
+                let mut shards = Vec::with_capacity(holders.len());
+                for &r in holders {
+                    let v = optim[r]
+                        .get(spec.name.as_str())
+                        .and_then(|fs| fs.iter().find(|(f, _)| f == field))
+                        .ok_or_else(|| StateError::Shard(ShardError::Missing(format!("{}#{field} on rank {r}", spec.name))))?;
+                    shards.push(v.1.clone());
+                }
+                self.optim.entry(spec.name.clone()).or_default().insert(field.to_string(), unshard(spec, &shards, tp)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// From exports, optimizer scalars: `spec`'s, from the first of the `dp` replicas of tp
+    /// rank 0 on `stage` (of the layout of `grid`) that exported any.
+    fn insert_scalars(&mut self, spec: &ParamSpec, exports: &[RankExport], grid: &RankGrid, dp: usize, stage: usize) {
+        // (A sharded optimizer's scalars are on the replicas holding a piece.)
+        let replicas = (0..dp).map(|d| grid.rank(Coord { dp: d, tp: 0, pp: stage }));
+        for r in replicas {
+            let mine: Vec<_> = exports[r].scalars.iter().filter(|(n, _, _)| n == &spec.name).collect();
+            if !mine.is_empty() {
+                for (n, f, v) in mine {
+                    self.scalars.entry(n.clone()).or_default().insert(f.clone(), *v);
+                }
+                break;
+            }
+        }
+    }
+}
+
+/// Per rank: parameter -> (field, values) of its optimizer state.
+type Fields<'a> = HashMap<&'a str, Vec<(&'a str, &'a Vec<f32>)>>;
+
+/// Per rank, its optimizer state by parameter: from its export where the optimizer is whole
+/// there, and from the pieces `stitched` into the shards of dp replica 0's ranks.
+fn optim_fields<'a>(exports: &'a [RankExport], stitched: &'a HashMap<ShardKey, Vec<f32>>) -> Vec<Fields<'a>> {
+    let mut optim: Vec<Fields> = vec![HashMap::new(); exports.len()];
+    for (r, e) in exports.iter().enumerate() {
+        if e.optim_offsets.is_none() {
+            for (n, f, v) in &e.optim {
+                optim[r].entry(n.as_str()).or_default().push((f.as_str(), v));
+            }
+        }
+    }
+    for ((r, n, f), v) in stitched {
+        optim[*r].entry(n.as_str()).or_default().push((f.as_str(), v));
+    }
+    optim
 }

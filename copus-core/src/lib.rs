@@ -12,6 +12,8 @@
 //! - [`gns`]: the online gradient-noise-scale estimator;
 //! - [`goodput`]: statistical efficiency, objectives and learning-rate rules;
 //! - [`throughput`]: measured profiles and the analytic cluster model;
+//! - [`belief`]: a structured Bayesian belief about throughput over the families candidates
+//!   share (tensor and pipeline degree, data-parallel span, micro-batch, layout, trend);
 //! - [`schedule`]: GPipe and 1F1B pipeline schedules as instruction lists;
 //! - [`policy`]: the policies that decide when to change batch size or layout (the scorer they
 //!   share, the baselines, Copus), the hindsight oracle, and the line-up a comparison runs;
@@ -19,11 +21,39 @@
 //! - [`sim`]: the simulated clock on synthetic statistics (known noise trajectory, McCandlish
 //!   progress model);
 //! - [`orchestrator`]: observations to validated decisions, and the service's wire protocol.
+//! - [`decision`]: the `DecisionSource` interface between a training loop and what decides
+//!   (the orchestrator, a scripted plan, a remote service's client).
+
+//!
+//! The root re-exports what a user starts from: the candidates and layouts of a space, the
+//! throughput models (a measured profile, the analytic cluster model), the scorer, the Copus
+//! policy and its switch rule, the orchestrator that turns observations into decisions, and the
+//! decision interface a training loop calls.
+//!
+//! ```
+//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, Copus, Orchestrator, Scorer, SwitchRule};
+//! use copus_core::memory::{GIB, MemoryModel};
+//! use copus_core::model::ModelSpec;
+//! use copus_core::schedule::ScheduleKind;
+//!
+//! // Every (layout, B_g, B_m) of 8 GPUs for a 1M-parameter model, scored by the analytic model.
+//! let spec = ModelSpec::tiny_1m();
+//! let space = CandidateSpace::new(8, vec![8, 16, 32], vec![1, 2, 4], ScheduleKind::OneFOneB, MemoryModel::fp32(), 80.0 * GIB)
+//!     .unwrap()
+//!     .enumerate(&spec);
+//! let prior = ClusterModel::new(ClusterSpec::cpu_ranks(8, 8), spec);
+//! let scorer = Scorer::plain(&space.feasible, &prior, 8.0).unwrap();
+//! let copus = Copus::new(scorer.clone(), SwitchRule::default()).unwrap();
+//! let orchestrator = Orchestrator::new(Box::new(copus), scorer);
+//! assert!(!space.feasible.is_empty() && orchestrator.policy_name().contains("copus"));
+//! ```
 
 #![forbid(unsafe_code)]
 
 pub mod accumulation;
+pub mod belief;
 pub mod candidates;
+pub mod decision;
 pub mod gns;
 pub mod goodput;
 pub mod layout;
@@ -36,3 +66,10 @@ pub mod reshard;
 pub mod schedule;
 pub mod sim;
 pub mod throughput;
+
+pub use candidates::{Candidate, CandidateSpace, Enumeration};
+pub use decision::{DecisionSource, Scripted};
+pub use layout::ParallelDims;
+pub use orchestrator::Orchestrator;
+pub use policy::{Copus, Decision, Policy, Scorer, StepObservation, SwitchRule};
+pub use throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};

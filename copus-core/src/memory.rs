@@ -160,7 +160,7 @@ impl MemoryModel {
     /// on Flex: 72 configurations of tiny-5m, tiny-20m and small-100m (sequence 256; five
     /// layouts, both schedules, B_m 1 to 8, with and without checkpointing), the coefficients
     /// chosen to make the largest |log(predicted / measured)| small (0.126: within 13.4%;
-    /// README). On top of [`MemoryModel::fp32`]: half a score matrix per head and token (the
+    /// docs/memory.md). On top of [`MemoryModel::fp32`]: half a score matrix per head and token (the
     /// engine keeps the softmax's output only, and not all heads' at once), two `h`-sized
     /// activations more per token and layer on a tensor-parallel rank (its regions' gathered
     /// inputs), three copies of the logits, 5 bytes per parameter alive during the AdamW update
@@ -189,7 +189,7 @@ impl MemoryModel {
     /// 2 and 8, with and without checkpointing): 4.85 bytes per activation element instead of
     /// 4, and 5.6 bytes per parameter for the weights instead of 4 (not every bf16 copy is alive
     /// at the peak); the fitted rows within 10.9% of measured, the 4 held-out dp2 rows within
-    /// 5.2% (README: "Memory and precision").
+    /// 5.2% (docs/memory.md).
     pub fn engine_bf16_mixed() -> Self {
         Self { activation_bytes: 4.85, weight_bytes: 5.6, ..Self::engine_f32() }
     }

@@ -266,12 +266,7 @@ pub fn simulate(
         return Err(SimError::Initial(initial));
     }
     let (mut time, mut progress) = (0.0f64, 0.0f64);
-    let mut rng = StdRng::seed_from_u64(cfg.seed);
-    let mut estimator = match cfg.noise {
-        SimNoise::Estimator { theta, .. } => Some(GnsEstimator::new(theta).map_err(|_| SimError::Theta(theta))?),
-        SimNoise::LogNormal { .. } => None,
-    };
-    let mut previous_noise = None;
+    let mut noise_source = NoiseSource::new(cfg)?;
     let mut run = SimRun { policy: policy.name(), steps: Vec::new(), switches: Vec::new(), time_to_target: None, refused: 0 };
     for step in 1..=cfg.max_steps {
         let mean = scorer.throughput(&cur).expect("only candidates are run");
@@ -304,21 +299,7 @@ pub fn simulate(
         } else {
             run.steps[0] = s;
         }
-        let noise = match (cfg.noise, estimator.as_mut()) {
-            (SimNoise::Estimator { p_eff, .. }, Some(est)) => {
-                // The step's own statistics (at the noise scale it ran under).
-                let (stats, noise) = draw_stats(&mut rng, &cur, phi, p_eff, previous_noise);
-                previous_noise = noise;
-                // Draws are valid by construction (finite, non-negative).
-                let _ = est.observe(&stats);
-                est.estimate().filter(|_| step > cfg.warmup_steps)
-            }
-            (SimNoise::LogNormal { error }, _) => (step > cfg.warmup_steps).then(|| {
-                let seen = phi_at(trajectory, progress) * (error * normal(cfg.seed, step)).exp();
-                NoiseEstimate { grad_sq: 1.0, trace: seen, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }
-            }),
-            (SimNoise::Estimator { .. }, None) => unreachable!("the estimator exists in estimator mode"),
-        };
+        let noise = noise_source.observe(cfg, trajectory, &cur, phi, step, progress);
         let obs = crate::policy::StepObservation { step, current: cur, noise };
         policy.observe_throughput(&cur, t);
         let decision = policy.decide(&obs);
@@ -338,6 +319,55 @@ pub fn simulate(
         cur = target;
     }
     Ok(run)
+}
+
+/// What a simulated run tells its policy of the noise scale: an estimator fed each step's drawn
+/// statistics (and the previous step's noise, for the next difference norm), or the truth under
+/// a log-normal error.
+struct NoiseSource {
+    rng: StdRng,
+    estimator: Option<GnsEstimator>,
+    previous: Option<StepNoise>,
+}
+
+impl NoiseSource {
+    /// The source `cfg` asks for; an estimator's EMA factor must be in range.
+    fn new(cfg: &SimConfig) -> Result<Self, SimError> {
+        let rng = StdRng::seed_from_u64(cfg.seed);
+        let estimator = match cfg.noise {
+            SimNoise::Estimator { theta, .. } => Some(GnsEstimator::new(theta).map_err(|_| SimError::Theta(theta))?),
+            SimNoise::LogNormal { .. } => None,
+        };
+        Ok(Self { rng, estimator, previous: None })
+    }
+
+    /// The noise estimate the policy sees after `step`, which ran `cur` at noise scale `phi` and
+    /// reached `progress` (`None` during the warm-up steps).
+    fn observe(
+        &mut self,
+        cfg: &SimConfig,
+        trajectory: &Trajectory,
+        cur: &Candidate,
+        phi: f64,
+        step: u64,
+        progress: f64,
+    ) -> Option<NoiseEstimate> {
+        match (cfg.noise, self.estimator.as_mut()) {
+            (SimNoise::Estimator { p_eff, .. }, Some(est)) => {
+                // The step's own statistics (at the noise scale it ran under).
+                let (stats, noise) = draw_stats(&mut self.rng, cur, phi, p_eff, self.previous);
+                self.previous = noise;
+                // Draws are valid by construction (finite, non-negative).
+                let _ = est.observe(&stats);
+                est.estimate().filter(|_| step > cfg.warmup_steps)
+            }
+            (SimNoise::LogNormal { error }, _) => (step > cfg.warmup_steps).then(|| {
+                let seen = phi_at(trajectory, progress) * (error * normal(cfg.seed, step)).exp();
+                NoiseEstimate { grad_sq: 1.0, trace: seen, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }
+            }),
+            (SimNoise::Estimator { .. }, None) => unreachable!("the estimator exists in estimator mode"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use copus_core::orchestrator::{
 };
 use copus_core::policy::{Decision, StepObservation};
 
-use copus_burn::driver::SourceStateError;
+use copus_core::decision::{DecisionSource, SourceStateError};
 
 use crate::error::ServiceError;
 
@@ -72,7 +72,7 @@ impl RemoteSource {
     }
 }
 
-impl copus_burn::DecisionSource for RemoteSource {
+impl DecisionSource for RemoteSource {
     fn name(&self) -> String {
         "orchestrator service".into()
     }
@@ -226,7 +226,7 @@ impl Endpoint {
 }
 
 /// The first and the longest pause between reconnection attempts.
-pub(crate) const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
+pub const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
 
 /// The training side of the service: never blocks the training loop.
 pub struct Client {

@@ -1,6 +1,6 @@
 //! copus-service: the orchestrator as a separate service (`recipes orchestrator` runs one), the
 //! client a training loop uses to reach it, and the policies it can run by name. Any Burn
-//! program that trains through `copus_burn::Driver` can take its decisions from a service with
+//! program that trains through copus-burn's `Driver` can take its decisions from a service with
 //! [`RemoteSource`].
 //!
 //! The service listens on TCP (127.0.0.1 by default), one session per connection, at most
@@ -43,7 +43,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 
-pub use client::{ANSWER_DEADLINE, Client, RemoteSource};
+pub use client::{ANSWER_DEADLINE, BACKOFF, Client, RemoteSource};
 pub use error::ServiceError;
 pub use registry::{PolicyName, UnknownPolicy, policy_by_name};
 pub use server::{MakeOrchestrator, ServiceConfig, ServiceHandle, serve, spawn};

@@ -1,58 +1,48 @@
-//! The main job under Copus: a recipe with a `parallel` section trains on the 3D-parallel
-//! engine's in-process ranks through the library driver, with the embedded orchestrator and the
-//! Copus policy choosing B_g, B_m and the layout from the measured noise scale. Its throughput
-//! prior is the analytic model of in-process CPU ranks, rescaled online to what the run
-//! measures, so no profiling pass comes first.
+//! A recipe's run on the engine, fresh or resumed, through one loop and one run-folder writer.
 //!
-//! Besides the fixed run's files it writes `decisions.jsonl` (every decision, with the predicted
-//! Goodput of the current and the proposed configuration and whether it was applied),
-//! `reconfigurations.csv` (measured costs), `loss_time.png` (layouts shaded, batch changes
-//! marked), `batch_schedule.png` (B_g against B_simple) and `goodput.png` (throughput and
-//! statistical efficiency over time).
+//! Under Copus (a recipe with a `parallel` section) the engine's in-process ranks train through
+//! the library driver, with the embedded orchestrator and the Copus policy choosing B_g, B_m
+//! and the layout from the measured noise scale. Its throughput prior is the analytic model of
+//! in-process CPU ranks, rescaled online to what the run measures, so no profiling pass comes
+//! first. A fixed run (no `parallel` section, or `adaptive: Some(false)`) is the same run on one
+//! rank whose decision source, the static policy, never changes anything.
+//!
+//! Every run writes `recipe.ron`, `tokenizer.json`, `metrics.jsonl` (a line per step),
+//! `eval.jsonl`, `decisions.jsonl` (every decision, with the predicted Goodput of the current
+//! and the proposed configuration and whether it was applied), `reconfigurations.csv`
+//! (measured costs), checkpoints (every `train.checkpoint_every` steps, at the end and on a
+//! signal), `summary.json`, `summary.md`, `model.safetensors` and plots: under Copus
+//! `loss_time.png` (layouts shaded, batch changes marked), `batch_schedule.png` (B_g against
+//! B_simple) and `goodput.png` (throughput and statistical efficiency over time); a fixed run
+//! `loss_time.png`, `loss_tokens.png` and `b_simple.png`.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, anyhow};
-use burn::store::{ModuleSnapshot, SafetensorsStore};
-use burn::tensor::{Device, TensorData};
-use copus_burn::driver::Clock;
-use copus_burn::driver::{DecisionSource, Scripted};
-use copus_burn::parallel::{ShardPlan, ShardSource};
+use burn::tensor::Device;
+use copus_burn::driver::DecisionRecord;
 use copus_burn::run_dir::RunDir;
-use copus_burn::{Driver, Engine, EngineConfig, ParallelLm};
+use copus_burn::{Driver, DriverStep, Engine, JobBuilder};
 use copus_core::candidates::{Candidate, Enumeration};
+use copus_core::decision::{DecisionSource, Scripted};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
 use copus_core::policy::{Copus, Scorer};
 use copus_core::throughput::{ClusterModel, ClusterSpec};
-use copus_models::{LlamaConfig, LlamaStage, full_params};
-use serde::{Deserialize, Serialize};
+use copus_models::{LlamaConfig, full_params};
 
 use crate::data::PackedDataset;
 use crate::prepare::RunOptions;
 use crate::prepare::{Prepared, TrainSequences, prepare, run_folder};
 use crate::recipe::Recipe;
-use crate::report::plot::{self, Series};
 use crate::report::progress::Progress;
+use crate::run_folder::{History, LOG_FILES, Logs, Point, applied_changes, checkpoint, fixed_plots, history_of, plots, save_weights};
 use crate::stop;
 use crate::summary::{Summary, summary_markdown};
-
-/// One step as the plots need it (kept in `metrics.jsonl` so a resumed run plots it all).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Point {
-    secs: f64,
-    loss: f64,
-    candidate: Candidate,
-    b_simple: Option<f64>,
-    throughput: f64,
-    efficiency: f64,
-}
 
 /// What a fresh run and a resumed one share: data, model, candidate space and the policy.
 pub(crate) struct Setup {
@@ -69,6 +59,9 @@ pub(crate) struct Setup {
     /// The recipe's scripted switches, replacing the policy's decisions when given.
     script: Option<Scripted>,
     world_size: usize,
+    /// A fixed run: one rank at the recipe's B_g and B_m, decided by a policy that never
+    /// changes anything.
+    fixed: bool,
 }
 
 impl Setup {
@@ -79,13 +72,31 @@ impl Setup {
             None => &mut self.orch,
         }
     }
+
+    /// The training data and [`Setup::source`] together.
+    fn data_and_source(&mut self) -> (TrainSequences<'_>, &mut dyn DecisionSource) {
+        let source: &mut dyn DecisionSource = match &mut self.script {
+            Some(s) => s,
+            None => &mut self.orch,
+        };
+        (TrainSequences(&self.train), source)
+    }
+
+    /// [`Setup::source`], to read.
+    fn source_ref(&self) -> &dyn DecisionSource {
+        match &self.script {
+            Some(s) => s,
+            None => &self.orch,
+        }
+    }
 }
 
-/// The data, model, candidate space and policy of an adaptive recipe.
+/// The data, model, candidate space and policy of a recipe: under Copus over its `parallel`
+/// section when it is adaptive, else the fixed run's one candidate.
 pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
-    let par = recipe.parallel.as_ref().context("an adaptive run needs the recipe's `parallel` section (the candidate space)")?;
+    let Some(par) = recipe.parallel.as_ref().filter(|_| recipe.is_adaptive()) else { return fixed_setup(recipe) };
     #[cfg(feature = "mpi")]
-    if let copus_burn::mpi::Role::Driver { size } = copus_burn::mpi::role()
+    if let copus_burn::comm::mpi::Role::Driver { size } = copus_burn::comm::mpi::role()
         && size != par.world_size
     {
         return Err(anyhow!(
@@ -108,70 +119,24 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let rule = par.switch_rule(recipe.train.time_budget_secs);
     let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
     let script = (!par.script.is_empty()).then(|| par.scripted(&spec).map(Scripted::new)).transpose()?;
-    Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script, world_size: par.world_size })
+    let world_size = par.world_size;
+    Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script, world_size, fixed: false })
 }
 
-/// The applied decisions of `decisions.jsonl` (the whole run's, resumes included), one line
-/// each: step, from, to and why.
-fn applied_changes(folder: &Path) -> Vec<String> {
-    let text = std::fs::read_to_string(folder.join("decisions.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["record"]["applied"].as_bool() == Some(true))
-        .filter_map(|v| {
-            let r = serde_json::from_value::<copus_burn::driver::DecisionRecord>(v["record"].clone()).ok()?;
-            Some(format!("step {}: {} -> {} ({})", r.step, r.current, r.proposed, v["why"].as_str().unwrap_or("-")))
-        })
-        .collect()
-}
-
-/// The run's output files, open for appending.
-struct Logs {
-    metrics: BufWriter<File>,
-    evals: BufWriter<File>,
-    decisions: BufWriter<File>,
-    switches: BufWriter<File>,
-}
-
-const LOG_FILES: [&str; 4] = ["metrics.jsonl", "eval.jsonl", "decisions.jsonl", "reconfigurations.csv"];
-
-impl Logs {
-    fn open(folder: &Path, fresh: bool) -> anyhow::Result<Self> {
-        let open = |name: &str| -> anyhow::Result<BufWriter<File>> {
-            let p = folder.join(name);
-            let f = std::fs::OpenOptions::new().create(true).append(true).truncate(false).open(&p);
-            Ok(BufWriter::new(f.with_context(|| format!("cannot write {}", p.display()))?))
-        };
-        let [m, e, d, s] = LOG_FILES;
-        let mut logs = Self { metrics: open(m)?, evals: open(e)?, decisions: open(d)?, switches: open(s)? };
-        if fresh {
-            writeln!(logs.switches, "step,train_secs,from,to,layout_changed,measured_secs,bytes,live")?;
-        }
-        Ok(logs)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        for w in [&mut self.metrics, &mut self.evals, &mut self.decisions, &mut self.switches] {
-            w.flush()?;
-        }
-        Ok(())
-    }
-
-    /// Flushes every log and syncs it to the disk.
-    fn sync(&mut self) -> std::io::Result<()> {
-        self.flush()?;
-        for w in [&mut self.metrics, &mut self.evals, &mut self.decisions, &mut self.switches] {
-            w.get_ref().sync_data()?;
-        }
-        Ok(())
-    }
-}
-
-/// What the loop carries from a fresh start or a resume: the plotted points and the evaluations.
-struct History {
-    points: Vec<Point>,
-    initial_eval: f64,
-    last_eval: (u64, f64),
+/// The fixed run's setup: its one candidate (one rank, the recipe's B_g and B_m), decided by
+/// the static policy, which keeps it.
+fn fixed_setup(recipe: &Recipe) -> anyhow::Result<Setup> {
+    let Prepared { spec, train, heldout, checksum, tokenizer } = prepare(recipe)?;
+    let cfg = LlamaConfig::from_spec(&spec);
+    let (b, m) = (recipe.train.global_batch, recipe.train.micro_batch);
+    let only = Candidate::new(ParallelDims { dp: 1, tp: 1, pp: 1 }, b, m)
+        .map_err(|e| anyhow!("recipe fields `train.global_batch` = {b} and `train.micro_batch` = {m}: {e}"))?;
+    let space = Enumeration { feasible: vec![only], rejected: Vec::new() };
+    let prior = ClusterModel::new(ClusterSpec::cpu_ranks(1, 1), spec.clone());
+    let b0 = recipe.optim.b0 as f64;
+    let scorer = Scorer::plain(&space.feasible, &prior, b0)?;
+    let orch = Orchestrator::new(Box::new(copus_core::policy::Static), scorer.clone());
+    Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script: None, world_size: 1, fixed: true })
 }
 
 /// Trains `recipe` under Copus from the start; returns the run folder and its summary.
@@ -189,19 +154,9 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
         Some(dir) => full_params(&crate::interop::init_from(Path::new(dir), &s.spec, &device)?),
         None => crate::prepare::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device))),
     };
-    let par = recipe.parallel.as_ref().context("an adaptive run needs a `parallel` section")?;
-    let start = start_candidate(recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
-    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, s.spec.seq_len, recipe.optim.clone())
-        .with_schedule(par.schedule)
-        .with_devices(recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device))
-        .with_ranks_per_device(recipe.ranks_per_device)
-        .with_exact_reductions(par.exact_reductions)
-        .with_checkpointing(par.checkpointing)
-        .with_precision(par.precision)
-        .with_zero1(par.zero1);
-    let engine = Engine::new(Arc::new(s.cfg.clone()), &full, ec)?;
-    let mut driver = Driver::new(engine, s.space.clone(), Clock::Wall)?;
-    tracing::info!("starting at {start}");
+    let job = fresh_job(recipe, &s)?.build(&full)?;
+    let mut driver = job.driver;
+    tracing::info!("starting at {}", job.start);
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
     // The run folder is this process's until the run ends.
@@ -214,7 +169,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     let initial_eval = evaluate(driver.engine_mut(), &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
     let history = History { points: Vec::new(), initial_eval, last_eval: (0, initial_eval) };
-    train(recipe, opts, &mut s, driver, folder, logs, history, stop)
+    train(Run { recipe, s: &mut s, driver, folder, logs, history }, opts, stop)
 }
 
 /// Continues the run in `run_dir` from its newest readable checkpoint. `recipe` must be the
@@ -251,9 +206,8 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     let _lock = dir.lock()?;
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
-    let (model, space) = (Arc::new(s.cfg.clone()), s.space.clone());
-    let precision = saved.parallel.as_ref().map(|p| p.precision).unwrap_or_default();
-    let (mut driver, path) = dir.resume_with(model, &space, || Clock::Wall, s.source(), &|cfg| cfg.with_precision(precision))?;
+    let job = crate::prepare::job(&saved, &s.cfg, s.space.clone()).resume(&dir, Some(s.source()), || copus_burn::driver::Clock::Wall)?;
+    let (mut driver, path) = (job.driver, job.resumed_from.unwrap_or_default());
     if precision_changed {
         let text = ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?;
         copus_burn::checkpoint::write_atomically(&saved_path, text.as_bytes())?;
@@ -267,15 +221,16 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     }
     let history = history_of(run_dir, step)?;
     let logs = Logs::open(run_dir, false)?;
-    train(recipe, opts, &mut s, driver, run_dir.to_path_buf(), logs, history, stop::flag())
+    train(Run { recipe, s: &mut s, driver, folder: run_dir.to_path_buf(), logs, history }, opts, stop::flag())
 }
 
 /// Names of the recipe fields in which `b` differs from `a`, where a resume needs them equal.
 fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     let mut out = Vec::new();
     let (ta, tb) = (&a.train, &b.train);
-    let pairs: [(&'static str, bool); 11] = [
+    let pairs: [(&'static str, bool); 12] = [
         ("model", a.model != b.model),
+        ("adaptive", a.is_adaptive() != b.is_adaptive()),
         ("backend", a.backend != b.backend),
         ("data", a.data != b.data),
         ("optim", a.optim != b.optim),
@@ -299,269 +254,277 @@ fn recipe_differences(a: &Recipe, b: &Recipe) -> Vec<&'static str> {
     out
 }
 
-/// Writes a checkpoint of the run at its current step (the logs flushed and synced first, so a
-/// power loss cannot leave them behind the checkpoint) and keeps the newest two. A signal that
-/// arrives meanwhile waits for it; a second one quits once it is written.
-fn checkpoint(driver: &mut Driver<LlamaConfig>, source: &dyn DecisionSource, folder: &Path, logs: &mut Logs) -> anyhow::Result<PathBuf> {
-    stop::saving(|| {
-        #[cfg(feature = "fault-injection")]
-        if let Some(ms) = std::env::var("COPUS_TEST_SAVE_PAUSE_MS").ok().and_then(|v| v.parse::<u64>().ok()) {
-            eprintln!("copus-test: writing a checkpoint");
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-        }
-        logs.sync().map_err(anyhow::Error::from).and_then(|()| Ok(RunDir::new(folder).save(driver, source, &BTreeMap::new())?))
-    })
-}
-
-/// The plotted points and evaluations of a run folder up to `step`.
-fn history_of(folder: &Path, step: u64) -> anyhow::Result<History> {
-    let read = |name: &str| -> anyhow::Result<Vec<serde_json::Value>> {
-        let p = folder.join(name);
-        let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-        Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
-    };
-    let mut points = Vec::new();
-    for v in read("metrics.jsonl")? {
-        if let Ok(p) = serde_json::from_value::<Point>(v["point"].clone()) {
-            points.push(p);
-        }
-    }
-    let evals: Vec<(u64, f64)> =
-        read("eval.jsonl")?.iter().filter_map(|v| Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?))).filter(|e| e.0 <= step).collect();
-    let initial_eval = evals.first().filter(|e| e.0 == 0).map(|e| e.1).context("eval.jsonl has no evaluation at step 0")?;
-    let last_eval = *evals.last().expect("one evaluation at least");
-    Ok(History { points, initial_eval, last_eval })
-}
-
-/// The loop of a fresh or resumed run, to the end, a time budget or `stop` (Ctrl-C).
-#[allow(clippy::too_many_arguments)]
-fn train(
-    recipe: &Recipe,
-    opts: &RunOptions,
-    s: &mut Setup,
-    mut driver: Driver<LlamaConfig>,
+/// A run between its start (fresh or resumed) and its end: the recipe, its setup, the driver,
+/// the run folder with its open logs, and what the plots need so far.
+struct Run<'a> {
+    recipe: &'a Recipe,
+    s: &'a mut Setup,
+    driver: Driver<LlamaConfig>,
     folder: PathBuf,
-    mut logs: Logs,
+    logs: Logs,
     history: History,
-    stop: &AtomicBool,
-) -> anyhow::Result<(PathBuf, Summary)> {
-    let t = &recipe.train;
-    let (cfg, b0) = (s.cfg.clone(), s.b0);
-    let num_params: u64 = s.spec.param_specs().iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
-    tracing::info!(
-        "model: {} ({:.2}M parameters) on {} in-process ranks under Copus; run folder {}",
-        s.spec.name,
-        num_params as f64 / 1e6,
-        s.world_size,
-        folder.display()
-    );
-    let (eval_sequences, eval_micro) = (t.eval_sequences, t.micro_batch);
-    let eval_now = |driver: &mut Driver<LlamaConfig>, heldout: &PackedDataset| -> anyhow::Result<f64> {
-        evaluate(driver.engine_mut(), heldout, eval_sequences, eval_micro)
-    };
-    let History { mut points, initial_eval, mut last_eval } = history;
-    let data = TrainSequences(&s.train);
-    let max_steps = opts.max_steps.unwrap_or(t.max_steps);
-    let bar = Progress::new(&recipe.name, max_steps);
-    bar.set_position(driver.engine().steps_done());
-    let mut stopped = format!("reached {max_steps} steps");
-    let mut interrupted = false;
-    let mut tokens_seen = driver.engine().tokens_seen();
-    while driver.engine().steps_done() < max_steps {
-        if let Some(budget) = t.time_budget_secs
-            && driver.clock_secs() >= budget
-        {
-            stopped = format!("time budget of {budget} s after {} steps", driver.engine().steps_done());
-            break;
-        }
-        let source: &mut dyn DecisionSource = match &mut s.script {
-            Some(script) => script,
-            None => &mut s.orch,
+}
+
+/// Why the loop ended, for the summary.
+struct Ending {
+    stopped: String,
+    interrupted: bool,
+}
+
+/// The loop of a fresh or resumed run, to the end, a time budget or `stop` (Ctrl-C), then the
+/// run's last checkpoint, evaluation, summary, weights and plots.
+fn train(mut run: Run<'_>, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Result<(PathBuf, Summary)> {
+    run.announce();
+    let max_steps = opts.max_steps.unwrap_or(run.recipe.train.max_steps);
+    let ending = run.steps(max_steps, stop)?;
+    run.finish(ending)
+}
+
+impl Run<'_> {
+    /// The model's parameter count.
+    fn num_params(&self) -> u64 {
+        self.s.spec.param_specs().iter().map(|p| p.shape.iter().product::<usize>() as u64).sum()
+    }
+
+    /// Logs what trains where.
+    fn announce(&self) {
+        let (s, millions) = (&self.s, self.num_params() as f64 / 1e6);
+        let how = if s.fixed {
+            let c = self.driver.current();
+            format!("one rank at B_g {} as {} x {}", c.global_batch, c.global_batch / c.micro_batch, c.micro_batch)
+        } else {
+            format!("{} in-process ranks under Copus", s.world_size)
         };
-        let st = driver.step(&data, source)?;
-        let m = &st.step.metrics;
-        tokens_seen = m.tokens_seen;
-        let phi = m.b_simple;
-        let c = st.candidate;
-        // The statistical efficiency of the objective Copus ranks by.
-        let efficiency = phi.map_or(1.0, |p| s.scorer.goodput(1.0, c.global_batch, p));
-        let point =
-            Point { secs: st.step_clock_secs, loss: m.loss, candidate: c, b_simple: phi, throughput: st.samples_per_sec, efficiency };
-        writeln!(
-            logs.metrics,
-            "{}",
-            serde_json::json!({
-                "train_secs": st.step_clock_secs,
-                "layout": c.dims.to_string(),
-                "skipped": st.step.skipped,
-                "metrics": m,
-                "point": point,
-                "host_traffic": st.step.host,
-                "host_traffic_rank_max": st.step.host_rank_max,
-            })
-        )?;
-        if let Some(d) = &st.decision {
-            let goodput = |c: &Candidate| {
-                let (sc, p) = (s.orch.scorer(), phi?);
-                sc.throughput(c).map(|t| sc.goodput(t, c.global_batch, p))
-            };
-            let trial = s.script.is_none() && s.orch.state().learned.trial == Some((d.proposed, d.step));
-            let why = match (goodput(&d.current), goodput(&d.proposed)) {
-                _ if trial => "a trial: its throughput was not measured yet".to_string(),
-                (Some(a), Some(b)) if a > 0.0 => {
-                    format!("predicted Goodput {:+.0}% at B_simple {:.1}", 100.0 * (b / a - 1.0), phi.unwrap_or(f64::NAN))
-                }
-                _ => "measured throughput".to_string(),
-            };
-            writeln!(
-                logs.decisions,
-                "{}",
-                serde_json::json!({"record": d, "goodput_current": goodput(&d.current), "goodput_proposed": goodput(&d.proposed), "b_simple": phi, "why": why})
-            )?;
-        }
-        if let Some(w) = &st.switch {
-            writeln!(
-                logs.switches,
-                // The configurations hold commas: quoted.
-                "{},{},\"{}\",\"{}\",{},{},{},{}",
-                w.step, st.step_clock_secs, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes, w.live
-            )?;
-        }
-        points.push(point);
-        bar.set_message(format!(
-            "loss {:.3} | {} B_g {} B_m {} | B_simple {}",
-            m.loss,
-            c.dims,
-            c.global_batch,
-            c.micro_batch,
-            phi.map_or("-".into(), |b| format!("{b:.1}"))
-        ));
-        let step = driver.engine().steps_done();
-        bar.set_position(step);
-        if t.eval_every > 0 && step.is_multiple_of(t.eval_every) && !st.step.skipped {
-            let l = eval_now(&mut driver, &s.heldout)?;
-            writeln!(
-                logs.evals,
-                "{}",
-                serde_json::json!({"step": step, "tokens": m.tokens_seen, "train_secs": st.clock_secs, "eval_loss": l})
-            )?;
-            logs.evals.flush()?;
-            last_eval = (step, l);
-        }
-        if stop::requested(stop) {
-            stopped = format!("interrupted (a signal: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1) after {step} steps");
-            interrupted = true;
-            break;
-        }
-        if let Some(budget) = t.time_budget_secs
-            && driver.clock_secs() >= budget
-        {
-            stopped = format!("time budget of {budget} s after {step} steps");
-            break;
-        }
-        if t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every) && step < max_steps {
-            let source: &dyn DecisionSource = match &s.script {
-                Some(script) => script,
-                None => &s.orch,
-            };
-            checkpoint(&mut driver, source, &folder, &mut logs)?;
-        }
+        tracing::info!("model: {} ({millions:.2}M parameters) on {how}; run folder {}", s.spec.name, self.folder.display());
     }
-    bar.finish();
-    // The run's last state, whatever stopped it: `--resume` continues from here.
-    let saved = checkpoint(&mut driver, s.source(), &folder, &mut logs)?;
-    stop::loop_done();
-    tracing::info!("checkpoint {}", saved.display());
-    let steps = driver.engine().steps_done();
-    let train_secs = driver.clock_secs();
-    let final_eval = if last_eval.0 == steps {
-        last_eval.1
-    } else {
-        let l = eval_now(&mut driver, &s.heldout)?;
-        writeln!(logs.evals, "{}", serde_json::json!({"step": steps, "tokens": tokens_seen, "train_secs": train_secs, "eval_loss": l}))?;
-        l
-    };
-    logs.flush()?;
-    let k = points.len().clamp(1, 10);
-    let mean = |p: &[Point]| p.iter().map(|x| x.loss).sum::<f64>() / p.len().max(1) as f64;
-    let batches: std::collections::BTreeSet<usize> = points.iter().map(|p| p.candidate.global_batch).collect();
-    let layouts: std::collections::BTreeSet<String> = points.iter().map(|p| p.candidate.dims.to_string()).collect();
-    let summary = Summary {
-        name: recipe.name.clone(),
-        clock: "wall clock (this machine)",
-        model: s.spec.name.clone(),
-        num_params,
-        corpus_sha256: s.checksum.clone(),
-        steps,
-        tokens: tokens_seen,
-        train_secs,
-        tokens_per_sec: tokens_seen as f64 / train_secs.max(1e-9),
-        first_loss: mean(&points[..k.min(points.len())]),
-        last_loss: mean(&points[points.len().saturating_sub(k)..]),
-        initial_eval_loss: initial_eval,
-        final_eval_loss: final_eval,
-        final_b_simple: driver.engine().gns().b_simple(),
-        stopped,
-        changes: applied_changes(&folder),
-        batch: Some(format!(
-            "adaptive: B_g {} on {}; now {}",
-            batches.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
-            layouts.into_iter().collect::<Vec<_>>().join(", "),
-            driver.current()
-        )),
-        interrupted,
-    };
-    std::fs::write(folder.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-    std::fs::write(folder.join("summary.md"), summary_markdown(&summary, recipe))?;
-    let params = driver.engine_mut().gather()?;
-    // Every output is attempted; any that failed fails the run (exit code non-zero).
-    let mut failed = Vec::new();
-    if let Err(e) = save_weights(&cfg, params, &folder.join("model.safetensors")) {
-        failed.push(format!("weights not saved: {e:#}"));
+
+    /// The held-out loss now, on the engine's ranks.
+    fn eval_now(&mut self) -> anyhow::Result<f64> {
+        let t = &self.recipe.train;
+        evaluate(self.driver.engine_mut(), &self.s.heldout, t.eval_sequences, t.micro_batch)
     }
-    // Without a font the plots are skipped with a warning; any other failure fails the run.
-    match crate::report::plot::ensure_font() {
-        Err(e) => tracing::warn!("plots not drawn: {e}"),
-        Ok(()) => {
-            if let Err(e) = plots(&folder, &points, b0) {
-                failed.push(format!("plots not written: {e:#}"));
+
+    /// Steps until `max_steps`, the time budget or a stop request; evaluates and checkpoints on
+    /// the recipe's schedule.
+    fn steps(&mut self, max_steps: u64, stop: &AtomicBool) -> anyhow::Result<Ending> {
+        let t = self.recipe.train.clone();
+        let bar = Progress::new(&self.recipe.name, max_steps);
+        bar.set_position(self.driver.engine().steps_done());
+        let over_budget = |driver: &Driver<LlamaConfig>| t.time_budget_secs.filter(|b| driver.clock_secs() >= *b);
+        let mut ending = Ending { stopped: format!("reached {max_steps} steps"), interrupted: false };
+        while self.driver.engine().steps_done() < max_steps {
+            if let Some(budget) = over_budget(&self.driver) {
+                ending.stopped = format!("time budget of {budget} s after {} steps", self.driver.engine().steps_done());
+                break;
+            }
+            let (data, source) = self.s.data_and_source();
+            let st = self.driver.step(&data, source)?;
+            self.log_step(&st, &bar)?;
+            let step = self.driver.engine().steps_done();
+            bar.set_position(step);
+            if t.eval_every > 0 && step.is_multiple_of(t.eval_every) && !st.step.skipped {
+                let l = self.eval_now()?;
+                let line =
+                    serde_json::json!({"step": step, "tokens": st.step.metrics.tokens_seen, "train_secs": st.clock_secs, "eval_loss": l});
+                writeln!(self.logs.evals, "{line}")?;
+                self.logs.evals.flush()?;
+                self.history.last_eval = (step, l);
+            }
+            if stop::requested(stop) {
+                ending = Ending {
+                    stopped: format!("interrupted (a signal: Ctrl-C, SIGTERM, SIGHUP or SIGUSR1) after {step} steps"),
+                    interrupted: true,
+                };
+                break;
+            }
+            if let Some(budget) = over_budget(&self.driver) {
+                ending.stopped = format!("time budget of {budget} s after {step} steps");
+                break;
+            }
+            if t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every) && step < max_steps {
+                checkpoint(&mut self.driver, self.s.source_ref(), &self.folder, &mut self.logs)?;
             }
         }
+        bar.finish();
+        Ok(ending)
     }
-    if !failed.is_empty() {
-        anyhow::bail!("{}: {}", folder.display(), failed.join("; "));
+
+    /// Writes one step's lines (metrics, decision, switch) and its point, and updates the bar.
+    fn log_step(&mut self, st: &DriverStep, bar: &Progress) -> anyhow::Result<()> {
+        let m = &st.step.metrics;
+        let (phi, c) = (m.b_simple, st.candidate);
+        // The statistical efficiency of the objective the policy ranks by.
+        let efficiency = phi.map_or(1.0, |p| self.s.scorer.goodput(1.0, c.global_batch, p));
+        let point = Point {
+            secs: st.step_clock_secs,
+            loss: m.loss,
+            candidate: c,
+            b_simple: phi,
+            throughput: st.samples_per_sec,
+            efficiency,
+            step: m.step,
+            tokens: m.tokens_seen,
+        };
+        let line = serde_json::json!({
+            "train_secs": st.step_clock_secs,
+            "layout": c.dims.to_string(),
+            "skipped": st.step.skipped,
+            "metrics": m,
+            "point": point,
+            "host_traffic": st.step.host,
+            "host_traffic_rank_max": st.step.host_rank_max,
+        });
+        writeln!(self.logs.metrics, "{line}")?;
+        if let Some(d) = &st.decision {
+            self.log_decision(d, phi)?;
+        }
+        if let Some(w) = &st.switch {
+            // The configurations hold commas: quoted.
+            let (secs, l) = (st.step_clock_secs, &mut self.logs.switches);
+            writeln!(l, "{},{secs},\"{}\",\"{}\",{},{},{},{}", w.step, w.from, w.to, w.layout_changed, w.measured_secs, w.bytes, w.live)?;
+        }
+        self.history.points.push(point);
+        let b_simple = phi.map_or("-".into(), |b| format!("{b:.1}"));
+        bar.set_message(format!("loss {:.3} | {} B_g {} B_m {} | B_simple {b_simple}", m.loss, c.dims, c.global_batch, c.micro_batch));
+        Ok(())
     }
-    Ok((folder, summary))
+
+    /// A decision's line of `decisions.jsonl`, with the predicted Goodput of both sides and why.
+    fn log_decision(&mut self, d: &DecisionRecord, phi: Option<f64>) -> anyhow::Result<()> {
+        let s = &self.s;
+        let goodput = |c: &Candidate| {
+            let (sc, p) = (s.orch.scorer(), phi?);
+            sc.throughput(c).map(|t| sc.goodput(t, c.global_batch, p))
+        };
+        let trial = s.script.is_none() && s.orch.state().learned.trial == Some((d.proposed, d.step));
+        let why = match (goodput(&d.current), goodput(&d.proposed)) {
+            _ if trial => "a trial: its throughput was not measured yet".to_string(),
+            (Some(a), Some(b)) if a > 0.0 => {
+                format!("predicted Goodput {:+.0}% at B_simple {:.1}", 100.0 * (b / a - 1.0), phi.unwrap_or(f64::NAN))
+            }
+            _ => "measured throughput".to_string(),
+        };
+        let line = serde_json::json!({"record": d, "goodput_current": goodput(&d.current), "goodput_proposed": goodput(&d.proposed), "b_simple": phi, "why": why});
+        writeln!(self.logs.decisions, "{line}")?;
+        Ok(())
+    }
+
+    /// The run's end, whatever stopped it: a checkpoint (`--resume` continues from here), the
+    /// final evaluation, the summary, the weights and the plots.
+    fn finish(mut self, ending: Ending) -> anyhow::Result<(PathBuf, Summary)> {
+        let saved = checkpoint(&mut self.driver, self.s.source_ref(), &self.folder, &mut self.logs)?;
+        stop::loop_done();
+        tracing::info!("checkpoint {}", saved.display());
+        let (steps, train_secs) = (self.driver.engine().steps_done(), self.driver.clock_secs());
+        let tokens = self.driver.engine().tokens_seen();
+        let final_eval = if self.history.last_eval.0 == steps {
+            self.history.last_eval.1
+        } else {
+            let l = self.eval_now()?;
+            writeln!(
+                self.logs.evals,
+                "{}",
+                serde_json::json!({"step": steps, "tokens": tokens, "train_secs": train_secs, "eval_loss": l})
+            )?;
+            l
+        };
+        self.logs.flush()?;
+        let summary = self.summary(ending, final_eval);
+        std::fs::write(self.folder.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+        std::fs::write(self.folder.join("summary.md"), summary_markdown(&summary, self.recipe))?;
+        self.outputs()?;
+        Ok((self.folder, summary))
+    }
+
+    /// The run's summary.
+    fn summary(&self, ending: Ending, final_eval: f64) -> Summary {
+        let points = &self.history.points;
+        let (steps, train_secs) = (self.driver.engine().steps_done(), self.driver.clock_secs());
+        let tokens = self.driver.engine().tokens_seen();
+        let k = points.len().clamp(1, 10);
+        let mean = |p: &[Point]| p.iter().map(|x| x.loss).sum::<f64>() / p.len().max(1) as f64;
+        let batches: std::collections::BTreeSet<usize> = points.iter().map(|p| p.candidate.global_batch).collect();
+        let layouts: std::collections::BTreeSet<String> = points.iter().map(|p| p.candidate.dims.to_string()).collect();
+        let batch = (!self.s.fixed).then(|| {
+            let list = |v: Vec<String>| v.join(", ");
+            let now = self.driver.current();
+            format!(
+                "adaptive: B_g {} on {}; now {now}",
+                list(batches.iter().map(ToString::to_string).collect()),
+                list(layouts.into_iter().collect())
+            )
+        });
+        Summary {
+            name: self.recipe.name.clone(),
+            clock: "wall clock (this machine)",
+            model: self.s.spec.name.clone(),
+            num_params: self.num_params(),
+            corpus_sha256: self.s.checksum.clone(),
+            steps,
+            tokens,
+            train_secs,
+            tokens_per_sec: tokens as f64 / train_secs.max(1e-9),
+            first_loss: mean(&points[..k.min(points.len())]),
+            last_loss: mean(&points[points.len().saturating_sub(k)..]),
+            initial_eval_loss: self.history.initial_eval,
+            final_eval_loss: final_eval,
+            final_b_simple: self.driver.engine().gns().b_simple(),
+            stopped: ending.stopped,
+            changes: applied_changes(&self.folder),
+            batch,
+            interrupted: ending.interrupted,
+        }
+    }
+
+    /// The weights and the plots; every output is attempted, and any that failed fails the run
+    /// (exit code non-zero). Without a font the plots are skipped with a warning.
+    fn outputs(&mut self) -> anyhow::Result<()> {
+        let params = self.driver.engine_mut().gather()?;
+        let mut failed = Vec::new();
+        if let Err(e) = save_weights(&self.s.cfg, params, &self.folder.join("model.safetensors")) {
+            failed.push(format!("weights not saved: {e:#}"));
+        }
+        match crate::report::plot::ensure_font() {
+            Err(e) => tracing::warn!("plots not drawn: {e}"),
+            Ok(()) => {
+                let drawn = if self.s.fixed {
+                    fixed_plots(&self.folder, &self.history.points)
+                } else {
+                    plots(&self.folder, &self.history.points, self.s.b0)
+                };
+                if let Err(e) = drawn {
+                    failed.push(format!("plots not written: {e:#}"));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            anyhow::bail!("{}: {}", self.folder.display(), failed.join("; "));
+        }
+        Ok(())
+    }
 }
 
-/// The recipe's (B_g, B_m) on its layout, or on the layout the prior rates fastest.
-pub(crate) fn start_candidate(recipe: &Recipe, scorer: &Scorer, layout: Option<ParallelDims>) -> anyhow::Result<Candidate> {
+/// The job of a fresh run of `recipe`: the recipe's job scored by the policy's scorer,
+/// starting at the recipe's (B_g, B_m) on its layout, or on the layout the prior rates fastest
+/// (a fixed run: its one candidate).
+pub(crate) fn fresh_job(recipe: &Recipe, s: &Setup) -> anyhow::Result<JobBuilder<LlamaConfig>> {
+    let job = crate::prepare::job(recipe, &s.cfg, s.space.clone()).scorer(s.scorer.clone());
+    if s.fixed {
+        return Ok(job.start_at(s.space.feasible[0]));
+    }
+    let par = recipe.parallel.as_ref().context("an adaptive run needs the recipe's `parallel` section")?;
+    let layout = par.initial_dims(&s.spec)?;
     let (b, m) = (recipe.train.global_batch, recipe.train.micro_batch);
-    let best = scorer
-        .candidates()
-        .filter(|(c, _)| c.global_batch == b && c.micro_batch == m && layout.is_none_or(|d| c.dims == d))
-        .max_by(|x, y| x.1.total_cmp(&y.1))
-        .map(|(c, _)| *c);
-    best.ok_or_else(|| {
-        anyhow!(
+    let job = job.start_batch(b, m, layout);
+    if job.start_candidate().is_err() {
+        return Err(anyhow!(
             "recipe fields `train.global_batch` = {b} and `train.micro_batch` = {m}{}: not a feasible candidate of the `parallel` section (B_g in {:?}, B_m in {:?})",
             layout.map_or(String::new(), |d| format!(" on `parallel.layout` {d}")),
-            recipe.parallel.as_ref().map(|p| p.global_batches.clone()).unwrap_or_default(),
-            recipe.parallel.as_ref().map(|p| p.micro_batches.clone()).unwrap_or_default(),
-        )
-    })
-}
-
-/// The whole model as one stage (dp1,tp1,pp1) from gathered parameters, on Flex without autodiff.
-fn whole_model(cfg: &LlamaConfig, params: HashMap<String, Vec<f32>>) -> anyhow::Result<LlamaStage> {
-    let spec = ParallelLm::spec(cfg);
-    let mut shards = HashMap::new();
-    for p in spec.param_specs() {
-        let v = params.get(&p.name).with_context(|| format!("parameter {} missing from the gathered state", p.name))?;
-        shards.insert(p.name.clone(), TensorData::new(v.clone(), p.shape.clone()));
+            par.global_batches,
+            par.micro_batches,
+        ));
     }
-    let plan = ShardPlan::new(ParallelDims { dp: 1, tp: 1, pp: 1 }, 0, 0, spec.num_layers);
-    Ok(cfg.build_stage(&plan, &mut ShardSource::new(shards), &Device::flex())?)
+    Ok(job)
 }
 
 /// Mean held-out loss per token over the first `count` held-out sequences, computed by the
@@ -570,66 +533,11 @@ pub(crate) fn evaluate(engine: &mut Engine<LlamaConfig>, heldout: &PackedDataset
     Ok(engine.evaluate(crate::eval::windows(heldout, count), micro)?)
 }
 
-/// Writes the final weights under the model's global names.
-fn save_weights(cfg: &LlamaConfig, params: HashMap<String, Vec<f32>>, path: &Path) -> anyhow::Result<()> {
-    let stage = whole_model(cfg, params)?;
-    let mut store = SafetensorsStore::from_file(path).overwrite(true);
-    stage.save_into(&mut store).map_err(|e| anyhow!("{}: {e}", path.display()))
-}
-
-fn plots(folder: &Path, points: &[Point], b0: f64) -> anyhow::Result<()> {
-    // Layout regions, and a marker series at every batch change.
-    let mut regions: Vec<(f64, f64, String)> = Vec::new();
-    for p in points {
-        let label = p.candidate.dims.to_string();
-        match regions.last_mut() {
-            Some(r) if r.2 == label => r.1 = p.secs,
-            _ => regions.push((regions.last().map_or(0.0, |r| r.1), p.secs, label)),
-        }
-    }
-    let losses: Vec<(f64, f64)> = points.iter().map(|p| (p.secs, p.loss)).collect();
-    let changes: Vec<f64> = points
-        .windows(2)
-        .filter(|w| w[0].candidate.global_batch != w[1].candidate.global_batch || w[0].candidate.micro_batch != w[1].candidate.micro_batch)
-        .map(|w| w[1].secs)
-        .collect();
-    plot::region_plot(
-        &folder.join("loss_time.png"),
-        "Loss against time under Copus (layouts shaded, batch changes marked)",
-        "seconds",
-        "loss (nats/token)",
-        &[Series { label: "training loss", points: losses }],
-        &regions,
-        &changes,
-    )?;
-    let bg: Vec<(f64, f64)> = points.iter().map(|p| (p.secs, p.candidate.global_batch as f64)).collect();
-    let bs: Vec<(f64, f64)> = points.iter().filter_map(|p| Some((p.secs, p.b_simple?))).collect();
-    plot::line_plot(
-        &folder.join("batch_schedule.png"),
-        "Global batch B_g against the noise scale B_simple",
-        "seconds",
-        "sequences",
-        &[Series { label: "B_g", points: bg }, Series { label: "B_simple", points: bs }],
-        true,
-    )?;
-    let max_t = points.iter().map(|p| p.throughput).fold(0.0, f64::max).max(1e-12);
-    plot::line_plot(
-        &folder.join("goodput.png"),
-        &format!("Throughput (relative to its peak {max_t:.1} samples/s) and statistical efficiency (B0 = {b0})"),
-        "seconds",
-        "fraction",
-        &[
-            Series { label: "throughput / peak", points: points.iter().map(|p| (p.secs, p.throughput / max_t)).collect() },
-            Series { label: "statistical efficiency", points: points.iter().map(|p| (p.secs, p.efficiency)).collect() },
-            Series { label: "goodput / peak", points: points.iter().map(|p| (p.secs, p.throughput * p.efficiency / max_t)).collect() },
-        ],
-        false,
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data;
+    use crate::report::plot;
     use copus_core::memory::Precision;
     use std::sync::atomic::Ordering;
 
@@ -824,9 +732,149 @@ mod tests {
         let (_, done) = resume(&recipe, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         assert_eq!(done.steps, 4);
         assert!(!done.interrupted);
-        // A fixed recipe has no checkpoints to resume from, and says so.
+        // The fixed recipe is another run, and says so.
         let fixed = Recipe::parse(&text.replace("parallel:", "adaptive: Some(false), parallel:"), "fixed").unwrap();
         let err = crate::run::resume_any(&fixed, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
-        assert!(err.contains("writes no checkpoints"), "{err}");
+        assert!(err.contains("adaptive differs"), "{err}");
+        // A fixed run stopped by a signal saves a checkpoint and resumes to its end too.
+        stop.store(true, Ordering::SeqCst);
+        let (fixed_dir, s) = run_with(&fixed, &RunOptions { max_steps: None, ..RunOptions::default() }, &stop).unwrap();
+        assert!(s.interrupted && s.steps == 1, "{}", s.stopped);
+        let (_, done) = crate::run::resume_any(&fixed, &fixed_dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
+        assert_eq!((done.steps, done.interrupted), (4, false));
+    }
+
+    /// A fixed run in miniature on the real corpus: fetches it on first use (pip), trains a
+    /// small BPE and the 1M preset for a few steps on one rank, and writes the whole run folder.
+    #[test]
+    fn a_small_recipe_trains_on_shakespeare_and_reports() {
+        let out = tempfile::tempdir().unwrap();
+        let text = format!(
+            r#"(
+                name: "smoke",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                train: (global_batch: 8, micro_batch: 4, max_steps: 12, eval_every: 6, eval_sequences: 16),
+                optim: (lr: 3e-3, b0: 8, warmup_steps: 2, total_steps: 12),
+            )"#,
+            out.path().display()
+        );
+        let recipe = Recipe::parse(&text, "smoke").unwrap();
+        let (folder, s) = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
+        assert_eq!(folder, out.path().join("smoke"));
+        for f in ["metrics.jsonl", "eval.jsonl", "summary.json", "summary.md", "model.safetensors", "recipe.ron"] {
+            assert!(folder.join(f).exists(), "{f} missing");
+        }
+        let lines = std::fs::read_to_string(folder.join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 12);
+        let last: serde_json::Value = serde_json::from_str(lines.lines().last().unwrap()).unwrap();
+        assert_eq!(last["metrics"]["tokens_seen"], 12 * 8 * 32);
+        assert!(last["metrics"]["trace"].as_f64().is_some(), "the noise probe ran");
+        // Evaluations at 0, 6 and 12 steps.
+        assert_eq!(std::fs::read_to_string(folder.join("eval.jsonl")).unwrap().lines().count(), 3);
+        assert_eq!(s.steps, 12);
+        assert!(s.final_eval_loss < s.initial_eval_loss - 0.3, "held-out {} -> {}", s.initial_eval_loss, s.final_eval_loss);
+        // The run folder's model outside the run: `recipes eval` on the held-out play gives the
+        // run's own final held-out loss (same weights, tokenizer and windows), and it exports.
+        let m = crate::interop::load_run(&folder).unwrap();
+        let plays = data::load_plays(&data::cache_dir()).unwrap();
+        let macbeth = &plays.iter().find(|p| p.name == "macbeth").unwrap().text;
+        let e = crate::interop::eval_text(&m.model, &m.tokenizer, macbeth, 32, Some(16), 4).unwrap();
+        assert!((e.loss - s.final_eval_loss).abs() <= 1e-5 * s.final_eval_loss, "{} vs {}", e.loss, s.final_eval_loss);
+        crate::interop::export(&folder, &out.path().join("hf")).unwrap();
+        assert!(out.path().join("hf/config.json").exists());
+        // A second run never overwrites the first.
+        let (again, _) = run(&recipe, &RunOptions { max_steps: Some(1), ..RunOptions::default() }).unwrap();
+        assert_eq!(again, out.path().join("smoke-2"));
+        if plot::ensure_font().is_ok() {
+            assert!(folder.join("loss_time.png").exists() && folder.join("b_simple.png").exists());
+        }
+    }
+
+    /// A corrupt recipe or tokenizer file is an error naming it, and no run folder appears.
+    #[test]
+    fn corrupt_inputs_are_errors_and_leave_no_output() {
+        let out = tempfile::tempdir().unwrap();
+        let e = Recipe::parse("(name: \"x\", model: (preset: \"tiny-1m\"", "cut.ron").unwrap_err().to_string();
+        assert!(e.contains("cut.ron"), "{e}");
+        let tokenizer = out.path().join("tokenizer.json");
+        std::fs::write(&tokenizer, "{\"version\": \"1.0\", \"model\": {\"type\": \"BPE\", \"vocab\": 7").unwrap();
+        let text = format!(
+            r#"(
+                name: "corrupt",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: File("{}")),
+                train: (global_batch: 8, micro_batch: 4, max_steps: 2),
+                optim: (lr: 3e-3, b0: 8, warmup_steps: 1, total_steps: 2),
+            )"#,
+            out.path().join("runs").display(),
+            tokenizer.display()
+        );
+        let recipe = Recipe::parse(&text, "corrupt").unwrap();
+        let e = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap_err().to_string();
+        assert!(e.contains("tokenizer.json"), "{e}");
+        assert!(!out.path().join("runs").exists(), "no run folder for a run that could not start");
+    }
+
+    /// Every engine option a recipe sets reaches the engine from each entry point that starts
+    /// one: the main job (fresh, and resumed: run a step each and read back from their
+    /// checkpoints), the headline's arms, the real comparison's policies and the profile.
+    #[test]
+    fn every_engine_option_a_recipe_sets_reaches_each_entry_point() {
+        use copus_burn::EngineConfig;
+        use copus_burn::comm::placement::RankDevice;
+        use copus_core::memory::{Checkpointing, Precision};
+        use copus_core::schedule::ScheduleKind;
+        let out = tempfile::tempdir().unwrap();
+        let text = format!(
+            r#"(
+                name: "options",
+                output_dir: "{}",
+                model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                train: (global_batch: 4, micro_batch: 2, max_steps: 1, eval_every: 0, eval_sequences: 4, checkpoint_every: 0),
+                optim: (lr: 3e-3, b0: 4, warmup_steps: 1, total_steps: 4),
+                parallel: (world_size: 2, schedule: GPipe, global_batches: [4], micro_batches: [2], exact_reductions: true,
+                           checkpointing: Layers, precision: Bf16Mixed, zero1: true, layout: Some((dp: 2, tp: 1, pp: 1))),
+            )"#,
+            out.path().display()
+        );
+        let recipe = Recipe::parse(&text, "options").unwrap();
+        let has_options = |ec: &EngineConfig, devices: &[RankDevice], per_device: Option<usize>, what: &str| {
+            assert_eq!(ec.schedule, ScheduleKind::GPipe, "{what}");
+            assert!(ec.exact_reductions && ec.zero1, "{what}");
+            assert_eq!((ec.checkpointing, ec.precision), (Checkpointing::Layers, Precision::Bf16Mixed), "{what}");
+            assert_eq!((ec.devices.as_slice(), ec.ranks_per_device), (devices, per_device), "{what}");
+        };
+        // The device options, set past the recipe's checks (this build has Flex only).
+        let mut elsewhere = recipe.clone();
+        elsewhere.backend = crate::recipe::Backend::TchCpu;
+        elsewhere.ranks_per_device = Some(2);
+        let on = [RankDevice::TchCpu; 2];
+        let s = setup(&elsewhere).unwrap();
+        let main_job = fresh_job(&elsewhere, &s).unwrap();
+        let start = main_job.start_candidate().unwrap();
+        let arm = crate::experiments::headline::arm_job(&elsewhere, &s.cfg, &s.spec, start).unwrap();
+        let policy = crate::experiments::compare::real::policy_job(&elsewhere, &s.cfg, &s.space, start);
+        for (job, what) in [(main_job, "main job"), (arm, "headline arm"), (policy, "comparison policy")] {
+            let ec = job.engine_config().unwrap();
+            has_options(&ec, &on, Some(2), what);
+            assert_eq!(ec.optim, recipe.optim, "{what}");
+        }
+        let profiled = crate::profile::candidate_config(&elsewhere.engine_options(), &start, s.spec.seq_len);
+        assert_eq!(profiled.optim.warmup_steps, 0, "a profile times steps after warmup");
+        has_options(&profiled, &on, Some(2), "profile");
+        // The main job and its resume, run on Flex.
+        let (dir, first) = run(&recipe, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
+        let (_, resumed) = resume(&recipe, &dir, &RunOptions { max_steps: Some(2), ..RunOptions::default() }).unwrap();
+        assert_eq!((first.steps, resumed.steps), (1, 2));
+        let saved: Vec<EngineConfig> =
+            RunDir::new(&dir).checkpoints().iter().map(|(_, p)| copus_burn::state::TrainingState::load(p).unwrap().1).collect();
+        assert_eq!(saved.len(), 2);
+        for (ec, what) in saved.iter().zip(["fresh run", "resumed run"]) {
+            has_options(ec, &[], None, what);
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! recipe from such a directory (`init_from`), the loss on any text (`recipes eval`), and text
 //! generation (`recipes generate`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow};
 use burn::tensor::Device;
@@ -223,6 +223,90 @@ pub fn generate_command(run_dir: &Path, prompt: &str, max_tokens: usize, samplin
     let allowed = m.tokenizer.get_vocab_size(true);
     let out = copus_models::generate::generate(&m.model, &ids, max_tokens, m.cfg.shape.seq_len, allowed, &sampling, m.eot(), true);
     m.tokenizer.decode(&out, true).map_err(|e| anyhow!("decoding: {e}"))
+}
+
+/// Write a run's model as a Hugging Face Llama directory (config.json, model.safetensors,
+/// tokenizer.json) that transformers' LlamaForCausalLM loads.
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// The run folder.
+    run_dir: PathBuf,
+    /// The directory to write.
+    #[arg(long)]
+    to: PathBuf,
+}
+
+impl ExportArgs {
+    /// `recipes export`: [`export`], then what was written.
+    pub fn exec(self) -> anyhow::Result<()> {
+        export(&self.run_dir, &self.to)?;
+        println!("wrote {} (config.json, model.safetensors, tokenizer.json)", self.to.display());
+        Ok(())
+    }
+}
+
+/// Mean next-token loss and perplexity of a run's model on any UTF-8 text.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// The run folder.
+    run_dir: PathBuf,
+    /// The text file.
+    #[arg(long)]
+    text: PathBuf,
+    /// Window length in tokens (default: the run's sequence length).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Evaluate at most this many windows.
+    #[arg(long)]
+    max_windows: Option<usize>,
+}
+
+impl EvalArgs {
+    /// `recipes eval`: [`eval_command`], then its loss and perplexity.
+    pub fn exec(self) -> anyhow::Result<()> {
+        let r = eval_command(&self.run_dir, &self.text, self.seq, self.max_windows)?;
+        println!(
+            "{}: {} tokens, {} windows; mean loss {:.4} nats/token, perplexity {:.2}",
+            self.text.display(),
+            r.tokens,
+            r.windows,
+            r.loss,
+            r.perplexity()
+        );
+        Ok(())
+    }
+}
+
+/// Continue a prompt with a run's model (KV cache; greedy at temperature 0).
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// The run folder.
+    run_dir: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Softmax temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Nucleus sampling: the smallest set of tokens holding this much probability.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f64,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl GenerateArgs {
+    /// `recipes generate`: [`generate_command`], printed after the prompt.
+    pub fn exec(self) -> anyhow::Result<()> {
+        let sampling = Sampling { temperature: self.temperature, top_p: self.top_p, seed: self.seed };
+        let text = generate_command(&self.run_dir, &self.prompt, self.max_tokens, sampling)?;
+        println!("{}{text}", self.prompt);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -13,17 +13,18 @@ use anyhow::anyhow;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::tensor::Device;
 use burn::train::metric::{LearningRateMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
-use copus_burn::learner::{CopusBatchingConfig, CopusTrainingExt};
+use copus_burn::learner::{CopusBatching, CopusBatchingConfig, CopusTrainingExt};
 use copus_burn::trainer::CausalLm;
 use copus_models::LlamaConfig;
 use copus_models::learner::{LanguageModel, TokenBatcher};
 
 use crate::data::PackedDataset;
 use crate::prepare::{Prepared, prepare, run_folder};
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, TrainRecipe};
 
 /// Sequences of a packed split as a Burn dataset: the training stream's order (item `i` is the
 /// stream's `i`-th sample) or stream order (held-out).
@@ -84,10 +85,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     let no_decay = llama.no_decay_predicates();
     let model = LanguageModel { llama };
     let optim = recipe.optim.init(&no_decay);
-    let schedule = CosineAnnealingLrSchedulerConfig::new(recipe.optim.lr, recipe.optim.total_steps.max(1) as usize)
-        .with_min_lr(recipe.optim.lr * recipe.optim.min_lr_ratio)
-        .init()
-        .map_err(|e| anyhow!("learning-rate schedule: {e}"))?;
+    let schedule = lr_schedule(recipe)?;
     let dir = folder.join(if adaptive { "copus" } else { "fixed" });
     let valid = DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences {
         data: heldout.clone(),
@@ -97,11 +95,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
 
     let started = Instant::now();
     let (result, copus) = if adaptive {
-        // copus: loader batches are micro-batches; B0 = the recipe's global batch.
-        let copus = CopusBatchingConfig::new(t.micro_batch)
-            .with_initial_accumulation(t.global_batch / t.micro_batch)
-            .with_max_accumulation(8 * t.global_batch / t.micro_batch)
-            .init()?;
+        let copus = copus_batching(t)?;
         let loader =
             DataLoaderBuilder::new(TokenBatcher).batch_size(t.micro_batch).build(Sequences { data: train, len: samples, shuffled: true });
         let learner = copus.learner(model, optim, schedule); // copus: the scaled scheduler
@@ -135,14 +129,7 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
     let model = result.model;
     let heldout_loss = crate::eval::evaluate(&model.llama, &heldout, eval, t.micro_batch);
     let (steps, final_batch, b_simple) = match &copus {
-        Some(c) => {
-            // Every optimizer step as copus ran it: plan, norms, B_simple, LR factor, time.
-            let path = dir.join("copus-steps.jsonl");
-            let lines: Vec<String> = c.history().iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
-            std::fs::write(&path, lines.join("\n") + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))?;
-            let s = c.snapshot();
-            (s.steps, s.plan.batch(), s.b_simple)
-        }
+        Some(c) => copus_outcome(c, &dir)?,
         None => (samples.div_ceil(t.global_batch) as u64, t.global_batch, None),
     };
     Ok(LearnerRun {
@@ -155,6 +142,59 @@ fn train(recipe: &Recipe, data: &Data, adaptive: bool, max_samples: Option<usize
         seconds,
         dir,
     })
+}
+
+/// The recipe's learning-rate schedule: cosine annealing from `optim.lr` to
+/// `optim.lr x optim.min_lr_ratio` over `optim.total_steps`.
+fn lr_schedule(recipe: &Recipe) -> anyhow::Result<ModuleLrScheduler> {
+    CosineAnnealingLrSchedulerConfig::new(recipe.optim.lr, recipe.optim.total_steps.max(1) as usize)
+        .with_min_lr(recipe.optim.lr * recipe.optim.min_lr_ratio)
+        .init()
+        .map_err(|e| anyhow!("learning-rate schedule: {e}"))
+}
+
+/// copus's batching for the recipe: loader batches are micro-batches; B0 = the recipe's global
+/// batch, at most 8 times it.
+fn copus_batching(t: &TrainRecipe) -> anyhow::Result<CopusBatching> {
+    Ok(CopusBatchingConfig::new(t.micro_batch)
+        .with_initial_accumulation(t.global_batch / t.micro_batch)
+        .with_max_accumulation(8 * t.global_batch / t.micro_batch)
+        .init()?)
+}
+
+/// Writes every optimizer step as copus ran it (plan, norms, B_simple, LR factor, time) to
+/// `dir/copus-steps.jsonl`; returns the steps, the final batch and B_simple.
+fn copus_outcome(c: &CopusBatching, dir: &Path) -> anyhow::Result<(u64, usize, Option<f64>)> {
+    let path = dir.join("copus-steps.jsonl");
+    let lines: Vec<String> = c.history().iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
+    std::fs::write(&path, lines.join("\n") + "\n").map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let s = c.snapshot();
+    Ok((s.steps, s.plan.batch(), s.b_simple))
+}
+
+/// Train the recipe's model and data with Burn's `SupervisedTraining` and copus's adaptive
+/// batching (the Learner add-on); `--fixed` for the plain Learner, `--compare` for both.
+#[derive(clap::Args)]
+pub struct LearnerArgs {
+    /// The recipe (RON), e.g. recipes/shakespeare-tiny.ron.
+    recipe: PathBuf,
+    /// The plain Learner at the recipe's global batch.
+    #[arg(long, conflicts_with = "compare")]
+    fixed: bool,
+    /// Both runs, then a table.
+    #[arg(long)]
+    compare: bool,
+    /// Training sequences (default: the recipe's max_steps x global_batch).
+    #[arg(long)]
+    max_samples: Option<usize>,
+}
+
+impl LearnerArgs {
+    /// `recipes learner`: runs it and prints the table and where Burn's logs are.
+    pub fn exec(self) -> anyhow::Result<()> {
+        println!("{}", run(&self.recipe, self.fixed, self.compare, self.max_samples)?);
+        Ok(())
+    }
 }
 
 /// The `learner` subcommand.

@@ -6,8 +6,10 @@
 //! - [`recipe`]: the recipe schema and its checks;
 //! - [`data`]: the corpus, the tokenizer and packed sequences;
 //! - [`prepare`]: what every run starts from (data, model shape, run folder, seeding);
-//! - [`fixed`], [`adaptive`], [`run`]: the fixed single-rank run, the run on the engine under
-//!   Copus (stopped by signals through `stop`), and the choice between them (with resume);
+//! - [`adaptive`], [`run`]: a recipe's run on the engine, fixed (one rank at the recipe's batch)
+//!   or under Copus, through one loop and one run-folder writer (stopped by signals through
+//!   `stop`, with checkpoints and resume, the run folder written by `run_folder`), and the
+//!   entry points that start or continue it;
 //! - [`eval`], [`summary`]: held-out loss and the run's summary;
 //! - [`interop`]: export to the Hugging Face layout, `init_from`, `recipes eval` and `generate`;
 //! - [`learner`]: the Burn `Learner` add-on on the recipe's data;
@@ -24,7 +26,6 @@ pub mod bench;
 pub mod data;
 pub mod eval;
 pub mod experiments;
-pub mod fixed;
 pub mod interop;
 pub mod learner;
 pub mod orchestrator;
@@ -33,6 +34,7 @@ pub mod profile;
 pub mod recipe;
 pub mod report;
 pub mod run;
+mod run_folder;
 mod stop;
 pub mod summary;
 

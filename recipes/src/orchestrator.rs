@@ -3,10 +3,11 @@
 //! throughput profile.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser as _;
 use copus_core::orchestrator::{Orchestrator, RunFingerprint};
 use copus_core::policy::Scorer;
 use copus_core::throughput::ThroughputProfile;
@@ -37,4 +38,33 @@ pub fn serve(recipe_path: &Path, profile: &Path, policy: PolicyName, listen: Soc
     let handle = spawn(listen, ServiceConfig::new(token, fingerprint.clone()), make)?;
     tracing::info!("orchestrator listening on {} for runs of {fingerprint}", handle.addr);
     Ok(handle.join()?)
+}
+
+/// Serve decisions over TCP to training runs (token from COPUS_ORCHESTRATOR_TOKEN).
+#[derive(clap::Args)]
+pub struct OrchestratorArgs {
+    /// A training recipe with a `parallel` section (the candidate space).
+    recipe: PathBuf,
+    /// Throughput profile of the candidates (from `recipes profile`).
+    #[arg(long)]
+    profile: PathBuf,
+    /// The decision policy.
+    #[arg(long, default_value_t = PolicyName::Copus, value_parser = policy_name())]
+    policy: PolicyName,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7450")]
+    listen: SocketAddr,
+}
+
+impl OrchestratorArgs {
+    /// `recipes orchestrator`: [`serve`] until the process ends.
+    pub fn exec(self) -> anyhow::Result<()> {
+        serve(&self.recipe, &self.profile, self.policy, self.listen)
+    }
+}
+
+/// `--policy`: one of the service's policy names, listed in `--help` and in the error.
+fn policy_name() -> impl clap::builder::TypedValueParser<Value = PolicyName> {
+    clap::builder::PossibleValuesParser::new(PolicyName::ALL.map(PolicyName::as_str))
+        .map(|s| s.parse::<PolicyName>().expect("one of the listed names"))
 }

@@ -1,6 +1,7 @@
 //! What every run starts from: the recipe's data and tokenizer (`prepare`), the model shape
 //! they fix, a fresh run folder, the training split as the driver's data source, seeded
-//! initialisation, and the error of a run that fails.
+//! initialisation, the job every run on the engine is built from (`job`), and the error of a
+//! run that fails.
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +46,18 @@ pub enum RunError {
 
 pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
     move |err| RunError::Io { path: path.display().to_string(), err }
+}
+
+/// The job of `recipe` on the engine over `space`: the model, the recipe's optimizer settings
+/// and its engine options ([`Recipe::engine_options`]). Every run of a recipe on the engine (the
+/// main job and its resume, the headline's arms, the real comparison's policies, the profile)
+/// starts from here, so an option the recipe sets reaches each of them.
+pub fn job(
+    recipe: &Recipe,
+    cfg: &copus_models::LlamaConfig,
+    space: copus_core::candidates::Enumeration,
+) -> copus_burn::JobBuilder<copus_models::LlamaConfig> {
+    copus_burn::JobBuilder::new(std::sync::Arc::new(cfg.clone()), space, recipe.optim.clone()).options(recipe.engine_options())
 }
 
 /// A fresh run folder: `dir/name`, or `dir/name-2`, `-3`, ... if taken (nothing is overwritten).

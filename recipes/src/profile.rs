@@ -12,14 +12,36 @@ use std::time::Instant;
 use crate::report::progress::Progress;
 use anyhow::anyhow;
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
+use copus_burn::{Engine, EngineConfig, EngineOptions, OptimConfig};
 use copus_core::candidates::Candidate;
-use copus_core::memory::{Checkpointing, Precision};
-use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
 
 use crate::recipe::Recipe;
+
+/// Measure samples/s of every feasible candidate of a recipe's `parallel` section and write
+/// a throughput profile.
+#[derive(clap::Args)]
+pub struct ProfileArgs {
+    /// The recipe (RON) with a `parallel` section.
+    recipe: PathBuf,
+    /// Output file (default `<output_dir>/<name>-profile.ron`; a CSV is written next to it).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+impl ProfileArgs {
+    /// `recipes profile`: [`profile`], then the table, the throughput-optimal B_m per B_g and
+    /// the file written.
+    pub fn exec(self) -> anyhow::Result<()> {
+        let recipe = crate::load_recipe(&self.recipe)?;
+        let (p, file) = profile(&recipe, &ProfileOptions { out: self.out })?;
+        print!("{}", table(&p));
+        println!("\nthroughput-optimal B_m per B_g:\n{}", best_table(&p));
+        println!("profile: {} (and .csv)", file.display());
+        Ok(())
+    }
+}
 
 /// Options of a profiling run.
 pub struct ProfileOptions {
@@ -32,33 +54,10 @@ pub fn synthetic_batch(b: usize, seq: usize, vocab: usize, salt: usize) -> Vec<i
     (0..b * (seq + 1)).map(|j| ((j * 2_654_435_761 + salt * 97) % vocab) as i64).collect()
 }
 
-/// How the profiled engines run: their ranks' devices (empty: Flex), the pipeline schedule and
-/// activation checkpointing, as in the run the profile is for.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineSetup {
-    /// One device per rank; empty: every rank on Flex.
-    pub devices: Vec<RankDevice>,
-    /// The pipeline schedule.
-    pub schedule: ScheduleKind,
-    /// Activation checkpointing.
-    pub checkpointing: Checkpointing,
-    /// The arithmetic.
-    pub precision: Precision,
-    /// ZeRO-1 (the optimizer state sharded over dp).
-    pub zero1: bool,
-}
-
-impl EngineSetup {
-    /// Flex ranks, 1F1B, no checkpointing (the engine's defaults).
-    pub fn flex() -> Self {
-        Self {
-            devices: Vec::new(),
-            schedule: ScheduleKind::OneFOneB,
-            checkpointing: Checkpointing::None,
-            precision: Precision::F32,
-            zero1: false,
-        }
-    }
+/// The engine configuration a profile times candidate `c` in: the run's options, the
+/// optimizer without warmup.
+pub fn candidate_config(options: &EngineOptions, c: &Candidate, seq: usize) -> EngineConfig {
+    options.engine_config(c, seq, OptimConfig { warmup_steps: 0, ..OptimConfig::default() })
 }
 
 /// Seconds per step of one candidate: one untimed step, then `steps` timed ones.
@@ -68,16 +67,9 @@ pub fn time_candidate(
     c: &Candidate,
     seq: usize,
     steps: usize,
-    setup: &EngineSetup,
+    options: &EngineOptions,
 ) -> anyhow::Result<f64> {
-    let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, seq, optim)
-        .with_devices(setup.devices.clone())
-        .with_schedule(setup.schedule)
-        .with_checkpointing(setup.checkpointing)
-        .with_precision(setup.precision)
-        .with_zero1(setup.zero1);
-    let mut engine = Engine::new(Arc::new(cfg.clone()), full, ec)?;
+    let mut engine = Engine::new(Arc::new(cfg.clone()), full, candidate_config(options, c, seq))?;
     let vocab = cfg.shape.vocab_size;
     engine.step(synthetic_batch(c.global_batch, seq, vocab, 0))?;
     let t = Instant::now();
@@ -87,20 +79,20 @@ pub fn time_candidate(
     Ok(t.elapsed().as_secs_f64() / steps as f64)
 }
 
-/// Samples/s of each candidate, with a progress bar, the engines set up as `setup` says.
+/// Samples/s of each candidate, with a progress bar, the engines run as `options` say.
 pub fn measure(
     cfg: &LlamaConfig,
     full: &copus_burn::parallel::FullParams,
     candidates: &[Candidate],
     seq: usize,
     steps: usize,
-    setup: &EngineSetup,
+    options: &EngineOptions,
 ) -> anyhow::Result<Vec<ProfileEntry>> {
     let bar = Progress::new("profile", candidates.len() as u64);
     let mut entries = Vec::with_capacity(candidates.len());
     for c in candidates {
         bar.set_message(format!("{} B_g={} B_m={}", c.dims, c.global_batch, c.micro_batch));
-        let secs = time_candidate(cfg, full, c, seq, steps, setup)?;
+        let secs = time_candidate(cfg, full, c, seq, steps, options)?;
         entries.push(ProfileEntry {
             dp: c.dims.dp,
             tp: c.dims.tp,
@@ -138,14 +130,7 @@ pub fn profile(recipe: &Recipe, opts: &ProfileOptions) -> anyhow::Result<(Throug
     let cfg = LlamaConfig::from_spec(&spec);
     let device = Device::flex().autodiff();
     let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    let setup = EngineSetup {
-        devices: recipe.backend.rank_devices(par.world_size, recipe.ranks_per_device),
-        schedule: par.schedule,
-        checkpointing: par.checkpointing,
-        precision: par.precision,
-        zero1: par.zero1,
-    };
-    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &setup)?;
+    let entries = measure(&cfg, &full, &enumeration.feasible, spec.seq_len, par.profile_steps, &recipe.engine_options())?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hardware = format!("this machine: {cores} CPU cores, {} ranks on {:?}", par.world_size, recipe.backend);
     let profile = ThroughputProfile::new(hardware, spec.name.clone(), entries)?;
@@ -200,16 +185,17 @@ pub fn best_table(profile: &ThroughputProfile) -> String {
     out
 }
 
-/// Measures the throughput of `feasible` on this machine and writes the profile to `out`.
+/// Measures the throughput of `feasible` on this machine, the engines run as the training
+/// recipe's `options` say, and writes the profile to `out`.
 pub fn measure_profile(
     cfg: &LlamaConfig,
     full: &copus_burn::parallel::FullParams,
     feasible: &[Candidate],
-    seq: usize,
-    steps: usize,
+    (seq, steps): (usize, usize),
+    options: &EngineOptions,
     out: Option<&Path>,
 ) -> anyhow::Result<ThroughputProfile> {
-    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, &EngineSetup::flex())?;
+    let entries = crate::profile::measure(cfg, full, feasible, seq, steps, options)?;
     let p = ThroughputProfile::new("this machine (in-process ranks)".into(), "compare".into(), entries)?;
     if let Some(path) = out {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

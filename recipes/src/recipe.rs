@@ -518,6 +518,26 @@ impl Recipe {
         Ok(spec)
     }
 
+    /// How the engine runs for this recipe: its backend and `ranks_per_device`, and the
+    /// `parallel` section's schedule, exact reductions, checkpointing, precision and ZeRO-1
+    /// (their defaults without one). Every run of the recipe on the engine takes its options
+    /// from here, through [`EngineOptions::engine_config`](copus_burn::EngineOptions::engine_config).
+    pub fn engine_options(&self) -> copus_burn::EngineOptions {
+        let mut o = copus_burn::EngineOptions {
+            device: self.backend.rank_device(),
+            ranks_per_device: self.ranks_per_device,
+            ..copus_burn::EngineOptions::default()
+        };
+        if let Some(p) = &self.parallel {
+            o.schedule = p.schedule;
+            o.exact_reductions = p.exact_reductions;
+            o.checkpointing = p.checkpointing;
+            o.precision = p.precision;
+            o.zero1 = p.zero1;
+        }
+        o
+    }
+
     /// Whether `recipes run` trains under Copus.
     pub fn is_adaptive(&self) -> bool {
         self.adaptive.unwrap_or(self.parallel.is_some())
@@ -525,6 +545,18 @@ impl Recipe {
 
     /// Checks every value.
     pub fn validate(&self) -> Result<(), RecipeError> {
+        self.validate_backend()?;
+        self.validate_model()?;
+        self.validate_train()?;
+        if let Some(p) = &self.parallel {
+            self.validate_parallel(p)?;
+        }
+        self.optim.validate().map_err(|e| RecipeError::Section { section: "optim", message: e.to_string() })
+    }
+
+    /// `adaptive` against the `parallel` section, and the backend: built, able to run the
+    /// precision, and `ranks_per_device` where it applies.
+    fn validate_backend(&self) -> Result<(), RecipeError> {
         if self.adaptive == Some(true) && self.parallel.is_none() {
             return Err(field("adaptive", true, "false, unless the recipe has a `parallel` section (the candidate space Copus searches)"));
         }
@@ -544,12 +576,16 @@ impl Recipe {
             ));
         }
         match (self.ranks_per_device, self.backend) {
-            (Some(0), _) => return Err(field("ranks_per_device", 0, "at least 1, or absent (the ranks spread over the visible GPUs)")),
+            (Some(0), _) => Err(field("ranks_per_device", 0, "at least 1, or absent (the ranks spread over the visible GPUs)")),
             (Some(k), Backend::Flex | Backend::Wgpu | Backend::TchCpu) => {
-                return Err(field("ranks_per_device", k, "absent: it applies to the `Cuda`, `Rocm` and `Tch` backends only"));
+                Err(field("ranks_per_device", k, "absent: it applies to the `Cuda`, `Rocm` and `Tch` backends only"))
             }
-            _ => {}
+            _ => Ok(()),
         }
+    }
+
+    /// The run's name, the model's shape and sequence length, and the tokenizer's vocabulary.
+    fn validate_model(&self) -> Result<(), RecipeError> {
         if self.name.is_empty() || self.name.contains(['/', '\\']) || self.name.starts_with('.') {
             return Err(field("name", format!("{:?}", self.name), "a non-empty folder name without slashes"));
         }
@@ -564,6 +600,11 @@ impl Recipe {
         {
             return Err(field("data.tokenizer.vocab_size", vocab_size, "260..=1048576 (256 bytes plus merges)"));
         }
+        Ok(())
+    }
+
+    /// The `train` section: batches, steps, time budget, held-out sequences.
+    fn validate_train(&self) -> Result<(), RecipeError> {
         let t = &self.train;
         if t.micro_batch == 0 {
             return Err(field("train.micro_batch", 0, "at least 1"));
@@ -589,31 +630,35 @@ impl Recipe {
         if t.eval_sequences == 0 {
             return Err(field("train.eval_sequences", 0, "at least 1"));
         }
-        if let Some(p) = &self.parallel {
-            if !(1..=64).contains(&p.world_size) {
-                return Err(field("parallel.world_size", p.world_size, "1..=64 in-process ranks"));
-            }
-            for (name, list) in [("parallel.global_batches", &p.global_batches), ("parallel.micro_batches", &p.micro_batches)] {
-                if let Some(b) = list.iter().find(|&&b| b == 0 || b > MAX_BATCH) {
-                    return Err(field(name, b, format!("sizes in 1..={MAX_BATCH}")));
-                }
-            }
-            if p.profile_steps == 0 {
-                return Err(field("parallel.profile_steps", 0, "at least 1"));
-            }
-            if let Some(ObjectiveKind::LrAware { x0, .. }) = p.objective
-                && !(x0 > 0.0 && x0 <= 1.0)
-            {
-                return Err(field("parallel.objective.x0", x0, "in (0, 1]"));
-            }
-            if let Some(r) = &p.rule {
-                r.validate().map_err(|e| RecipeError::Section { section: "parallel.rule", message: e.to_string() })?;
-            }
-            p.space()?;
-            p.initial_dims(&self.model_spec()?)?;
-            p.scripted(&self.model_spec()?)?;
+        Ok(())
+    }
+
+    /// The `parallel` section: ranks, candidate sizes, profiling, objective and rule, and its
+    /// candidate space, initial layout and scripted switches against the model.
+    fn validate_parallel(&self, p: &ParallelRecipe) -> Result<(), RecipeError> {
+        if !(1..=64).contains(&p.world_size) {
+            return Err(field("parallel.world_size", p.world_size, "1..=64 in-process ranks"));
         }
-        self.optim.validate().map_err(|e| RecipeError::Section { section: "optim", message: e.to_string() })
+        for (name, list) in [("parallel.global_batches", &p.global_batches), ("parallel.micro_batches", &p.micro_batches)] {
+            if let Some(b) = list.iter().find(|&&b| b == 0 || b > MAX_BATCH) {
+                return Err(field(name, b, format!("sizes in 1..={MAX_BATCH}")));
+            }
+        }
+        if p.profile_steps == 0 {
+            return Err(field("parallel.profile_steps", 0, "at least 1"));
+        }
+        if let Some(ObjectiveKind::LrAware { x0, .. }) = p.objective
+            && !(x0 > 0.0 && x0 <= 1.0)
+        {
+            return Err(field("parallel.objective.x0", x0, "in (0, 1]"));
+        }
+        if let Some(r) = &p.rule {
+            r.validate().map_err(|e| RecipeError::Section { section: "parallel.rule", message: e.to_string() })?;
+        }
+        p.space()?;
+        p.initial_dims(&self.model_spec()?)?;
+        p.scripted(&self.model_spec()?)?;
+        Ok(())
     }
 }
 

@@ -46,8 +46,8 @@ fn usr1_taken() -> bool {
 /// Ends the process at once (exit code 130), and under mpirun the serving processes with it.
 fn quit_now() -> ! {
     #[cfg(feature = "mpi")]
-    if copus_burn::mpi::role() != copus_burn::mpi::Role::Single {
-        copus_burn::mpi::abort_job("interrupted");
+    if copus_burn::comm::mpi::role() != copus_burn::comm::mpi::Role::Single {
+        copus_burn::comm::mpi::abort_job("interrupted");
     }
     std::process::exit(130);
 }

@@ -66,7 +66,7 @@ fn peaks() -> &'static [f64; 6] {
     PEAKS.get_or_init(|| rows().map(|r| measured(&r)))
 }
 
-/// The README's goal: within 15% of the measured peak on every row, here on tiny-5m (one and
+/// The memory model's goal (docs/memory.md): within 15% of the measured peak on every row, here on tiny-5m (one and
 /// two ranks, B_m 2 and 8, with and without checkpointing, with and without ZeRO-1, f32 and
 /// bf16).
 #[test]

@@ -346,7 +346,8 @@ pub fn a_layout_change_trains_like_one_on_flex(device: RankDevice) {
 /// checked here, against the host's rank-order sums, rather than through training.
 pub fn tensor_collectives_match_the_host_ones(device: RankDevice) {
     use burn::tensor::{Tensor, TensorData};
-    use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+    use copus_burn::comm::threads::ThreadComm;
+    use copus_burn::comm::{Collective, ReduceOp};
     let bits = |t: Tensor<1>| t.into_data().iter::<f32>().map(f32::to_bits).collect::<Vec<_>>();
     let host_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for size in [2, 3, 4] {

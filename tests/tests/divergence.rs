@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
-use copus_burn::driver::{Clock, Divergence, Scripted};
+use copus_burn::driver::{Clock, Divergence};
 use copus_burn::{DataSource, Driver, DriverError, Engine, EngineConfig, OptimConfig, TrainingState};
 use copus_core::candidates::{CandidateSpace, Enumeration};
+use copus_core::decision::Scripted;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::schedule::ScheduleKind;
 use copus_models::LlamaConfig;

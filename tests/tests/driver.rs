@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
-use copus_burn::driver::{Clock, Scripted};
+use copus_burn::driver::Clock;
 use copus_burn::{DataSource, Driver, Engine, EngineConfig, OptimConfig};
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
+use copus_core::decision::Scripted;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::schedule::ScheduleKind;
 use copus_models::LlamaConfig;

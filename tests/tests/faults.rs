@@ -344,9 +344,10 @@ fn killed_during_a_reconfiguration_the_last_checkpoint_resumes() {
 /// and the run goes on exactly as one whose layout change was never asked for.
 #[test]
 fn a_driven_runs_emergency_checkpoint_resumes_through_the_run_folder() {
-    use copus_burn::driver::{Clock, Scripted};
+    use copus_burn::driver::Clock;
     use copus_burn::{Driver, RunDir};
     use copus_core::candidates::{Candidate, CandidateSpace};
+    use copus_core::decision::Scripted;
     use copus_core::memory::{GIB, MemoryModel};
     use copus_core::schedule::ScheduleKind;
 

@@ -6,10 +6,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use copus_burn::driver::{Clock, Scripted};
+use copus_burn::driver::Clock;
 use copus_burn::run_dir::RunDirError;
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig, OptimConfig, RunDir};
+use copus_burn::{Driver, Engine, EngineConfig, OptimConfig, RunDir};
 use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
+use copus_core::decision::{DecisionSource, Scripted};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::orchestrator::Orchestrator;
 use copus_core::policy::{Copus, Scorer, SwitchRule};

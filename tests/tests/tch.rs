@@ -2,7 +2,7 @@
 //! `backend: Tch` run takes on a GPU) train like ranks on Flex: the parity, host-traffic and
 //! layout-change checks of `copus_tests::device`, with its bounds; bf16 mixed precision on
 //! LibTorch against bf16 on Flex. Needs a PyTorch installation to build and run against; see
-//! the README's "Backends":
+//! docs/gpu.md, "Backends":
 //!
 //! ```text
 //! LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1 \
@@ -100,7 +100,7 @@ fn checkpointed_segments_on_libtorch_train_like_flex() {
 #[test]
 fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
     use burn::tensor::{Tensor, TensorData};
-    use copus_burn::tch_memory::out_of_place;
+    use copus_burn::comm::gpu::tch_memory::out_of_place;
 
     let device = RankDevice::TchCpu.device().unwrap();
     let base: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 1.0).collect();
@@ -148,7 +148,7 @@ fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
     let doubled: Vec<f32> = base.iter().map(|v| 2.0 * v).collect();
     let fresh = Tensor::<1>::from_data(TensorData::new(base.clone(), [12]), &device);
     let mut addresses = None;
-    let out = copus_burn::tch_memory::in_place_where_unshared(fresh, None, |s, d| {
+    let out = copus_burn::comm::gpu::tch_memory::in_place_where_unshared(fresh, None, |s, d| {
         addresses = Some((s, d));
         double(s, d)
     });
@@ -156,7 +156,7 @@ fn a_collective_reads_and_writes_libtorch_memory_where_the_tensor_lies() {
     assert_eq!(s, d, "a tensor whose storage is its own is written in place");
     assert_eq!(values(out.unwrap().unwrap()), doubled);
     let mut addresses = None;
-    let out = copus_burn::tch_memory::in_place_where_unshared(whole.clone(), None, |s, d| {
+    let out = copus_burn::comm::gpu::tch_memory::in_place_where_unshared(whole.clone(), None, |s, d| {
         addresses = Some((s, d));
         double(s, d)
     });

@@ -14,7 +14,8 @@ use super::error::{EngineError, ReconfigPhase};
 use super::fault::Fault;
 use super::messages::{Command, Reply};
 use super::rank::{RankError, RankInit, RankState, panic_message, rank_init};
-use crate::collective::{AbortHandle, Collective, CommError, ThreadComm};
+use crate::comm::threads::{AbortHandle, ThreadComm};
+use crate::comm::{Collective, CommError};
 use crate::parallel::ParallelLm;
 use crate::state::TrainingState;
 use std::time::{Duration, Instant};
@@ -77,17 +78,7 @@ impl Cluster {
         let local_ranks = if remote.is_some() { 1 } else { world };
         #[cfg(not(feature = "mpi"))]
         let local_ranks = world;
-        let mut inits = Vec::with_capacity(local_ranks);
-        let mut expected = Vec::with_capacity(world);
-        for r in 0..world {
-            // Plant a fault on the last rank only: the others must be released, not hang.
-            let fault = if r + 1 == world { fault } else { Fault::none() };
-            let (init, hashes) = rank_init(&**model, specs, state, cfg, &parallel, r, fault)?;
-            expected.push(hashes);
-            if r < local_ranks {
-                inits.push(init);
-            }
-        }
+        let (inits, mut expected) = rank_inits(&**model, specs, state, cfg, &parallel, local_ranks, fault)?;
         let (reply_tx, replies) = channel();
         let (ready_tx, ready_rx) = channel();
         let abort: Option<AbortHandle>;
@@ -101,11 +92,11 @@ impl Cluster {
                 remote.launch(describe, state.to_bytes(specs, cfg, &Default::default())?)?;
                 // The serving processes are now starting their ranks and wait for this one in
                 // collectives: a failure here cannot be rolled back.
-                let device = crate::mpi::on_this_node(cfg.devices.first().copied().unwrap_or_default(), cfg.ranks_per_device);
-                let comm = crate::process_comm::ProcessComm::world_for(device, cfg.exact_reductions)
-                    .unwrap_or_else(|e| crate::mpi::abort_job(&format!("rank 0: {e}")));
+                let device = crate::comm::mpi::on_this_node(cfg.devices.first().copied().unwrap_or_default(), cfg.ranks_per_device);
+                let comm = crate::comm::process::ProcessComm::world_for(device, cfg.exact_reductions)
+                    .unwrap_or_else(|e| crate::comm::mpi::abort_job(&format!("rank 0: {e}")));
                 spawn_ranks(vec![(0, comm)], inits, model, specs, cfg, &reply_tx, &ready_tx)
-                    .unwrap_or_else(|e| crate::mpi::abort_job(&e.to_string()))
+                    .unwrap_or_else(|e| crate::comm::mpi::abort_job(&e.to_string()))
             }
             None => {
                 let comms = ThreadComm::world_with_timeout(world, cfg.timeout());
@@ -125,36 +116,8 @@ impl Cluster {
         let cluster = Cluster { workers, replies, timeout, abort, remote };
         #[cfg(not(feature = "mpi"))]
         let cluster = Cluster { workers, replies, timeout, abort };
-        let mut first_error: Option<EngineError> = None;
-        let mut first_secondary = false;
-        let mut reported: Vec<Option<Vec<(String, u64)>>> = vec![None; world];
-        let deadline = Instant::now() + cfg.timeout();
-        for _ in 0..local_ranks {
-            match ready_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok((r, Ok(h))) => reported[r] = Some(h),
-                Ok((_, Err(e))) => {
-                    // Prefer a rank's own failure over another rank's report of the abort.
-                    let secondary =
-                        matches!(&e, EngineError::Rank { message, .. } if message.starts_with("rank ") && message.contains(" failed: "));
-                    if first_error.is_none() || (first_secondary && !secondary) {
-                        first_error = Some(e);
-                        first_secondary = secondary;
-                    }
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    let missing: Vec<usize> = (0..local_ranks).filter(|&r| reported[r].is_none()).collect();
-                    first_error.get_or_insert(EngineError::Dead(format!(
-                        "rank(s) {missing:?} did not finish starting within {:.1} s",
-                        cfg.timeout().as_secs_f64()
-                    )));
-                    break;
-                }
-                Err(_) => {
-                    first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
-                    break;
-                }
-            }
-        }
+        #[allow(unused_mut)]
+        let (mut reported, first_error) = await_ready(&ready_rx, local_ranks, world, cfg);
         #[cfg(feature = "mpi")]
         if let Some(remote) = &cluster.remote {
             for (r, hashes) in remote.ready()? {
@@ -164,21 +127,7 @@ impl Cluster {
         if let Some(e) = first_error {
             return Err(e); // dropping `cluster` stops the ranks that did start
         }
-        for (r, (want, got)) in expected.iter_mut().zip(&reported).enumerate() {
-            let mut got = got.clone().unwrap_or_default();
-            if r + 1 == world
-                && fault.hits(ReconfigPhase::Verify)
-                && let Some(first) = got.first_mut()
-            {
-                first.1 ^= 1;
-            }
-            got.sort();
-            want.sort();
-            if &got != want {
-                let diff = want.iter().find(|w| !got.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
-                return Err(EngineError::Verify(format!("rank {r}: {diff} does not match the staged state")));
-            }
-        }
+        check_loaded(&mut expected, &reported, world, fault)?;
         Ok(cluster)
     }
 
@@ -323,6 +272,98 @@ impl Cluster {
 }
 
 type Ready = Sender<(usize, Result<Vec<(String, u64)>, EngineError>)>;
+
+/// What a rank loaded (or must load): each tensor's name and checksum.
+type Hashes = Vec<(String, u64)>;
+
+/// Launch, stage: each rank's start-up state from `state`, kept for the first `local_ranks`
+/// ranks (those started here), and what every rank of the world must load.
+fn rank_inits<L: ParallelLm>(
+    model: &L,
+    specs: &[ParamSpec],
+    state: &TrainingState,
+    cfg: &EngineConfig,
+    parallel: &Arc<crate::parallel::ParallelPlan>,
+    local_ranks: usize,
+    fault: Fault,
+) -> Result<(Vec<RankInit>, Vec<Hashes>), EngineError> {
+    let world = cfg.dims.world_size();
+    let mut inits = Vec::with_capacity(local_ranks);
+    let mut expected = Vec::with_capacity(world);
+    for r in 0..world {
+        // Plant a fault on the last rank only: the others must be released, not hang.
+        let fault = if r + 1 == world { fault } else { Fault::none() };
+        let (init, hashes) = rank_init(model, specs, state, cfg, parallel, r, fault)?;
+        expected.push(hashes);
+        if r < local_ranks {
+            inits.push(init);
+        }
+    }
+    Ok((inits, expected))
+}
+
+/// Launch, wait: the local ranks' start-up reports within `cfg`'s timeout, what each loaded by
+/// world rank (of `world`), and the first failure, a rank's own preferred over another rank's
+/// report of the abort.
+fn await_ready(
+    ready_rx: &Receiver<(usize, Result<Hashes, EngineError>)>,
+    local_ranks: usize,
+    world: usize,
+    cfg: &EngineConfig,
+) -> (Vec<Option<Hashes>>, Option<EngineError>) {
+    let mut first_error: Option<EngineError> = None;
+    let mut first_secondary = false;
+    let mut reported: Vec<Option<Hashes>> = vec![None; world];
+    let deadline = Instant::now() + cfg.timeout();
+    for _ in 0..local_ranks {
+        match ready_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((r, Ok(h))) => reported[r] = Some(h),
+            Ok((_, Err(e))) => {
+                // Prefer a rank's own failure over another rank's report of the abort.
+                let secondary =
+                    matches!(&e, EngineError::Rank { message, .. } if message.starts_with("rank ") && message.contains(" failed: "));
+                if first_error.is_none() || (first_secondary && !secondary) {
+                    first_error = Some(e);
+                    first_secondary = secondary;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let missing: Vec<usize> = (0..local_ranks).filter(|&r| reported[r].is_none()).collect();
+                first_error.get_or_insert(EngineError::Dead(format!(
+                    "rank(s) {missing:?} did not finish starting within {:.1} s",
+                    cfg.timeout().as_secs_f64()
+                )));
+                break;
+            }
+            Err(_) => {
+                first_error.get_or_insert(EngineError::Dead("a rank thread exited while starting".into()));
+                break;
+            }
+        }
+    }
+    (reported, first_error)
+}
+
+/// Launch, verify: what each of the `world` ranks reported it loaded against what it must
+/// load (a planted `Verify` fault flips the last rank's first checksum).
+fn check_loaded(expected: &mut [Hashes], reported: &[Option<Hashes>], world: usize, fault: Fault) -> Result<(), EngineError> {
+    for (r, (want, got)) in expected.iter_mut().zip(reported).enumerate() {
+        let mut got = got.clone().unwrap_or_default();
+        if r + 1 == world
+            && fault.hits(ReconfigPhase::Verify)
+            && let Some(first) = got.first_mut()
+        {
+            first.1 ^= 1;
+        }
+        got.sort();
+        want.sort();
+        if &got != want {
+            let diff = want.iter().find(|w| !got.contains(w)).map(|w| w.0.clone()).unwrap_or_else(|| "an extra tensor".into());
+            return Err(EngineError::Verify(format!("rank {r}: {diff} does not match the staged state")));
+        }
+    }
+    Ok(())
+}
 
 /// Starts a thread per local rank `(world rank, its world communicator)`.
 fn spawn_ranks<L: ParallelLm, C: Collective + 'static>(

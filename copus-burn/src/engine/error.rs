@@ -2,6 +2,7 @@
 
 use thiserror::Error;
 
+use crate::comm::placement::DeviceError;
 use crate::parallel::ShardError;
 use crate::trainer::TrainError;
 
@@ -98,4 +99,10 @@ pub enum ReconfigPhase {
     Load,
     /// When the loaded state is checked against the staged or the sent one.
     Verify,
+}
+
+impl From<DeviceError> for EngineError {
+    fn from(e: DeviceError) -> Self {
+        EngineError::Device(e.0)
+    }
 }

@@ -10,7 +10,7 @@
 
 use super::rank::{RankError, RankState};
 use super::regions::InFlight;
-use crate::collective::{Collective, ReduceOp};
+use crate::comm::{Collective, ReduceOp};
 use crate::grads::Deferred;
 use crate::parallel::ParallelLm;
 use crate::traffic::Kind;

@@ -14,7 +14,8 @@ use super::grad_index::{ParamInfo, Role};
 use super::messages::EngineStep;
 use super::rank::{RankError, RankState};
 use super::regions::{Boundary, InFlight};
-use crate::collective::{Collective, ReduceOp};
+use super::zero::Chunk;
+use crate::comm::{Collective, ReduceOp};
 use crate::grads::{self, Deferred};
 use crate::parallel::ParallelLm;
 use crate::traffic::Kind;
@@ -31,9 +32,46 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// without `fault-injection`.
     pub(super) fn step(&mut self, batch: &[i64], fault: StepFault) -> Result<EngineStep, RankError> {
         let start = Instant::now();
+        let n_total = self.cfg.global_batch / self.cfg.micro_batch;
+        let tp_rank = self.plan.tp_rank;
+        let Scheduled { loss, mut micro_sq, acc } = self.run_schedule(batch, n_total)?;
+        let mut acc = acc.unwrap_or_default();
+        self.return_tied_sum(&mut acc)?;
+        // Per-micro-batch norms and the loss, summed over every rank.
+        micro_sq[n_total] = if self.plan.is_last() && tp_rank == 0 { loss } else { 0.0 };
+        self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
+        let loss = micro_sq[n_total];
+        let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
+        #[cfg(not(feature = "fault-injection"))]
+        let _ = fault;
+        #[cfg(feature = "fault-injection")]
+        if fault.poison()
+            && self.rank == 0
+            && let Some(first) = self.index.params.first().map(|p| p.id)
+        {
+            let mut g = self.index.flatten(self.stage(), &acc, |p| p.id == first);
+            g[0] = f32::NAN;
+            self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
+        }
+        let zero_chunk = self.reduce_dp(&mut acc)?;
+        let (sq, has_previous) = self.probe_norms(&acc, zero_chunk.as_ref(), n_total)?;
+        let stats = StepStats {
+            micro_batch: self.cfg.micro_batch,
+            num_micro: n_total,
+            mean_micro_sq_norm,
+            grad_sq_norm: sq[0],
+            diff_sq_norm: has_previous.then_some(sq[1]),
+        };
+        self.close_and_update(loss, stats, acc, zero_chunk, start)
+    }
+
+    /// The stage's pipeline schedule over its micro-batches: the forward and backward passes in
+    /// order, the stage boundaries sent and received, the gradients accumulated. Returns this
+    /// rank's loss share, each micro-batch's |g|^2 by its slot (slot `n_total` left for the loss)
+    /// and the accumulated gradient.
+    fn run_schedule(&mut self, batch: &[i64], n_total: usize) -> Result<Scheduled, RankError> {
         let dims = self.cfg.dims;
         let a = self.cfg.num_micro_per_replica();
-        let n_total = self.cfg.global_batch / self.cfg.micro_batch;
         let actions = build_schedule(self.cfg.schedule, dims.pp, a).map_err(|e| TrainError::Batch(e.to_string()))?;
         let my_actions = actions[self.plan.stage].clone();
         let (key, ctx) = self.take_context(self.cfg.seq_len);
@@ -66,38 +104,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                     let mut fl = std::mem::take(&mut flights[mb]);
                     let mut g = self.backward(&mut fl, &ctx)?;
                     flights[mb].grad_out = fl.grad_out.take();
-                    // tp-replicated parameters: sum the partial gradients over tp.
-                    if dims.tp > 1 && self.index.any(|p| p.role == Role::TpReplicated) {
-                        let replicated = |p: &ParamInfo| p.role == Role::TpReplicated;
-                        let sum = match self.flat(&g, replicated) {
-                            Boundary::Host(mut rep) => {
-                                self.tp.all_reduce(&mut rep, ReduceOp::Sum)?;
-                                Boundary::Host(rep)
-                            }
-                            Boundary::Device(rep) => Boundary::Device(self.tp.all_reduce_tensor(rep, ReduceOp::Sum)?),
-                        };
-                        self.write_back(&mut g, replicated, sum);
-                    }
-                    // A tied embedding across stages: the last stage's share goes to the first.
-                    if self.index.any(|p| p.mirror) {
-                        let share = self.flat(&g, |p| p.mirror);
-                        let zeros = share.zeros_like();
-                        self.hand_on(0, TAG_TIED, share)?;
-                        self.write_back(&mut g, |p| p.mirror, zeros);
-                    }
-                    if self.index.any(|p| p.tied_owner) {
-                        let sum = match self.flat(&g, |p| p.tied_owner) {
-                            Boundary::Host(mut own) => {
-                                let share = self.pp.recv(dims.pp - 1, TAG_TIED)?;
-                                for (o, s) in own.iter_mut().zip(&share) {
-                                    *o += s;
-                                }
-                                Boundary::Host(own)
-                            }
-                            Boundary::Device(own) => Boundary::Device(own + self.pp.recv_tensor(dims.pp - 1, TAG_TIED, &self.device)?),
-                        };
-                        self.write_back(&mut g, |p| p.tied_owner, sum);
-                    }
+                    self.combine_micro_grads(&mut g)?;
                     // This micro-batch's gradient is its share of the step mean: its own mean
                     // gradient is n_total times it (equal tokens per micro-batch).
                     let sq = self.index.sq_norm(self.stage(), &g, None, |p| p.counted(tp_rank), (n_total * n_total) as f64);
@@ -116,11 +123,55 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         for (slot, i) in micro {
             micro_sq[slot] = values[i];
         }
-        let mut acc = acc.unwrap_or_default();
+        Ok(Scheduled { loss, micro_sq, acc })
+    }
+
+    /// A micro-batch's gradient combined across ranks as soon as it is taken: the tp-replicated
+    /// parameters' partial gradients summed over tp, and a tied embedding's last-stage share
+    /// moved to the first stage.
+    fn combine_micro_grads(&self, g: &mut GradientsParams) -> Result<(), RankError> {
+        let dims = self.cfg.dims;
+        // tp-replicated parameters: sum the partial gradients over tp.
+        if dims.tp > 1 && self.index.any(|p| p.role == Role::TpReplicated) {
+            let replicated = |p: &ParamInfo| p.role == Role::TpReplicated;
+            let sum = match self.flat(g, replicated) {
+                Boundary::Host(mut rep) => {
+                    self.tp.all_reduce(&mut rep, ReduceOp::Sum)?;
+                    Boundary::Host(rep)
+                }
+                Boundary::Device(rep) => Boundary::Device(self.tp.all_reduce_tensor(rep, ReduceOp::Sum)?),
+            };
+            self.write_back(g, replicated, sum);
+        }
+        // A tied embedding across stages: the last stage's share goes to the first.
+        if self.index.any(|p| p.mirror) {
+            let share = self.flat(g, |p| p.mirror);
+            let zeros = share.zeros_like();
+            self.hand_on(0, TAG_TIED, share)?;
+            self.write_back(g, |p| p.mirror, zeros);
+        }
+        if self.index.any(|p| p.tied_owner) {
+            let sum = match self.flat(g, |p| p.tied_owner) {
+                Boundary::Host(mut own) => {
+                    let share = self.pp.recv(dims.pp - 1, TAG_TIED)?;
+                    for (o, s) in own.iter_mut().zip(&share) {
+                        *o += s;
+                    }
+                    Boundary::Host(own)
+                }
+                Boundary::Device(own) => Boundary::Device(own + self.pp.recv_tensor(dims.pp - 1, TAG_TIED, &self.device)?),
+            };
+            self.write_back(g, |p| p.tied_owner, sum);
+        }
+        Ok(())
+    }
+
+    /// Sends the tied embedding's summed gradient from the first stage back to the mirror.
+    fn return_tied_sum(&self, acc: &mut GradientsParams) -> Result<(), RankError> {
         // The tied embedding's summed gradient goes back to the mirror.
         if self.index.any(|p| p.tied_owner) {
-            let full = self.flat(&acc, |p| p.tied_owner);
-            self.hand_on(dims.pp - 1, TAG_TIED_SUM, full)?;
+            let full = self.flat(acc, |p| p.tied_owner);
+            self.hand_on(self.cfg.dims.pp - 1, TAG_TIED_SUM, full)?;
         }
         if self.index.any(|p| p.mirror) {
             let full = if self.device_resident() {
@@ -128,24 +179,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             } else {
                 Boundary::Host(self.pp.recv(0, TAG_TIED_SUM)?)
             };
-            self.write_back(&mut acc, |p| p.mirror, full);
+            self.write_back(acc, |p| p.mirror, full);
         }
-        // Per-micro-batch norms and the loss, summed over every rank.
-        micro_sq[n_total] = if self.plan.is_last() && tp_rank == 0 { loss } else { 0.0 };
-        self.world.all_reduce(&mut micro_sq, ReduceOp::Sum)?;
-        let loss = micro_sq[n_total];
-        let mean_micro_sq_norm = micro_sq[..n_total].iter().sum::<f64>() / n_total as f64;
-        #[cfg(not(feature = "fault-injection"))]
-        let _ = fault;
-        #[cfg(feature = "fault-injection")]
-        if fault.poison()
-            && self.rank == 0
-            && let Some(first) = self.index.params.first().map(|p| p.id)
-        {
-            let mut g = self.index.flatten(self.stage(), &acc, |p| p.id == first);
-            g[0] = f32::NAN;
-            self.index.unflatten(self.stage(), &mut acc, |p| p.id == first, &g);
-        }
+        Ok(())
+    }
+
+    /// The data-parallel reduction of the step's gradient: with ZeRO-1 reduce-scattered, this
+    /// rank's chunk returned (and `acc` left empty); otherwise all-reduced in place in `acc`.
+    fn reduce_dp(&self, acc: &mut GradientsParams) -> Result<Option<Chunk>, RankError> {
         // ZeRO-1: the gradient reduce-scattered over dp; this rank's chunk of the sum.
         let zero_chunk = match &self.zero {
             Some(z) => {
@@ -153,7 +194,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 // tensors where they lie (as the dp all-reduce below).
                 let on_device = self.device_resident() && self.dp.scatters_tensors_in_place();
                 let bucket = self.cfg.bucket_elems;
-                Some(z.reduce(self.stage(), &self.index, std::mem::take(&mut acc), &self.dp, on_device, bucket)?)
+                Some(z.reduce(self.stage(), &self.index, std::mem::take(acc), &self.dp, on_device, bucket)?)
             }
             None => None,
         };
@@ -162,52 +203,66 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         // copied beside the gradients at once), through host buffers where they lie in host
         // memory (where MPI ranks keep the buckets too: one all-reduce of the whole gradient
         // would stage dp copies of it).
-        if dims.dp > 1 && zero_chunk.is_none() {
+        if self.cfg.dims.dp > 1 && zero_chunk.is_none() {
             let in_place = self.device_resident() && self.dp.reduces_tensors_in_place() && !grads::host_device(&self.device);
             if in_place {
                 for bucket in self.index.buckets(self.stage(), |_| true, self.cfg.bucket_elems) {
                     let select = |p: &ParamInfo| bucket.contains(&p.id);
-                    let flat = self.index.flatten_on_device(self.stage(), &acc, select).expect("gradients on a device");
+                    let flat = self.index.flatten_on_device(self.stage(), acc, select).expect("gradients on a device");
                     let sum = self.dp.all_reduce_tensor(flat, ReduceOp::Sum)?;
-                    self.index.unflatten_on_device(self.stage(), &mut acc, select, sum);
+                    self.index.unflatten_on_device(self.stage(), acc, select, sum);
                 }
             } else {
-                let mut flat = self.index.flatten(self.stage(), &acc, |_| true);
+                let mut flat = self.index.flatten(self.stage(), acc, |_| true);
                 for chunk in flat.chunks_mut(self.cfg.bucket_elems) {
                     self.dp.all_reduce(chunk, ReduceOp::Sum)?;
                 }
-                self.index.unflatten(self.stage(), &mut acc, |_| true, &flat);
+                self.index.unflatten(self.stage(), acc, |_| true, &flat);
             }
         }
+        Ok(zero_chunk)
+    }
+
+    /// The probe's norms of the reduced gradient: `[|g|^2, |g - g_prev|^2]`, and whether there
+    /// was a previous gradient (else the second is 0).
+    fn probe_norms(&self, acc: &GradientsParams, zero_chunk: Option<&Chunk>, n_total: usize) -> Result<([f64; 2], bool), RankError> {
         // |g|^2 of the reduced gradient and, for a one-micro-batch step, |g - g_prev|^2, each
         // summed over the model-parallel ranks (with ZeRO-1, |g|^2 of each chunk summed over
         // the world; a step over dp > 1 has several micro-batches, so no previous gradient).
+        let tp_rank = self.plan.tp_rank;
         let counted = |p: &super::grad_index::ParamInfo| p.counted(tp_rank);
         let previous = self.closer.memory().previous(n_total);
         let has_previous = previous.is_some();
-        let sq = if let (Some(z), Some(chunk)) = (&self.zero, &zero_chunk) {
+        let sq = if let (Some(z), Some(chunk)) = (&self.zero, zero_chunk) {
             debug_assert!(!has_previous, "dp > 1 gives every step several micro-batches");
             let mut sq = [z.sq_norm(chunk), 0.0];
             self.world.all_reduce(&mut sq, ReduceOp::Sum)?;
             sq
         } else {
             let mut norms = Deferred::default();
-            norms.push(Kind::Probe, self.index.sq_norm(self.stage(), &acc, None, counted, 1.0));
+            norms.push(Kind::Probe, self.index.sq_norm(self.stage(), acc, None, counted, 1.0));
             if let Some(p) = previous {
-                norms.push(Kind::Probe, self.index.sq_norm(self.stage(), &acc, Some(p), counted, 1.0));
+                norms.push(Kind::Probe, self.index.sq_norm(self.stage(), acc, Some(p), counted, 1.0));
             }
             let norms = norms.read();
             let mut sq = [norms[0], norms.get(1).copied().unwrap_or(0.0)];
             self.mp.all_reduce(&mut sq, ReduceOp::Sum)?;
             sq
         };
-        let stats = StepStats {
-            micro_batch: self.cfg.micro_batch,
-            num_micro: n_total,
-            mean_micro_sq_norm,
-            grad_sq_norm: sq[0],
-            diff_sq_norm: has_previous.then_some(sq[1]),
-        };
+        Ok((sq, has_previous))
+    }
+
+    /// The step's close and update: skipped where it diverged; else the shared closing
+    /// (estimator, clipping, LR) and the optimizer step, on the whole gradient or, with ZeRO-1,
+    /// on this rank's chunk.
+    fn close_and_update(
+        &mut self,
+        loss: f64,
+        stats: StepStats,
+        acc: GradientsParams,
+        zero_chunk: Option<Chunk>,
+        start: Instant,
+    ) -> Result<EngineStep, RankError> {
         if !(loss.is_finite() && stats.grad_sq_norm.is_finite()) {
             // Diverged: skip the update. Weights, optimizer state, estimator, probe memory and
             // counters stay as they were (every rank sees the same reduced loss and norm).
@@ -298,6 +353,15 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             gns_biased: est.is_some_and(|e| e.biased),
         }
     }
+}
+
+/// What a rank's pipeline schedule leaves: its share of the step's loss, each micro-batch's
+/// |g|^2 by its slot (the last slot left for the loss), and the gradient accumulated over its
+/// micro-batches (none where the stage ran no backward pass).
+struct Scheduled {
+    loss: f64,
+    micro_sq: Vec<f64>,
+    acc: Option<GradientsParams>,
 }
 
 /// A step's reply, with this rank's host traffic since its previous step.

@@ -43,7 +43,7 @@ use copus_core::model::{ParamSpec, TpSplit};
 use super::error::ReconfigPhase;
 use super::messages::{Agreed, LiveJob, PhaseError, Received, Sent, Shared, kinds, tag, tags_fit};
 use super::rank::{Groups, RankState};
-use crate::collective::Collective;
+use crate::comm::Collective;
 use crate::grads::with_values;
 use crate::optim as adamw;
 use crate::parallel::{ParallelLm, ShardPlan, ShardSource, holds};
@@ -379,7 +379,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         if job.handoff.is_some() && self.device_resident() {
             // The pieces handed over are read on the receivers' threads (see `fusion_fence`).
-            crate::collective::fusion_fence(&self.device).map_err(|e| e.to_string())?;
+            crate::comm::fusion_fence(&self.device).map_err(|e| e.to_string())?;
         }
         tracing::debug!("rank {me}: offered {elements} values in {:.3} s", clock.elapsed().as_secs_f64());
         Ok(Sent { sums, elements, scalars, fields, has_previous })
@@ -390,8 +390,56 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     pub(super) fn live_build(&self, job: &LiveJob, agreed: &Agreed, model: &L) -> Result<(Option<Self>, Received), PhaseError> {
         let me = self.rank;
         let clock = Instant::now();
-        let dims = job.cfg.dims;
         let struck = |phase: ReconfigPhase| me == job.fault_rank && job.fault.hits(phase);
+        let Some((groups, plan)) = self.live_groups(job)? else {
+            return Ok((None, Received { sums: Vec::new(), sources: Vec::new(), elements: 0 }));
+        };
+        if struck(ReconfigPhase::GroupRebuild) {
+            return Err((ReconfigPhase::GroupRebuild, "injected failure while building process groups".into()));
+        }
+        let Arrivals { mut shards, arrived, elements } = self.live_receive(job, agreed, &plan)?;
+        let mut placement = self.live_place(job, &mut shards, arrived)?;
+        let placed = clock.elapsed().as_secs_f64();
+        if struck(ReconfigPhase::Load) {
+            return Err(load("injected failure while loading shards".into()));
+        }
+        let (mut source, resume) = self.live_resume(job, agreed, shards)?;
+        let cfg = job.cfg.clone();
+        let mut state = RankState::build(
+            me,
+            groups,
+            plan,
+            &mut source,
+            resume,
+            model,
+            &job.specs,
+            &self.parallel,
+            self.d_model,
+            cfg,
+            self.device.clone(),
+        )
+        .map_err(|e| load(e.to_string()))?;
+        state.shard_optimizer().map_err(|e| load(e.to_string()))?;
+        let built = clock.elapsed().as_secs_f64();
+        placement.verify(me, state.named_weights())?;
+        let Placement { mut sums, sources, .. } = placement;
+        if struck(ReconfigPhase::Verify)
+            && let Some(first) = sums.first_mut()
+        {
+            first.1 ^= 1;
+        }
+        tracing::debug!(
+            "rank {me}: received and placed {elements} values by {placed:.3} s, built by {built:.3} s, checked by {:.3} s",
+            clock.elapsed().as_secs_f64()
+        );
+        Ok((Some(state), Received { sums, sources, elements }))
+    }
+
+    /// Build, plan: splits the new process groups from the world and plans this rank's stage;
+    /// `None` on a rank the new layout retires.
+    fn live_groups(&self, job: &LiveJob) -> Result<Option<(Groups<C>, ShardPlan)>, PhaseError> {
+        let me = self.rank;
+        let dims = job.cfg.dims;
         // Process groups first: every rank makes these collective calls, whatever fails later.
         // A smaller world keeps the first ranks; the others retire once the change commits.
         let (old, new) = (self.world.size(), dims.world_size());
@@ -401,23 +449,26 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         let world = self.world.split(&parts).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
         if me >= new {
-            return Ok((None, Received { sums: Vec::new(), sources: Vec::new(), elements: 0 }));
+            return Ok(None);
         }
         let grid = RankGrid::new(dims);
         let c = grid.coord(me).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
         let plan = ShardPlan::new(dims, c.tp, c.pp, job.num_layers);
         let groups = Groups::split(world, &grid).map_err(|e| (ReconfigPhase::GroupRebuild, e.to_string()))?;
-        if struck(ReconfigPhase::GroupRebuild) {
-            return Err((ReconfigPhase::GroupRebuild, "injected failure while building process groups".into()));
-        }
-        let load = |e: String| (ReconfigPhase::Load, e);
+        Ok(Some((groups, plan)))
+    }
+
+    /// Build, receive: takes every piece sent to this rank, handed over or through the world,
+    /// and sorts them by the new shard and kind they belong to.
+    fn live_receive(&self, job: &LiveJob, agreed: &Agreed, plan: &ShardPlan) -> Result<Arrivals, PhaseError> {
+        let me = self.rank;
         let kinds = agreed.kinds();
         // Each new shard, per kind: assembled from its pieces once all have arrived, or a single
         // piece sent whole, taken as it arrived.
         let mut shards: HashMap<usize, NewShard> = HashMap::new();
         for (p, spec) in job.specs.iter().enumerate() {
-            if holds(spec, &plan, job.num_layers) {
-                shards.insert(p, (local_shape(spec, dims.tp), (0..kinds).map(|_| None).collect()));
+            if holds(spec, plan, job.num_layers) {
+                shards.insert(p, (local_shape(spec, job.cfg.dims.tp), (0..kinds).map(|_| None).collect()));
             }
         }
         let mut elements = 0u64;
@@ -453,17 +504,24 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         if let Some(f) = failure {
             return Err(f);
         }
+        Ok(Arrivals { shards, arrived, elements })
+    }
+
+    /// Build, place: puts each new shard's pieces together, in host memory or on the device, and
+    /// records what the built stage is to be checked against.
+    fn live_place(
+        &self,
+        job: &LiveJob,
+        shards: &mut HashMap<usize, NewShard>,
+        arrived: HashMap<(usize, usize), (usize, Vec<Arrival>)>,
+    ) -> Result<Placement, PhaseError> {
         // Each new shard: a single piece that is the whole shard is taken as it arrived; others
         // are copied into place once, each piece summed as it lands. What the built stage is
         // checked against is recorded for the weights: each piece's landed sum and the buffer.
         // On a device the pieces are joined there, and each is compared with what landed where
         // both lie; the counts of differing elements are read at once, after the build (the
         // weights joined are kept by name, to find each in the built stage).
-        let mut sums = Vec::new();
-        let mut sources = Vec::new();
-        let mut expected: HashMap<String, Landed> = HashMap::new();
-        let mut on_device: HashSet<String> = HashSet::new();
-        let mut checks: Vec<(u32, usize, Tensor<1, Int>)> = Vec::new();
+        let mut placement = Placement::default();
         for ((p, kind), (dim, pieces)) in arrived {
             let name = &job.specs[p].name;
             let (shape, bufs) = shards.get_mut(&p).expect("checked on arrival");
@@ -481,9 +539,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 // On this rank's device, without autodiff (the state's flat tensors have none;
                 // a weight becomes a parameter in the new stage).
                 let (joined, checked) = join_on_device(shape, dim, tensors, &self.device).map_err(|e| load(format!("`{name}`: {e}")))?;
-                checks.extend(checked);
+                placement.checks.extend(checked);
                 if kind == 0 {
-                    on_device.insert(name.clone());
+                    placement.on_device.insert(name.clone());
                 }
                 bufs[kind] = Some(ShardValues::Device(joined));
                 continue;
@@ -492,29 +550,37 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
             let (values, landed) = if whole {
                 let Some((_, _, t, Piece::Owned(v))) = pieces.into_iter().next() else { unreachable!("one owned piece") };
                 let sum = checksum(&v);
-                sums.push((t, sum));
+                placement.sums.push((t, sum));
                 (v, vec![(0, shape[dim], sum)])
             } else {
                 let (tags, parts): (Vec<u32>, Vec<(usize, usize, Piece)>) = pieces.into_iter().map(|(o, l, t, x)| (t, (o, l, x))).unzip();
                 let built = assemble(shape, dim, &parts).map_err(|e| load(format!("`{name}`: {e}")))?;
                 let mut landed = Vec::with_capacity(parts.len());
                 for ((t, (landed_sum, source)), (offset, len, _)) in tags.into_iter().zip(built.sums).zip(&parts) {
-                    sums.push((t, landed_sum));
-                    sources.extend(source.map(|s| (t, s)));
+                    placement.sums.push((t, landed_sum));
+                    placement.sources.extend(source.map(|s| (t, s)));
                     landed.push((*offset, *len, landed_sum));
                 }
                 (built.values, landed)
             };
             if kind == 0 {
                 let buffer = (values.as_ptr() as usize, values.len());
-                expected.insert(name.clone(), Landed { shape: shape.clone(), dim, pieces: landed, buffer });
+                placement.expected.insert(name.clone(), Landed { shape: shape.clone(), dim, pieces: landed, buffer });
             }
             bufs[kind] = Some(ShardValues::Host(values));
         }
-        let placed = clock.elapsed().as_secs_f64();
-        if struck(ReconfigPhase::Load) {
-            return Err(load("injected failure while loading shards".into()));
-        }
+        Ok(placement)
+    }
+
+    /// Build, hand over: turns the placed shards into what the new stage is built from, the
+    /// weights by name and the rest of the training state to resume.
+    fn live_resume(
+        &self,
+        job: &LiveJob,
+        agreed: &Agreed,
+        shards: HashMap<usize, NewShard>,
+    ) -> Result<(ShardSource, RankResume), PhaseError> {
+        let me = self.rank;
         // What the new stage must hold once built: the weights that arrived, summed above. (The
         // optimizer tensors are checked piece by piece, by the driver, at source and landing.)
         let (mut host, mut joined) = (HashMap::new(), Vec::new());
@@ -548,58 +614,65 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         for (name, shape, t) in joined {
             source.insert_tensor(name, shape, t);
         }
-        let cfg = job.cfg.clone();
-        let mut state = RankState::build(
-            me,
-            groups,
-            plan,
-            &mut source,
-            resume,
-            model,
-            &job.specs,
-            &self.parallel,
-            self.d_model,
-            cfg,
-            self.device.clone(),
-        )
-        .map_err(|e| load(e.to_string()))?;
-        state.shard_optimizer().map_err(|e| load(e.to_string()))?;
-        let built = clock.elapsed().as_secs_f64();
+        Ok((source, resume))
+    }
+}
+
+/// A load failure.
+fn load(e: String) -> PhaseError {
+    (ReconfigPhase::Load, e)
+}
+
+/// The pieces that arrived at a rank: its new shards (with no values yet), the pieces per new
+/// shard and kind with their split dim, and the elements received.
+struct Arrivals {
+    shards: HashMap<usize, NewShard>,
+    arrived: HashMap<(usize, usize), (usize, Vec<Arrival>)>,
+    elements: u64,
+}
+
+/// What placing a rank's new shards leaves to check: the pieces' checksums where they landed and
+/// at their sources, the weights assembled in host memory by name, those joined on the device,
+/// and the device pieces' counts of differing elements `(tag, len, count)`, not yet read.
+#[derive(Default)]
+struct Placement {
+    sums: Vec<(u32, u64)>,
+    sources: Vec<(u32, u64)>,
+    expected: HashMap<String, Landed>,
+    on_device: HashSet<String>,
+    checks: Vec<(u32, usize, Tensor<1, Int>)>,
+}
+
+impl Placement {
+    /// Build, verify: checks that the built stage's `weights` hold what rank `me` received, and
+    /// adds the device pieces' checksums, where they landed and at their sources.
+    fn verify(&mut self, me: usize, weights: Vec<(String, Tensor<1>)>) -> Result<(), PhaseError> {
         // The built stage's weights: where they were assembled in host memory, by buffer or sums;
         // where they were joined on the device, the stage took each joined tensor as it is (a
         // reshaped view, which a comparison would only compare with itself): that it took
         // every one.
-        for (name, t) in state.named_weights() {
-            if on_device.remove(&name) {
+        for (name, t) in weights {
+            if self.on_device.remove(&name) {
                 continue;
             }
-            let ok = expected.remove(&name).is_some_and(|want| want.held_by(&t));
+            let ok = self.expected.remove(&name).is_some_and(|want| want.held_by(&t));
             if !ok {
                 return Err((ReconfigPhase::Verify, format!("rank {me}: the loaded {name} does not match what it received")));
             }
         }
-        if let Some(name) = expected.keys().chain(on_device.iter()).min() {
+        if let Some(name) = self.expected.keys().chain(self.on_device.iter()).min() {
             return Err((ReconfigPhase::Verify, format!("rank {me}: the built stage lacks {name}, which it received")));
         }
         // Every piece's count of differing elements, read back together.
-        if !checks.is_empty() {
-            let read = traffic::read(Tensor::cat(checks.iter().map(|c| c.2.clone()).collect(), 0), Kind::State);
-            for ((tag, len, _), differing) in checks.iter().zip(read.iter::<i64>()) {
+        if !self.checks.is_empty() {
+            let read = traffic::read(Tensor::cat(self.checks.iter().map(|c| c.2.clone()).collect(), 0), Kind::State);
+            for ((tag, len, _), differing) in self.checks.iter().zip(read.iter::<i64>()) {
                 let (landed, source) = device_sum(*tag, *len, differing);
-                sums.push((*tag, landed));
-                sources.push((*tag, source));
+                self.sums.push((*tag, landed));
+                self.sources.push((*tag, source));
             }
         }
-        if struck(ReconfigPhase::Verify)
-            && let Some(first) = sums.first_mut()
-        {
-            first.1 ^= 1;
-        }
-        tracing::debug!(
-            "rank {me}: received and placed {elements} values by {placed:.3} s, built by {built:.3} s, checked by {:.3} s",
-            clock.elapsed().as_secs_f64()
-        );
-        Ok((Some(state), Received { sums, sources, elements }))
+        Ok(())
     }
 }
 

@@ -63,7 +63,7 @@ pub use config::{EngineConfig, RankDevice};
 pub use error::{EngineError, ReconfigPhase};
 pub(crate) use fault::Fault;
 #[cfg(feature = "mpi")]
-pub use processes::serve;
+pub use processes::{finish, serve};
 
 use crate::parallel::{FullParams, ParallelLm};
 use crate::state::TrainingState;
@@ -380,7 +380,7 @@ impl<L: ParallelLm> Engine<L> {
     }
 
     /// The running ranks' world communicator's abort handle (`None` without running ranks).
-    pub(crate) fn rank_world(&self) -> Option<&crate::collective::AbortHandle> {
+    pub(crate) fn rank_world(&self) -> Option<&crate::comm::threads::AbortHandle> {
         self.cluster.as_ref().and_then(Cluster::world)
     }
 

@@ -17,9 +17,9 @@ use super::messages::{
     Agreed, Command, EngineStep, Header, LiveJob, LiveOrder, PhaseError, RankParams, Received, Reply, Sent, decode, encode,
 };
 use super::rank::{RankState, panic_message, rank_init};
-use crate::mpi::{self, Role};
+use crate::comm::mpi::{self, Role};
+use crate::comm::process::ProcessComm;
 use crate::parallel::ParallelLm;
-use crate::process_comm::ProcessComm;
 use crate::state::{RankExport, TrainingState};
 
 fn comm_err(message: String) -> EngineError {
@@ -144,6 +144,15 @@ const PARAMS_KEY: &str = "copus.rank-params";
 /// that cannot start ends the job instead).
 type Checksums = Vec<(String, u64)>;
 
+/// Ends a run started with `mpirun`: process 0 tells the serving processes to exit, and MPI is
+/// finalised. Later calls do nothing.
+pub fn finish() {
+    if let Role::Driver { .. } = mpi::role() {
+        let _ = mpi::control_broadcast(Some(super::messages::exit_message()));
+    }
+    mpi::finish();
+}
+
 /// Runs this process's rank of every layout process 0 starts, until the run ends. Call it on
 /// every process whose [`mpi::init`] role is [`Role::Worker`]; `decode` rebuilds the model
 /// from its [`ParallelLm::describe`] text.
@@ -154,116 +163,169 @@ pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) ->
     let Role::Worker { rank, .. } = mpi::role() else {
         return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::mpi::init first)".into()));
     };
-    let mut running: Option<RankState<L, ProcessComm>> = None;
-    let mut model: Option<(String, Arc<L>)> = None;
-    // A live layout change in progress: its plan, and the state step 2 built.
-    let mut job: Option<Arc<LiveJob>> = None;
-    let mut pending: Option<RankState<L, ProcessComm>> = None;
+    let mut server = Server { rank, running: None, model: None, job: None, pending: None };
     loop {
         let msg = mpi::control_broadcast(None).map_err(comm_err)?;
         let (header, payload) = decode(&msg).map_err(comm_err)?;
-        let reply = |bytes: Vec<u8>| mpi::control_reply(&bytes).map_err(comm_err);
         match header {
-            Header::Launch { model: text } => {
-                drop(running.take());
-                let l = match &model {
-                    Some((t, l)) if *t == text => Ok(l.clone()),
-                    _ => decode_model(&text).map(Arc::new).map_err(|e| format!("process {rank} cannot rebuild the model: {e}")),
-                };
-                let started = l.and_then(|l| {
-                    model = Some((text, l.clone()));
-                    start(&l, rank, payload.to_vec())
-                });
-                // The other ranks may be waiting for this one in a collective: a failure ends
-                // the job, as it does for a rank thread of process 0.
-                let answer: Checksums = match started {
-                    Ok((s, hashes)) => {
-                        running = Some(s);
-                        hashes
-                    }
-                    Err(e) => mpi::abort_job(&format!("rank {rank} could not start: {e}")),
-                };
-                reply(serde_json::to_vec(&answer).expect("answers serialise"))?;
-            }
-            Header::Step { fault } => {
-                let s = running.as_mut().ok_or_else(|| comm_err("a step before any layout started".into()))?;
-                let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-                let step: Result<EngineStep, _> = s.step(&batch, fault);
-                if let Err(e) = step {
-                    mpi::abort_job(&format!("rank {rank}: {e}"));
-                }
-            }
-            Header::Evaluate { micro } => {
-                let s = running.as_mut().ok_or_else(|| comm_err("an evaluation before any layout started".into()))?;
-                let windows: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-                if let Err(e) = s.evaluate(&windows, micro) {
-                    mpi::abort_job(&format!("rank {rank}: {e}"));
-                }
-            }
-            Header::Params => {
-                let s = running.as_ref().ok_or_else(|| comm_err("parameters asked before any layout started".into()))?;
-                let params: RankParams = s.params();
-                reply(crate::wire::pack(PARAMS_KEY, "{}", params).map_err(comm_err)?)?;
-            }
-            Header::Export => {
-                let s = running.as_ref().ok_or_else(|| comm_err("an export asked before any layout started".into()))?;
-                let bytes = match s.export() {
-                    Ok(e) => e.to_bytes().map_err(comm_err)?,
-                    Err(e) => mpi::abort_job(&format!("rank {rank}: {e}")),
-                };
-                reply(bytes)?;
-            }
+            Header::Launch { model: text } => server.launch(&decode_model, text, payload)?,
+            Header::Step { fault } => server.step(payload, fault)?,
+            Header::Evaluate { micro } => server.evaluate(payload, micro)?,
+            Header::Params => server.params()?,
+            Header::Export => server.export()?,
             Header::SetBatch { global_batch, micro_batch } => {
-                if let Some(s) = running.as_mut() {
+                if let Some(s) = server.running.as_mut() {
                     s.set_batch(global_batch, micro_batch);
                 }
             }
-            Header::LiveSend => {
-                let s = running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
-                let l = model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
-                let order: LiveOrder =
-                    serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard plan that does not parse: {e}")))?;
-                let j = Arc::new(LiveJob {
-                    plan: order.plan,
-                    cfg: order.cfg,
-                    specs: Arc::new(l.spec().param_specs()),
-                    num_layers: order.num_layers,
-                    fault: Fault::none(),
-                    fault_rank: usize::MAX,
-                    handoff: None,
-                });
-                let sent = catch_unwind(AssertUnwindSafe(|| s.live_send(&j))).unwrap_or_else(|p| Err(panic_message(&p)));
-                job = Some(j);
-                pending = None;
-                reply(serde_json::to_vec(&sent).expect("answers serialise"))?;
-            }
-            Header::LiveBuild => {
-                let s = running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
-                let l = model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
-                let j = job.clone().ok_or_else(|| comm_err("a reshard build before its plan".into()))?;
-                let agreed: Agreed =
-                    serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard agreement that does not parse: {e}")))?;
-                let built = catch_unwind(AssertUnwindSafe(|| s.live_build(&j, &agreed, &*l)))
-                    .unwrap_or_else(|p| Err((ReconfigPhase::Load, panic_message(&p))));
-                let answer = built.map(|(next, received)| {
-                    pending = next;
-                    received
-                });
-                reply(serde_json::to_vec(&answer).expect("answers serialise"))?;
-            }
-            Header::LiveCommit => {
-                job = None;
-                match pending.take() {
-                    Some(next) => running = Some(next),
-                    None => mpi::abort_job(&format!("rank {rank}: a layout change committed with nothing built")),
-                }
-            }
+            Header::LiveSend => server.live_send(payload)?,
+            Header::LiveBuild => server.live_build(payload)?,
+            Header::LiveCommit => server.live_commit(),
             Header::LiveAbort => {
-                job = None;
-                pending = None;
+                server.job = None;
+                server.pending = None;
             }
-            Header::Stop => running = None,
+            Header::Stop => server.running = None,
             Header::Exit => return Ok(()),
+        }
+    }
+}
+
+/// Answers process 0.
+fn reply(bytes: Vec<u8>) -> Result<(), EngineError> {
+    mpi::control_reply(&bytes).map_err(comm_err)
+}
+
+/// What a serving process keeps between commands.
+struct Server<L: ParallelLm> {
+    /// This process's rank.
+    rank: usize,
+    /// The rank of the running layout.
+    running: Option<RankState<L, ProcessComm>>,
+    /// The model's describe text and the model rebuilt from it.
+    model: Option<(String, Arc<L>)>,
+    /// A live layout change in progress: its plan, and the state step 2 built.
+    job: Option<Arc<LiveJob>>,
+    pending: Option<RankState<L, ProcessComm>>,
+}
+
+impl<L: ParallelLm> Server<L> {
+    /// Launch: starts this process's rank of the layout whose training state is `payload`
+    /// (rebuilding the model from `text` unless it is the one already kept) and answers what
+    /// the rank loaded.
+    fn launch<E: std::fmt::Display>(
+        &mut self,
+        decode_model: &impl Fn(&str) -> Result<L, E>,
+        text: String,
+        payload: &[u8],
+    ) -> Result<(), EngineError> {
+        let rank = self.rank;
+        drop(self.running.take());
+        let l = match &self.model {
+            Some((t, l)) if *t == text => Ok(l.clone()),
+            _ => decode_model(&text).map(Arc::new).map_err(|e| format!("process {rank} cannot rebuild the model: {e}")),
+        };
+        let started = l.and_then(|l| {
+            self.model = Some((text, l.clone()));
+            start(&l, rank, payload.to_vec())
+        });
+        // The other ranks may be waiting for this one in a collective: a failure ends
+        // the job, as it does for a rank thread of process 0.
+        let answer: Checksums = match started {
+            Ok((s, hashes)) => {
+                self.running = Some(s);
+                hashes
+            }
+            Err(e) => mpi::abort_job(&format!("rank {rank} could not start: {e}")),
+        };
+        reply(serde_json::to_vec(&answer).expect("answers serialise"))
+    }
+
+    /// Step: one optimizer step on the batch in `payload`; a failure ends the job.
+    fn step(&mut self, payload: &[u8], fault: super::fault::StepFault) -> Result<(), EngineError> {
+        let rank = self.rank;
+        let s = self.running.as_mut().ok_or_else(|| comm_err("a step before any layout started".into()))?;
+        let batch: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let step: Result<EngineStep, _> = s.step(&batch, fault);
+        if let Err(e) = step {
+            mpi::abort_job(&format!("rank {rank}: {e}"));
+        }
+        Ok(())
+    }
+
+    /// Evaluate: the held-out evaluation of the sequences in `payload`; a failure ends the job.
+    fn evaluate(&mut self, payload: &[u8], micro: usize) -> Result<(), EngineError> {
+        let rank = self.rank;
+        let s = self.running.as_mut().ok_or_else(|| comm_err("an evaluation before any layout started".into()))?;
+        let windows: Vec<i64> = payload.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        if let Err(e) = s.evaluate(&windows, micro) {
+            mpi::abort_job(&format!("rank {rank}: {e}"));
+        }
+        Ok(())
+    }
+
+    /// Params: answers the rank's parameters.
+    fn params(&self) -> Result<(), EngineError> {
+        let s = self.running.as_ref().ok_or_else(|| comm_err("parameters asked before any layout started".into()))?;
+        let params: RankParams = s.params();
+        reply(crate::wire::pack(PARAMS_KEY, "{}", params).map_err(comm_err)?)
+    }
+
+    /// Export: answers the rank's export; a failure to export ends the job.
+    fn export(&self) -> Result<(), EngineError> {
+        let rank = self.rank;
+        let s = self.running.as_ref().ok_or_else(|| comm_err("an export asked before any layout started".into()))?;
+        let bytes = match s.export() {
+            Ok(e) => e.to_bytes().map_err(comm_err)?,
+            Err(e) => mpi::abort_job(&format!("rank {rank}: {e}")),
+        };
+        reply(bytes)
+    }
+
+    /// Live change, step 1: sends the rank's pieces of the plan in `payload`, keeps the plan,
+    /// and answers what it sent.
+    fn live_send(&mut self, payload: &[u8]) -> Result<(), EngineError> {
+        let s = self.running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
+        let l = self.model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
+        let order: LiveOrder = serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard plan that does not parse: {e}")))?;
+        let j = Arc::new(LiveJob {
+            plan: order.plan,
+            cfg: order.cfg,
+            specs: Arc::new(l.spec().param_specs()),
+            num_layers: order.num_layers,
+            fault: Fault::none(),
+            fault_rank: usize::MAX,
+            handoff: None,
+        });
+        let sent = catch_unwind(AssertUnwindSafe(|| s.live_send(&j))).unwrap_or_else(|p| Err(panic_message(&p)));
+        self.job = Some(j);
+        self.pending = None;
+        reply(serde_json::to_vec(&sent).expect("answers serialise"))
+    }
+
+    /// Live change, step 2: receives the rank's pieces and builds its new state as agreed in
+    /// `payload`, keeps it pending, and answers what it received.
+    fn live_build(&mut self, payload: &[u8]) -> Result<(), EngineError> {
+        let s = self.running.as_ref().ok_or_else(|| comm_err("a layout change before any layout started".into()))?;
+        let l = self.model.as_ref().map(|(_, l)| l.clone()).ok_or_else(|| comm_err("a layout change before any model".into()))?;
+        let j = self.job.clone().ok_or_else(|| comm_err("a reshard build before its plan".into()))?;
+        let agreed: Agreed =
+            serde_json::from_slice(payload).map_err(|e| comm_err(format!("a reshard agreement that does not parse: {e}")))?;
+        let built = catch_unwind(AssertUnwindSafe(|| s.live_build(&j, &agreed, &*l)))
+            .unwrap_or_else(|p| Err((ReconfigPhase::Load, panic_message(&p))));
+        let answer = built.map(|(next, received)| {
+            self.pending = next;
+            received
+        });
+        reply(serde_json::to_vec(&answer).expect("answers serialise"))
+    }
+
+    /// Live change, step 3: switches to the state step 2 built; with none built, ends the job.
+    fn live_commit(&mut self) {
+        self.job = None;
+        match self.pending.take() {
+            Some(next) => self.running = Some(next),
+            None => mpi::abort_job(&format!("rank {}: a layout change committed with nothing built", self.rank)),
         }
     }
 }

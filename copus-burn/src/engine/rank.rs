@@ -19,7 +19,8 @@ use super::grad_index::{GradIndex, ParamInfo, Role};
 use super::messages::RankParams;
 use super::zero::ZeroPlan;
 use crate::closing::StepCloser;
-use crate::collective::{Collective, CommError, ThreadComm};
+use crate::comm::threads::ThreadComm;
+use crate::comm::{Collective, CommError};
 use crate::grads::with_values;
 use crate::optim::{self as adamw, AdamW, Moments};
 use crate::parallel::{ParallelLm, ParallelPlan, ShardError, ShardPlan, ShardSource, StageModel};
@@ -545,7 +546,7 @@ pub(super) fn rank_init<L: ParallelLm>(
     let device = cfg.devices.get(r).copied().unwrap_or_default();
     // Under mpirun a GPU rank takes its node's GPU; this process only builds its own rank's.
     #[cfg(feature = "mpi")]
-    let device = crate::mpi::on_this_node(device, cfg.ranks_per_device);
+    let device = crate::comm::mpi::on_this_node(device, cfg.ranks_per_device);
     let device = device.device_for(cfg.precision)?.autodiff();
     Ok((RankInit { plan, source, resume, fault, device, hidden: spec.hidden, parallel: parallel.clone() }, hashes))
 }

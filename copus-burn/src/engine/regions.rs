@@ -20,10 +20,11 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::config::{Checkpointing, RankDevice};
+use super::config::Checkpointing;
 use super::rank::{RankError, RankState};
 use super::tp_graph::{Group, copy_to_group, reduce_from_group};
-use crate::collective::{Collective, CommError, ReduceOp};
+use crate::comm::placement::RankDevice;
+use crate::comm::{Collective, CommError, ReduceOp};
 use crate::fused;
 use crate::grads::{self, Scalar};
 use crate::parallel::{ParallelLm, StageModel};

@@ -22,7 +22,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, unary};
 use burn::backend::{Autodiff, Backend, DispatchKindConversion, DispatchTensor, Flex};
 use burn::tensor::Tensor;
 
-use crate::collective::{CommError, ReduceOp, TensorSum};
+use crate::comm::{CommError, ReduceOp, TensorSum};
 
 /// The tp group's sum, shared by the operations of the graphs that use it, and the first
 /// failure of a sum run inside a backward pass.
@@ -172,7 +172,8 @@ mod tests {
     use burn::tensor::{Device, TensorData};
 
     use super::*;
-    use crate::collective::{Collective, ThreadComm};
+    use crate::comm::Collective;
+    use crate::comm::threads::ThreadComm;
 
     fn tensor(v: &[f32], device: &Device) -> Tensor<3> {
         Tensor::from_data(TensorData::new(v.to_vec(), [1, 1, v.len()]), device)

@@ -33,7 +33,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::grad_index::GradIndex;
-use crate::collective::{Collective, CommError, ReduceOp};
+use crate::comm::{Collective, CommError, ReduceOp};
 use crate::grads::{read_sum, with_values};
 use crate::optim::{self as adamw, AdamW, Moments, marked_as};
 use crate::state::OptimScalars;
@@ -394,7 +394,7 @@ impl ModuleMapper for SetWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::ThreadComm;
+    use crate::comm::threads::ThreadComm;
     use crate::engine::grad_index::{ParamInfo, Role};
     use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 

@@ -7,7 +7,7 @@ use burn::data::dataloader::Progress;
 use burn::data::dataloader::split::split_dataloader;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
-use burn::train::train::{MultiDevicesTrainStep, WorkerFailure};
+use burn::train::train::{MultiDevicesTrainStep, MultiTrainOutput, WorkerFailure};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
@@ -214,30 +214,10 @@ impl CopusStrategy {
             }
             let planned = self.copus.plan();
             let round = outputs.len();
-            // Each device's batch, from its loader's progress. At an epoch's end they may differ
-            // (a split's last batch is short, or a loader is done); such a step is not fed to the
-            // estimator, which needs equal micro-batches.
-            let mut sizes: Vec<usize> =
-                iterators.iter().zip(&before).map(|(it, b)| it.progress().items_processed.saturating_sub(*b)).filter(|&d| d > 0).collect();
-            if sizes.len() != round {
-                // Progress that does not match the outputs: split the round's samples evenly.
-                let d = progress.items_processed.saturating_sub(seen);
-                sizes = vec![if d >= round { d / round } else { planned.micro_batch }; round];
-            }
+            let processed = iterators.iter().map(|it| it.progress().items_processed);
+            let (sizes, weight_size) = round_sizes(processed, &before, &progress, seen, round, planned.micro_batch);
             seen = progress.items_processed;
-            // burn-train hands the outputs back in the order they finished, without their
-            // device, so uneven sizes cannot be paired with their gradients: weight each by the
-            // round's mean (the round's samples still count in full) and record the real sizes,
-            // which keep the step out of the estimator.
-            let weight_size = if sizes.iter().all(|&x| x == sizes[0]) { sizes[0] } else { sizes.iter().sum::<usize>() / round };
-            let mut items = Vec::with_capacity(round);
-            let mut measured = Vec::with_capacity(round);
-            for out in outputs {
-                let g = out.output.grads;
-                let sq = grads::sq_norm_on_device(&model, &g);
-                measured.push((g.to_device(self.main(), &model), sq));
-                items.push(out.output.item);
-            }
+            let (items, measured) = self.measure_round(&model, outputs);
             // The round's time includes the per-device norms and the moves to the main device,
             // which grow with the number of micro-batches like the forward and backward do.
             let seconds = started.elapsed().as_secs_f64();
@@ -266,6 +246,21 @@ impl CopusStrategy {
             }
         }
         self.close_rest(learner, &mut open, previous, interrupter);
+    }
+
+    /// Multi-device round, measure: each output's gradient's squared norm where it was computed,
+    /// and the gradient moved to the main device; the outputs' items apart, in the same order.
+    fn measure_round<M: LearnerModel, TO>(&self, model: &M, outputs: Vec<MultiTrainOutput<TO>>) -> (Vec<TO>, Vec<(GradientsParams, f64)>) {
+        let round = outputs.len();
+        let mut items = Vec::with_capacity(round);
+        let mut measured = Vec::with_capacity(round);
+        for out in outputs {
+            let g = out.output.grads;
+            let sq = grads::sq_norm_on_device(model, &g);
+            measured.push((g.to_device(self.main(), model), sq));
+            items.push(out.output.item);
+        }
+        (items, measured)
     }
 
     /// Takes the optimizer step once the plan's micro-batches are in, or the epoch's data ends.
@@ -351,6 +346,34 @@ impl CopusStrategy {
         });
         Ok(())
     }
+}
+
+/// Multi-device round, size: each device's batch from its loader's items `processed`, against
+/// those `before` the round; where that does not match the round's `round` outputs, the samples
+/// since `seen` split evenly. Also the size each gradient is weighted as.
+fn round_sizes(
+    processed: impl Iterator<Item = usize>,
+    before: &[usize],
+    progress: &Progress,
+    seen: usize,
+    round: usize,
+    micro_batch: usize,
+) -> (Vec<usize>, usize) {
+    // Each device's batch, from its loader's progress. At an epoch's end they may differ
+    // (a split's last batch is short, or a loader is done); such a step is not fed to the
+    // estimator, which needs equal micro-batches.
+    let mut sizes: Vec<usize> = processed.zip(before).map(|(p, b)| p.saturating_sub(*b)).filter(|&d| d > 0).collect();
+    if sizes.len() != round {
+        // Progress that does not match the outputs: split the round's samples evenly.
+        let d = progress.items_processed.saturating_sub(seen);
+        sizes = vec![if d >= round { d / round } else { micro_batch }; round];
+    }
+    // burn-train hands the outputs back in the order they finished, without their
+    // device, so uneven sizes cannot be paired with their gradients: weight each by the
+    // round's mean (the round's samples still count in full) and record the real sizes,
+    // which keep the step out of the estimator.
+    let weight_size = if sizes.iter().all(|&x| x == sizes[0]) { sizes[0] } else { sizes.iter().sum::<usize>() / round };
+    (sizes, weight_size)
 }
 
 /// A setting copus refuses, as burn-train's error (it has no variant of its own for this).

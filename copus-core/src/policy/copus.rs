@@ -559,53 +559,9 @@ impl Policy for Copus {
 
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let cur = obs.current;
-        match self.seen {
-            Some((c, _)) if c == cur => {}
-            previous => {
-                self.left = previous.map(|p| p.0);
-                if let Some(l) = self.left.filter(|l| l.dims != cur.dims) {
-                    self.left_layout = Some(l.dims);
-                }
-                self.seen = Some((cur, obs.step));
-            }
-        }
-        // A trial does not restart the dwell; the B_g the run stays on after it does.
-        match self.batch_seen {
-            Some((b, _)) if b == cur.global_batch => {}
-            _ if self.trial.is_some_and(|(t, _)| t == cur) => {}
-            _ => self.batch_seen = Some((cur.global_batch, obs.step)),
-        }
-        // Steps the configuration has run (its measurement's age) and steps its B_g has run
-        // (the dwell: the smoothed estimate has seen this batch, whatever trials of layouts and
-        // micro-batches ran meanwhile).
-        let ran = obs.step.saturating_sub(self.seen.map_or(0, |s| s.1)) + 1;
-        let dwelled = obs.step.saturating_sub(self.batch_seen.map_or(0, |s| s.1)) + 1;
-        // A trial runs its steps, then is left at once if a measured candidate of its B_g is
-        // faster; it does not count as a change to come back from.
-        if let Some((t, decided)) = self.trial {
-            if t != cur {
-                // Refused or failed: not tried again (`tried`), hysteresis as it was.
-                self.trial = None;
-                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((self.left, self.left_layout));
-            } else if obs.step.saturating_sub(decided) < self.rule.trial_steps || !self.scorer.is_measured(&cur) {
-                // Until it has run its steps and been measured (the driver does not measure
-                // the first step after a layout change on the wall clock).
-                return Decision::Keep;
-            } else {
-                self.trial = None;
-                let origin = self.left;
-                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((None, None));
-                let back = match self.rule.explore_noise {
-                    ExploreNoise::Point => self.after_trial(&cur, origin, obs.b_simple(), None),
-                    ExploreNoise::Significant => {
-                        let noise = self.explore_noise(obs);
-                        self.after_trial(&cur, origin, noise.map(|n| n.0), noise.and_then(|n| n.1))
-                    }
-                };
-                if back != Decision::Keep {
-                    return back;
-                }
-            }
+        let (ran, dwelled) = self.track(obs);
+        if let Some(back) = self.end_trial(obs) {
+            return back;
         }
         // During the dwell only the running B_g is explored (the estimate has not yet seen
         // this batch long enough to compare others), and no change is made but a change of B_g
@@ -625,38 +581,7 @@ impl Policy for Copus {
         };
         let phi = obs.b_simple().unwrap_or(low);
         let band = [low, phi, high.min(Self::PHI_CAP)];
-        let r = self.rule;
-        // Back to the configuration the run left, or (for a layout change) to its layout.
-        let back = |t: &Candidate| self.left == Some(*t) || (t.dims != cur.dims && self.left_layout == Some(t.dims));
-        let threshold = |t: &Candidate, base: f64| if back(t) { 2.0 * base } else { base };
-        if r.choice == Choice::Robust {
-            let wanted = self.robust_choice(&cur, band, &threshold);
-            let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
-            let th = wanted.map_or(0.0, |c| threshold(&c, if c.layout_differs(&cur) { r.layout_threshold } else { r.batch_threshold }));
-            let decided = self.confirmed(obs, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm, dwell_over, th);
-            return self.or_explore(decided, obs, ran, dwell_over.then_some(phi));
-        }
-        // Best other layout at the estimate; it must repay across the band.
-        if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
-            let th = threshold(&o.candidate, r.layout_threshold);
-            // Progress over the horizon with the switch (paying its cost) must beat staying.
-            if self.wins_across(&cur, &o.candidate, band, th) {
-                let confirm = if back(&o.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
-                let decided = self.confirmed(obs, Decision::ChangeLayout(o.candidate), confirm, dwell_over, th);
-                return if decided == Decision::Keep && !dwell_over { self.or_explore(decided, obs, ran, None) } else { decided };
-            }
-        }
-        let (wanted, confirm, th) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
-            Some(s) if s.candidate != cur => {
-                let th = threshold(&s.candidate, r.batch_threshold);
-                let holds = self.wins_across(&cur, &s.candidate, band, th);
-                let confirm = if back(&s.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
-                (if holds { Decision::to(&cur, s.candidate) } else { Decision::Keep }, confirm, th)
-            }
-            _ => (Decision::Keep, r.confirm_steps, r.batch_threshold),
-        };
-        let decided = self.confirmed(obs, wanted, confirm, dwell_over, th);
-        self.or_explore(decided, obs, ran, dwell_over.then_some(phi))
+        self.judge(obs, ran, dwell_over, phi, band)
     }
 
     fn scorer(&self) -> Option<&Scorer> {
@@ -698,6 +623,112 @@ impl Policy for Copus {
         self.winning = state.winning.map(|(d, o, s)| (d, o.cmp(&0), s));
         (self.trial, self.before_trial, self.batch_seen) = (state.trial, state.before_trial, state.batch_seen);
         self.tried = state.tried.clone();
+    }
+}
+
+/// The phases of [`Policy::decide`].
+impl Copus {
+    /// Decide, track: notes a change of configuration (what the run left, and its layout) and a
+    /// change of B_g (which restarts the dwell, unless a trial made it); returns the steps the
+    /// configuration has run and the steps its B_g has run.
+    fn track(&mut self, obs: &StepObservation) -> (u64, u64) {
+        let cur = obs.current;
+        match self.seen {
+            Some((c, _)) if c == cur => {}
+            previous => {
+                self.left = previous.map(|p| p.0);
+                if let Some(l) = self.left.filter(|l| l.dims != cur.dims) {
+                    self.left_layout = Some(l.dims);
+                }
+                self.seen = Some((cur, obs.step));
+            }
+        }
+        // A trial does not restart the dwell; the B_g the run stays on after it does.
+        match self.batch_seen {
+            Some((b, _)) if b == cur.global_batch => {}
+            _ if self.trial.is_some_and(|(t, _)| t == cur) => {}
+            _ => self.batch_seen = Some((cur.global_batch, obs.step)),
+        }
+        // Steps the configuration has run (its measurement's age) and steps its B_g has run
+        // (the dwell: the smoothed estimate has seen this batch, whatever trials of layouts and
+        // micro-batches ran meanwhile).
+        let ran = obs.step.saturating_sub(self.seen.map_or(0, |s| s.1)) + 1;
+        let dwelled = obs.step.saturating_sub(self.batch_seen.map_or(0, |s| s.1)) + 1;
+        (ran, dwelled)
+    }
+
+    /// Decide, trial: a trial in progress is kept until it has run its steps and been
+    /// measured, then ended (and left at once where that pays); one refused or failed is
+    /// dropped. `Some`: the decision this step, made by the trial.
+    fn end_trial(&mut self, obs: &StepObservation) -> Option<Decision> {
+        let cur = obs.current;
+        // A trial runs its steps, then is left at once if a measured candidate of its B_g is
+        // faster; it does not count as a change to come back from.
+        if let Some((t, decided)) = self.trial {
+            if t != cur {
+                // Refused or failed: not tried again (`tried`), hysteresis as it was.
+                self.trial = None;
+                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((self.left, self.left_layout));
+            } else if obs.step.saturating_sub(decided) < self.rule.trial_steps || !self.scorer.is_measured(&cur) {
+                // Until it has run its steps and been measured (the driver does not measure
+                // the first step after a layout change on the wall clock).
+                return Some(Decision::Keep);
+            } else {
+                self.trial = None;
+                let origin = self.left;
+                (self.left, self.left_layout) = self.before_trial.take().unwrap_or((None, None));
+                let back = match self.rule.explore_noise {
+                    ExploreNoise::Point => self.after_trial(&cur, origin, obs.b_simple(), None),
+                    ExploreNoise::Significant => {
+                        let noise = self.explore_noise(obs);
+                        self.after_trial(&cur, origin, noise.map(|n| n.0), noise.and_then(|n| n.1))
+                    }
+                };
+                if back != Decision::Keep {
+                    return Some(back);
+                }
+            }
+        }
+        None
+    }
+
+    /// Decide, judge: at the estimate `phi` and across the `band` of B_simple it allows, the
+    /// change the rule wants (back to what the run left at twice the threshold and
+    /// confirmations), once confirmed; otherwise a trial where one is worth it.
+    fn judge(&mut self, obs: &StepObservation, ran: u64, dwell_over: bool, phi: f64, band: [f64; 3]) -> Decision {
+        let cur = obs.current;
+        let r = self.rule;
+        // Back to the configuration the run left, or (for a layout change) to its layout.
+        let back = |t: &Candidate| self.left == Some(*t) || (t.dims != cur.dims && self.left_layout == Some(t.dims));
+        let threshold = |t: &Candidate, base: f64| if back(t) { 2.0 * base } else { base };
+        if r.choice == Choice::Robust {
+            let wanted = self.robust_choice(&cur, band, &threshold);
+            let confirm = if wanted.is_some_and(|c| back(&c)) { 2 * r.confirm_steps } else { r.confirm_steps };
+            let th = wanted.map_or(0.0, |c| threshold(&c, if c.layout_differs(&cur) { r.layout_threshold } else { r.batch_threshold }));
+            let decided = self.confirmed(obs, wanted.map_or(Decision::Keep, |c| Decision::to(&cur, c)), confirm, dwell_over, th);
+            return self.or_explore(decided, obs, ran, dwell_over.then_some(phi));
+        }
+        // Best other layout at the estimate; it must repay across the band.
+        if let Some(o) = self.scorer.best(phi, |c| c.dims != cur.dims) {
+            let th = threshold(&o.candidate, r.layout_threshold);
+            // Progress over the horizon with the switch (paying its cost) must beat staying.
+            if self.wins_across(&cur, &o.candidate, band, th) {
+                let confirm = if back(&o.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
+                let decided = self.confirmed(obs, Decision::ChangeLayout(o.candidate), confirm, dwell_over, th);
+                return if decided == Decision::Keep && !dwell_over { self.or_explore(decided, obs, ran, None) } else { decided };
+            }
+        }
+        let (wanted, confirm, th) = match self.scorer.best(phi, |c| c.dims == cur.dims) {
+            Some(s) if s.candidate != cur => {
+                let th = threshold(&s.candidate, r.batch_threshold);
+                let holds = self.wins_across(&cur, &s.candidate, band, th);
+                let confirm = if back(&s.candidate) { 2 * r.confirm_steps } else { r.confirm_steps };
+                (if holds { Decision::to(&cur, s.candidate) } else { Decision::Keep }, confirm, th)
+            }
+            _ => (Decision::Keep, r.confirm_steps, r.batch_threshold),
+        };
+        let decided = self.confirmed(obs, wanted, confirm, dwell_over, th);
+        self.or_explore(decided, obs, ran, dwell_over.then_some(phi))
     }
 }
 

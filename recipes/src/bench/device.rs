@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig, OptimConfig, RankDevice};
+use copus_burn::{Engine, EngineOptions, OptimConfig};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::Precision;
 use copus_core::model::ModelSpec;
@@ -67,8 +67,9 @@ fn relative(a: f64, b: f64) -> f64 {
 }
 
 /// The rank devices of `ranks` ranks of `backend` in one process (all on its first device).
-fn devices(backend: Backend, ranks: usize) -> Vec<RankDevice> {
-    if backend == Backend::Flex { Vec::new() } else { vec![backend.rank_device(); ranks] }
+/// Every rank on the backend's first device.
+fn on_one_device(backend: Backend, ranks: usize) -> EngineOptions {
+    EngineOptions { device: backend.rank_device(), ranks_per_device: Some(ranks), ..EngineOptions::default() }
 }
 
 /// Losses and gradient norms of three steps, and the last step's host bytes beyond its token
@@ -78,7 +79,7 @@ fn parity_run(backend: Backend, dims: ParallelDims) -> anyhow::Result<(Vec<(f64,
     spec.seq_len = 64;
     let (cfg, full) = model(&spec);
     let optim = OptimConfig { lr: 1e-3, warmup_steps: 1, total_steps: 10, b0: 8, ..OptimConfig::default() };
-    let ec = EngineConfig::new(dims, 8, 2, spec.seq_len, optim).with_devices(devices(backend, dims.world_size()));
+    let ec = on_one_device(backend, dims.world_size()).engine_config_of(dims, (8, 2), spec.seq_len, optim);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec).with_context(|| format!("an engine on {backend:?} ({dims})"))?;
     let (mut losses, mut host) = (Vec::new(), 0);
     for i in 0..3 {
@@ -135,9 +136,8 @@ fn throughput_run(
     let (cfg, full) = model(spec);
     let dims = ParallelDims::new(ranks, 1, 1, ranks)?;
     let optim = OptimConfig { warmup_steps: 0, b0: opts.global_batch, ..OptimConfig::default() };
-    let ec = EngineConfig::new(dims, opts.global_batch, opts.micro_batch, spec.seq_len, optim)
-        .with_devices(devices(backend, ranks))
-        .with_precision(precision);
+    let options = EngineOptions { precision, ..on_one_device(backend, ranks) };
+    let ec = options.engine_config_of(dims, (opts.global_batch, opts.micro_batch), spec.seq_len, optim);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec).with_context(|| format!("{} on {ranks} {backend:?} ranks", spec.name))?;
     let batch = |i| synthetic_batch(opts.global_batch, spec.seq_len, spec.vocab_size, i);
     engine.step(batch(0)).context("the warm-up step")?;

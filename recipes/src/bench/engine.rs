@@ -6,10 +6,11 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use burn::tensor::Device;
-use copus_burn::collective::{Collective, ReduceOp, ThreadComm};
+use copus_burn::comm::threads::ThreadComm;
+use copus_burn::comm::{Collective, ReduceOp};
 use copus_burn::parallel::FullParams;
 use copus_burn::traffic::HostTraffic;
-use copus_burn::{Engine, EngineConfig, MicroBatch, OptimConfig, Trainer};
+use copus_burn::{Engine, EngineOptions, MicroBatch, OptimConfig, Trainer};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{Llama, LlamaConfig, full_params};
@@ -77,7 +78,7 @@ fn bench_model() -> (ModelSpec, LlamaConfig, Llama, FullParams, OptimConfig) {
 pub fn steady_step_traffic(dims: ParallelDims) -> (HostTraffic, u64) {
     let (spec, cfg, _, full, optim) = bench_model();
     let b_g = B_G;
-    let ec = EngineConfig::new(dims, b_g, B_M, spec.seq_len, optim);
+    let ec = EngineOptions::default().engine_config_of(dims, (b_g, B_M), spec.seq_len, optim);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec).expect("engine");
     let mut last = None;
     for i in 0..3 {
@@ -124,7 +125,7 @@ pub fn run(steps: usize) {
         if dims.check_model(&spec).is_err() {
             continue;
         }
-        let ec = EngineConfig::new(dims, b_g, b_m, spec.seq_len, optim.clone());
+        let ec = EngineOptions::default().engine_config_of(dims, (b_g, b_m), spec.seq_len, optim.clone());
         let mut engine = Engine::new(Arc::new(cfg.clone()), &full, ec).expect("engine");
         engine.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
         let t = Instant::now();
@@ -190,7 +191,7 @@ mod tests {
         assert_eq!(largest, h.total() / 2, "the two replicas move the same");
 
         let (_, cfg, _, full, optim) = bench_model();
-        let ec = EngineConfig::new(ParallelDims::new(2, 1, 1, 2).unwrap(), B_G, B_M, spec.seq_len, optim);
+        let ec = EngineOptions::default().engine_config_of(ParallelDims::new(2, 1, 1, 2).unwrap(), (B_G, B_M), spec.seq_len, optim);
         let mut engine = Engine::new(Arc::new(cfg), &full, ec).unwrap();
         engine.step(synthetic_batch(16, spec.seq_len, spec.vocab_size, 0)).unwrap();
         engine.rank_params().unwrap();

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig, OptimConfig};
+use copus_burn::{Engine, EngineOptions, OptimConfig};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{Checkpointing, GPU_CONTEXT_BYTES, MemoryEstimate, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
@@ -163,10 +163,37 @@ pub enum Group {
 /// (tiny-5m and tiny-20m serial, tp2 and pp2, B_m 2 and 8, without checkpointing and with
 /// `Regions`; held out: dp2), as `group` selects.
 pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
-    let mut out = Vec::new();
     let want = |p: &str| presets.is_empty() || presets.iter().any(|q| q == p);
-    let d = |dp, tp, pp| ParallelDims { dp, tp, pp };
-    let row = |preset: &str, dims: ParallelDims, micro_batch, schedule, checkpointing, held_out| Row {
+    if group == Group::Gpu {
+        return gpu_rows(&want);
+    }
+    let zero_pairs = zero1_rows(&want);
+    let bf16 = bf16_rows(&want);
+    match group {
+        Group::Zero1 => return zero_pairs,
+        Group::Bf16 => return bf16,
+        Group::All | Group::Gpu => {}
+    }
+    let mut out = fitted_rows(&want);
+    out.extend(held_out_rows(&want));
+    out.extend(zero_pairs);
+    out.extend(bf16);
+    out
+}
+
+/// A layout: dp x tp x pp.
+fn d(dp: usize, tp: usize, pp: usize) -> ParallelDims {
+    ParallelDims { dp, tp, pp }
+}
+
+/// The pipeline schedule of a row on `dims` unless it names one: GPipe on several stages.
+fn schedule_of(dims: ParallelDims) -> ScheduleKind {
+    if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB }
+}
+
+/// A row at sequence 256 in f32 on Flex without ZeRO-1.
+fn row(preset: &str, dims: ParallelDims, micro_batch: usize, schedule: ScheduleKind, checkpointing: Checkpointing, held_out: bool) -> Row {
+    Row {
         preset: preset.into(),
         seq: 256,
         dims,
@@ -177,30 +204,36 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
         precision: Precision::F32,
         held_out,
         backend: Backend::Flex,
-    };
-    if group == Group::Gpu {
-        // Serial at both micro-batches with and without checkpointing, then tp2, pp2 and dp2
-        // (with and without ZeRO-1) at the larger; each in both precisions. The GPU model
-        // (`MemoryModel::engine_gpu`) was fitted to the small-100m rows, tiny-20m's held out.
-        let mut gpu = Vec::new();
-        for (preset, small, large) in [("small-100m", 1, 4), ("tiny-20m", 2, 8)].into_iter().filter(|(p, ..)| want(p)) {
-            let mut plain = Vec::new();
-            for micro_batch in [small, large] {
-                for ck in [Checkpointing::None, Checkpointing::Regions] {
-                    plain.push(row(preset, d(1, 1, 1), micro_batch, ScheduleKind::OneFOneB, ck, preset == "tiny-20m"));
-                }
-            }
-            plain.push(row(preset, d(1, 2, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m"));
-            plain.push(row(preset, d(1, 1, 2), large, ScheduleKind::GPipe, Checkpointing::None, preset == "tiny-20m"));
-            let dp2 = row(preset, d(2, 1, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m");
-            plain.push(Row { zero1: true, ..dp2.clone() });
-            plain.push(dp2);
-            for precision in [Precision::F32, Precision::Bf16Mixed] {
-                gpu.extend(plain.iter().map(|r| Row { precision, ..r.clone() }));
+    }
+}
+
+/// [`Group::Gpu`]'s rows of the wanted presets.
+fn gpu_rows(want: &dyn Fn(&str) -> bool) -> Vec<Row> {
+    // Serial at both micro-batches with and without checkpointing, then tp2, pp2 and dp2
+    // (with and without ZeRO-1) at the larger; each in both precisions. The GPU model
+    // (`MemoryModel::engine_gpu`) was fitted to the small-100m rows, tiny-20m's held out.
+    let mut gpu = Vec::new();
+    for (preset, small, large) in [("small-100m", 1, 4), ("tiny-20m", 2, 8)].into_iter().filter(|(p, ..)| want(p)) {
+        let mut plain = Vec::new();
+        for micro_batch in [small, large] {
+            for ck in [Checkpointing::None, Checkpointing::Regions] {
+                plain.push(row(preset, d(1, 1, 1), micro_batch, ScheduleKind::OneFOneB, ck, preset == "tiny-20m"));
             }
         }
-        return gpu;
+        plain.push(row(preset, d(1, 2, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m"));
+        plain.push(row(preset, d(1, 1, 2), large, ScheduleKind::GPipe, Checkpointing::None, preset == "tiny-20m"));
+        let dp2 = row(preset, d(2, 1, 1), large, ScheduleKind::OneFOneB, Checkpointing::None, preset == "tiny-20m");
+        plain.push(Row { zero1: true, ..dp2.clone() });
+        plain.push(dp2);
+        for precision in [Precision::F32, Precision::Bf16Mixed] {
+            gpu.extend(plain.iter().map(|r| Row { precision, ..r.clone() }));
+        }
     }
+    gpu
+}
+
+/// The ZeRO-1 rows, each after its unsharded twin (all held out).
+fn zero1_rows(want: &dyn Fn(&str) -> bool) -> Vec<Row> {
     let mut zero_pairs = Vec::new();
     for (preset, dims, micro_batch, ck) in [
         ("tiny-20m", d(2, 1, 1), 2, Checkpointing::None),
@@ -210,35 +243,39 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
         ("small-100m", d(4, 1, 1), 1, Checkpointing::Regions),
     ] {
         if want(preset) {
-            let schedule = if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB };
-            let plain = row(preset, dims, micro_batch, schedule, ck, true);
+            let plain = row(preset, dims, micro_batch, schedule_of(dims), ck, true);
             zero_pairs.push(plain.clone());
             zero_pairs.push(Row { zero1: true, ..plain });
         }
     }
+    zero_pairs
+}
+
+/// The `Bf16Mixed` rows: tiny-5m and tiny-20m serial, tp2 and pp2 at B_m 2 and 8, dp2 (held
+/// out) at B_m 2, without checkpointing and with `Regions`.
+fn bf16_rows(want: &dyn Fn(&str) -> bool) -> Vec<Row> {
     let mut bf16 = Vec::new();
     for preset in ["tiny-5m", "tiny-20m"].into_iter().filter(|p| want(p)) {
         for (dims, held_out) in [(d(1, 1, 1), false), (d(1, 2, 1), false), (d(1, 1, 2), false), (d(2, 1, 1), true)] {
             for micro_batch in if held_out { [2].as_slice() } else { [2, 8].as_slice() } {
                 for ck in [Checkpointing::None, Checkpointing::Regions] {
-                    let schedule = if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB };
-                    bf16.push(Row { precision: Precision::Bf16Mixed, ..row(preset, dims, *micro_batch, schedule, ck, held_out) });
+                    bf16.push(Row { precision: Precision::Bf16Mixed, ..row(preset, dims, *micro_batch, schedule_of(dims), ck, held_out) });
                 }
             }
         }
     }
-    match group {
-        Group::Zero1 => return zero_pairs,
-        Group::Bf16 => return bf16,
-        Group::All | Group::Gpu => {}
-    }
+    bf16
+}
+
+/// The f32 rows [`MemoryModel::engine_f32`] was fitted to.
+fn fitted_rows(want: &dyn Fn(&str) -> bool) -> Vec<Row> {
+    let mut out = Vec::new();
     let kinds = [Checkpointing::None, Checkpointing::Layers, Checkpointing::Regions];
     for preset in ["tiny-5m", "tiny-20m"].into_iter().filter(|p| want(p)) {
         for dims in [d(1, 1, 1), d(2, 1, 1), d(1, 2, 1), d(1, 1, 2), d(2, 2, 2)] {
             for micro_batch in [2, 8] {
                 for ck in kinds {
-                    let schedule = if dims.pp > 1 { ScheduleKind::GPipe } else { ScheduleKind::OneFOneB };
-                    out.push(row(preset, dims, micro_batch, schedule, ck, false));
+                    out.push(row(preset, dims, micro_batch, schedule_of(dims), ck, false));
                 }
             }
         }
@@ -252,6 +289,13 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
             }
         }
     }
+    out
+}
+
+/// The f32 rows it was not fitted to: B_m 4 and 1F1B on two stages of tiny-20m, dp2 of
+/// small-100m.
+fn held_out_rows(want: &dyn Fn(&str) -> bool) -> Vec<Row> {
+    let mut out = Vec::new();
     if want("tiny-20m") {
         for (dims, schedule) in
             [(d(1, 1, 1), ScheduleKind::OneFOneB), (d(1, 1, 2), ScheduleKind::OneFOneB), (d(2, 1, 2), ScheduleKind::GPipe)]
@@ -266,8 +310,6 @@ pub fn rows(presets: &[String], group: Group) -> Vec<Row> {
             out.push(row("small-100m", d(2, 1, 1), 2, ScheduleKind::OneFOneB, ck, true));
         }
     }
-    out.extend(zero_pairs);
-    out.extend(bf16);
     out
 }
 
@@ -423,12 +465,16 @@ pub fn child(row: &Row) -> anyhow::Result<()> {
     let device = Device::flex().autodiff();
     let full = full_params(&cfg.init(&device));
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let ec = EngineConfig::new(row.dims, row.global_batch(), row.micro_batch, row.seq, optim)
-        .with_schedule(row.schedule)
-        .with_checkpointing(row.checkpointing)
-        .with_precision(row.precision)
-        .with_zero1(row.zero1)
-        .with_devices(row.backend.rank_devices(row.dims.world_size(), Some(row.dims.world_size())));
+    let options = EngineOptions {
+        schedule: row.schedule,
+        device: row.backend.rank_device(),
+        ranks_per_device: Some(row.dims.world_size()),
+        checkpointing: row.checkpointing,
+        precision: row.precision,
+        zero1: row.zero1,
+        ..EngineOptions::default()
+    };
+    let ec = options.engine_config_of(row.dims, (row.global_batch(), row.micro_batch), row.seq, optim);
     let mut engine = Engine::new(Arc::new(cfg), &full, ec)?;
     drop(full);
     if !gpu {

@@ -2,6 +2,7 @@
 //! they share: the reference shapes, the synthetic tokens every side of a comparison sees, and
 //! medians.
 
+pub mod args;
 pub mod device;
 pub mod engine;
 pub mod memory;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::Device;
-use copus_burn::{Engine, EngineConfig, OptimConfig};
+use copus_burn::{Engine, EngineOptions, OptimConfig, ReconfigReport};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_models::{LlamaConfig, full_params};
@@ -96,7 +96,8 @@ pub fn restart_child(checkpoint: &std::path::Path, preset: &str, seq: usize, lay
     let dims = ParallelDims::new(dp, tp, pp, dp * tp * pp)?;
     let cfg = LlamaConfig::from_spec(&spec);
     let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-    let (mut e, _) = Engine::resume(Arc::new(cfg), checkpoint, Some(EngineConfig::new(dims, b_g, b_m, seq, optim)))?;
+    let (mut e, _) =
+        Engine::resume(Arc::new(cfg), checkpoint, Some(EngineOptions::default().engine_config_of(dims, (b_g, b_m), seq, optim)))?;
     e.step(synthetic_batch(b_g, seq, spec.vocab_size, 1))?;
     // Finished as the in-memory side counts it: every rank's update applied.
     e.rank_params()?;
@@ -146,6 +147,35 @@ pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
     let dir = std::env::temp_dir().join(format!("copus-reconfig-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let pairs = if changes.is_empty() { &CHANGES[..] } else { changes };
+    print_header(trials);
+    let mut cache_note = None;
+    for preset in ["tiny-20m", "small-100m"] {
+        if !presets.is_empty() && !presets.iter().any(|p| p == preset) {
+            continue;
+        }
+        let mut spec = ModelSpec::preset(preset).expect("preset");
+        spec.seq_len = 64;
+        let cfg = LlamaConfig::from_spec(&spec);
+        let device = Device::flex().autodiff();
+        device.seed(0);
+        let full = full_params(&cfg.init(&device));
+        let model = Model { preset, spec: &spec, cfg: &cfg, full: &full, dir: &dir };
+        for pair in pairs {
+            let Some((a, b)) = model.change(pair) else { continue };
+            let t = model.trials(a, b, trials, &mut cache_note);
+            model.print_row(a, b, t);
+        }
+    }
+    match cache_note {
+        Some(Ok(())) => println!("\nthe page cache was dropped between writing and loading each checkpoint"),
+        Some(Err(e)) => println!("\nthe page cache could not be dropped here ({e}): restarts read the checkpoint from memory"),
+        None => {}
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The table's explanation and header.
+fn print_header(trials: usize) {
     println!("In-memory reconfiguration against a process restart, in-process ranks, this machine.");
     println!("switch: the layout change alone; first step: the step after it; in-memory and restart: from");
     println!("the decision to the end of the first step at the target layout; step: a steady step there;");
@@ -161,106 +191,132 @@ pub fn run_reconfig(presets: &[String], trials: usize, changes: &[Change]) {
         "| model | params | from -> to | path | state MB | moved MB | rank-to-rank MB | switch s | first step s | in-memory s | restart s | step s | in-memory cost | restart cost | ratio |"
     );
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let mut cache_note = None;
-    for preset in ["tiny-20m", "small-100m"] {
-        if !presets.is_empty() && !presets.iter().any(|p| p == preset) {
-            continue;
-        }
-        let mut spec = ModelSpec::preset(preset).expect("preset");
-        spec.seq_len = 64;
-        let cfg = LlamaConfig::from_spec(&spec);
-        let device = Device::flex().autodiff();
-        device.seed(0);
-        let full = full_params(&cfg.init(&device));
-        let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
-        for &((a_dp, a_tp, a_pp), (b_dp, b_tp, b_pp)) in pairs {
-            let (a, b) =
-                match (ParallelDims::new(a_dp, a_tp, a_pp, a_dp * a_tp * a_pp), ParallelDims::new(b_dp, b_tp, b_pp, b_dp * b_tp * b_pp)) {
-                    (Ok(a), Ok(b)) => (a, b),
-                    (Err(e), _) | (_, Err(e)) => {
-                        eprintln!("{preset}: a change skipped: {e}");
-                        continue;
-                    }
-                };
-            if let Some(e) = a.check_model(&spec).err().or(b.check_model(&spec).err()) {
-                eprintln!("{preset}: {a} -> {b} skipped: {e}");
-                continue;
-            }
-            let (b_g, b_m) = (8, 1);
-            let mk = |d| EngineConfig::new(d, b_g, b_m, spec.seq_len, optim.clone());
-            if let Some(d) = [a, b].into_iter().find(|d| b_g % (d.dp * b_m) != 0) {
-                eprintln!("{preset}: {a} -> {b} skipped: B_g {b_g} does not split into {} replicas of micro-batches of {b_m}", d.dp);
-                continue;
-            }
-            let (mut switch, mut first, mut in_memory, mut restart, mut steps) = (vec![], vec![], vec![], vec![], vec![]);
-            let mut last = None;
-            for _ in 0..trials {
-                // In memory: one step so AdamW state exists, then switch and take the first step.
-                let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
-                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
-                // The clock starts once the last step is wholly done, on both sides.
-                settle(&mut e);
-                let t = Instant::now();
-                let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
-                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
-                settle(&mut e);
-                let total = t.elapsed().as_secs_f64() - settle(&mut e);
-                in_memory.push(total);
-                switch.push(report.total_secs);
-                first.push(total - report.total_secs);
-                steps.extend(step_times(&mut e, &spec, 2, 3));
-                let state_mb = e.stage_state().expect("stage").bytes() as f64 / 1e6;
-                last = Some((report, state_mb));
-                drop(e);
-                // A real restart of the same state.
-                let mut e = Engine::new(Arc::new(cfg.clone()), &full, mk(a)).expect("engine");
-                e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
-                settle(&mut e);
-                let path = dir.join("state.bpk");
-                let (secs, dropped) = process_restart(e, &path, preset, spec.seq_len, b, b_g, b_m);
-                restart.push(secs);
-                let k = restart.len() - 1;
-                eprintln!(
-                    "{preset} {a} -> {b}, trial {}: switch {:.2} s, first step {:.2} s, steady steps {:.2?} s, restart {secs:.2} s",
-                    k + 1,
-                    switch[k],
-                    first[k],
-                    &steps[3 * k..]
-                );
-                cache_note.get_or_insert(dropped);
-                let _ = std::fs::remove_file(&path);
-            }
-            let Some((report, state_mb)) = last else { continue };
-            // Each trial's costs against its own steady step (the machine drifts between trials),
-            // then the median over trials.
-            let steady: Vec<f64> = steps.chunks(3).map(|c| median(c.to_vec())).collect();
-            let per_trial = |t: &[f64]| median(t.iter().zip(&steady).map(|(t, s)| (t - s).max(0.0) / s).collect());
-            let (cost, restart_cost) = (per_trial(&in_memory), per_trial(&restart));
-            let (switch, first, in_memory, restart, step) =
-                (median(switch), median(first), median(in_memory), median(restart), median(steps));
-            // Below the table's resolution (0.01 steps) the ratio is only a lower bound.
-            let ratio = if cost >= 0.01 {
-                format!("{:.1}x", restart_cost / cost)
-            } else if restart_cost > 0.0 {
-                format!("> {:.0}x", (restart_cost / 0.01).floor())
-            } else {
-                "-".to_string()
+}
+
+/// The global batch and micro-batch every change runs at.
+const BATCH: (usize, usize) = (8, 1);
+
+/// One preset's model for the changes: its shape, starting weights and the checkpoint folder.
+struct Model<'a> {
+    preset: &'a str,
+    spec: &'a ModelSpec,
+    cfg: &'a LlamaConfig,
+    full: &'a copus_burn::parallel::FullParams,
+    dir: &'a std::path::Path,
+}
+
+/// One change's times over its trials, and the last trial's switch report and state size.
+struct Trials {
+    switch: Vec<f64>,
+    first: Vec<f64>,
+    in_memory: Vec<f64>,
+    restart: Vec<f64>,
+    steps: Vec<f64>,
+    last: Option<(ReconfigReport, f64)>,
+}
+
+impl Model<'_> {
+    /// The change's two layouts, or `None` (said on standard error) where the model or the batch
+    /// does not fit one of them.
+    fn change(&self, &((a_dp, a_tp, a_pp), (b_dp, b_tp, b_pp)): &Change) -> Option<(ParallelDims, ParallelDims)> {
+        let preset = self.preset;
+        let (a, b) =
+            match (ParallelDims::new(a_dp, a_tp, a_pp, a_dp * a_tp * a_pp), ParallelDims::new(b_dp, b_tp, b_pp, b_dp * b_tp * b_pp)) {
+                (Ok(a), Ok(b)) => (a, b),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("{preset}: a change skipped: {e}");
+                    return None;
+                }
             };
-            println!(
-                "| {preset} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {switch:.2} | {first:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {ratio} |",
-                spec.num_params() as f64 / 1e6,
-                if report.live { "live" } else { "staged" },
-                report.bytes as f64 / 1e6,
-                report.remote_bytes as f64 / 1e6,
-            );
+        if let Some(e) = a.check_model(self.spec).err().or(b.check_model(self.spec).err()) {
+            eprintln!("{preset}: {a} -> {b} skipped: {e}");
+            return None;
         }
+        let (b_g, b_m) = BATCH;
+        if let Some(d) = [a, b].into_iter().find(|d| b_g % (d.dp * b_m) != 0) {
+            eprintln!("{preset}: {a} -> {b} skipped: B_g {b_g} does not split into {} replicas of micro-batches of {b_m}", d.dp);
+            return None;
+        }
+        Some((a, b))
     }
-    match cache_note {
-        Some(Ok(())) => println!("\nthe page cache was dropped between writing and loading each checkpoint"),
-        Some(Err(e)) => println!("\nthe page cache could not be dropped here ({e}): restarts read the checkpoint from memory"),
-        None => {}
+
+    /// The engine's configuration on layout `d`.
+    fn config(&self, d: ParallelDims) -> copus_burn::EngineConfig {
+        let optim = OptimConfig { warmup_steps: 0, ..OptimConfig::default() };
+        EngineOptions::default().engine_config_of(d, BATCH, self.spec.seq_len, optim)
     }
-    let _ = std::fs::remove_dir_all(&dir);
+
+    /// `trials` trials of `a -> b`, each in memory and by a restart, on fresh engines.
+    fn trials(&self, a: ParallelDims, b: ParallelDims, trials: usize, cache_note: &mut Option<Result<(), String>>) -> Trials {
+        let (spec, (b_g, b_m)) = (self.spec, BATCH);
+        let mut t = Trials { switch: vec![], first: vec![], in_memory: vec![], restart: vec![], steps: vec![], last: None };
+        for _ in 0..trials {
+            // In memory: one step so AdamW state exists, then switch and take the first step.
+            let mut e = Engine::new(Arc::new(self.cfg.clone()), self.full, self.config(a)).expect("engine");
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            // The clock starts once the last step is wholly done, on both sides.
+            settle(&mut e);
+            let clock = Instant::now();
+            let report = e.reconfigure(b, b_g, b_m).expect("reconfigure");
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 1)).expect("step");
+            settle(&mut e);
+            let total = clock.elapsed().as_secs_f64() - settle(&mut e);
+            t.in_memory.push(total);
+            t.switch.push(report.total_secs);
+            t.first.push(total - report.total_secs);
+            t.steps.extend(step_times(&mut e, spec, 2, 3));
+            let state_mb = e.stage_state().expect("stage").bytes() as f64 / 1e6;
+            t.last = Some((report, state_mb));
+            drop(e);
+            // A real restart of the same state.
+            let mut e = Engine::new(Arc::new(self.cfg.clone()), self.full, self.config(a)).expect("engine");
+            e.step(synthetic_batch(b_g, spec.seq_len, spec.vocab_size, 0)).expect("step");
+            settle(&mut e);
+            let path = self.dir.join("state.bpk");
+            let (secs, dropped) = process_restart(e, &path, self.preset, spec.seq_len, b, b_g, b_m);
+            t.restart.push(secs);
+            let k = t.restart.len() - 1;
+            eprintln!(
+                "{} {a} -> {b}, trial {}: switch {:.2} s, first step {:.2} s, steady steps {:.2?} s, restart {secs:.2} s",
+                self.preset,
+                k + 1,
+                t.switch[k],
+                t.first[k],
+                &t.steps[3 * k..]
+            );
+            cache_note.get_or_insert(dropped);
+            let _ = std::fs::remove_file(&path);
+        }
+        t
+    }
+
+    /// The table's row of `a -> b`: medians, and costs against each trial's own steady step.
+    fn print_row(&self, a: ParallelDims, b: ParallelDims, t: Trials) {
+        let Some((report, state_mb)) = t.last else { return };
+        // Each trial's costs against its own steady step (the machine drifts between trials),
+        // then the median over trials.
+        let steady: Vec<f64> = t.steps.chunks(3).map(|c| median(c.to_vec())).collect();
+        let per_trial = |x: &[f64]| median(x.iter().zip(&steady).map(|(t, s)| (t - s).max(0.0) / s).collect());
+        let (cost, restart_cost) = (per_trial(&t.in_memory), per_trial(&t.restart));
+        let (switch, first, in_memory, restart, step) =
+            (median(t.switch), median(t.first), median(t.in_memory), median(t.restart), median(t.steps));
+        // Below the table's resolution (0.01 steps) the ratio is only a lower bound.
+        let ratio = if cost >= 0.01 {
+            format!("{:.1}x", restart_cost / cost)
+        } else if restart_cost > 0.0 {
+            format!("> {:.0}x", (restart_cost / 0.01).floor())
+        } else {
+            "-".to_string()
+        };
+        println!(
+            "| {} | {:.1}M | {a} -> {b} | {} | {state_mb:.0} | {:.0} | {:.0} | {switch:.2} | {first:.2} | {in_memory:.2} | {restart:.2} | {step:.2} | {cost:.2} | {restart_cost:.2} | {ratio} |",
+            self.preset,
+            self.spec.num_params() as f64 / 1e6,
+            if report.live { "live" } else { "staged" },
+            report.bytes as f64 / 1e6,
+            report.remote_bytes as f64 / 1e6,
+        );
+    }
 }
 
 #[cfg(test)]

@@ -288,23 +288,37 @@ fn forward_backward<const D: usize>(x: &Tensor<D>, op: impl Fn(Tensor<D>) -> Ten
 /// (forward and backward under autodiff), and the LM head's backward GEMMs with transposed and
 /// with contiguous operands.
 pub fn op_table() {
+    let device = Device::flex().autodiff();
+    device.seed(1);
+    println!("\n| op, forward + backward under autodiff | fused ms | Burn ms | Burn / fused |\n|---|---:|---:|---:|");
+    let mut rows = fused_op_rows(&device);
+    rows.push(attention_row(&device));
+    rows.push(linear_row(&device));
+    for (name, ours, theirs) in rows {
+        println!("| {name} | {ours:.2} | {theirs:.2} | {:.2} |", theirs / ours);
+    }
+    lm_head_gemm_table();
+}
+
+/// A row of the per-op table: the op, fused ms, Burn's ms.
+type OpRow = (&'static str, f64, f64);
+
+/// The softmaxes, SiLU, the SwiGLU product and the cross entropy, fused against Burn's.
+fn fused_op_rows(device: &Device) -> Vec<OpRow> {
     use burn::tensor::Distribution;
     use burn::tensor::activation;
     use copus_burn::fused;
-    let device = Device::flex().autodiff();
-    device.seed(1);
-    let scores: Tensor<4> = Tensor::random([8, 4, 512, 256], Distribution::Normal(0.0, 2.0), &device);
-    let gate: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 2.0), &device);
-    let up: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 1.0), &device).require_grad();
-    let logits: Tensor<3> = Tensor::random([8, 256, 4096], Distribution::Normal(0.0, 2.0), &device);
-    let targets = int2((0..8 * 256).map(|j| (j * 17 % 4096) as i64).collect(), [8, 256], &device);
+    let scores: Tensor<4> = Tensor::random([8, 4, 512, 256], Distribution::Normal(0.0, 2.0), device);
+    let gate: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 2.0), device);
+    let up: Tensor<3> = Tensor::random([8, 256, 688], Distribution::Normal(0.0, 1.0), device).require_grad();
+    let logits: Tensor<3> = Tensor::random([8, 256, 4096], Distribution::Normal(0.0, 2.0), device);
+    let targets = int2((0..8 * 256).map(|j| (j * 17 % 4096) as i64).collect(), [8, 256], device);
     let ce = |f: fn(Tensor<3>, Tensor<2, Int>) -> Tensor<1>| {
         let a = logits.clone().require_grad();
         let g = f(a.clone(), targets.clone()).backward();
         let _ = a.grad(&g).expect("a gradient").into_data();
     };
-    println!("\n| op, forward + backward under autodiff | fused ms | Burn ms | Burn / fused |\n|---|---:|---:|---:|");
-    let rows = [
+    vec![
         (
             "softmax over [8,4,512,256] (attention)",
             millis(|| forward_backward(&scores, fused::softmax)),
@@ -332,28 +346,39 @@ pub fn op_table() {
             millis(|| forward_backward(&gate, |g| activation::silu(g) * up.clone())),
         ),
         ("cross entropy of [8,256,4096] logits", millis(|| ce(fused::cross_entropy_sum)), millis(|| ce(log_softmax_loss))),
-    ];
-    // Attention of the reference shape: 8 sequences of 256, 4 kv heads of 2 query heads, e 64.
+    ]
+}
+
+/// Attention of the reference shape: 8 sequences of 256, 4 kv heads of 2 query heads, e 64;
+/// fused against Burn's matmuls around the fused causal softmax.
+fn attention_row(device: &Device) -> OpRow {
+    use burn::tensor::Distribution;
+    use copus_burn::fused;
     let [q, k, v]: [Tensor<4>; 3] = [[8, 4, 512, 64], [8, 4, 256, 64], [8, 4, 256, 64]]
-        .map(|d| Tensor::random(d, Distribution::Normal(0.0, 1.0), &device).require_grad());
+        .map(|d| Tensor::random(d, Distribution::Normal(0.0, 1.0), device).require_grad());
     let attention = |f: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<3>| {
         millis(|| {
             let g = f(q.clone(), k.clone(), v.clone()).sum().backward();
             let _ = (q.grad(&g).expect("a gradient").into_data(), k.grad(&g).expect("a gradient"), v.grad(&g).expect("a gradient"));
         })
     };
-    let rows = rows.into_iter().chain([(
+    (
         "causal attention, q [8,4,512,64] (2 query heads per kv head), k and v [8,4,256,64]; Burn: its matmuls around the fused causal softmax",
         attention(&|q, k, v| fused::causal_attention(q, k, v, 0.125, 256, 0)),
         attention(&|q, k, v| {
             let probs = fused::causal_softmax(q.matmul(k.swap_dims(2, 3)), 0.125, 256, 0);
             probs.matmul(v).reshape([8, 8, 256, 64]).swap_dims(1, 2).reshape([8, 256, 512])
         }),
-    )]);
-    // tiny-20m's gate projection, input and weight tracked.
+    )
+}
+
+/// tiny-20m's gate projection, input and weight tracked: the fused linear against Burn's.
+fn linear_row(device: &Device) -> OpRow {
+    use burn::tensor::Distribution;
+    use copus_burn::fused;
     let (lx, lw): (Tensor<3>, Tensor<2>) = (
-        Tensor::random([8, 256, 512], Distribution::Normal(0.0, 1.0), &device).require_grad(),
-        Tensor::random([512, 1376], Distribution::Normal(0.0, 0.05), &device).require_grad(),
+        Tensor::random([8, 256, 512], Distribution::Normal(0.0, 1.0), device).require_grad(),
+        Tensor::random([512, 1376], Distribution::Normal(0.0, 0.05), device).require_grad(),
     );
     let linear = |f: fn(Tensor<3>, Tensor<2>, Option<Tensor<1>>) -> Tensor<3>| {
         millis(|| {
@@ -361,14 +386,17 @@ pub fn op_table() {
             let _ = (lx.grad(&g).expect("a gradient").into_data(), lw.grad(&g).expect("a gradient").into_data());
         })
     };
-    let rows = rows.chain([(
+    (
         "linear [8,256,512] x [512,1376] (tiny-20m's gate projection); Burn: its linear (matmul)",
         linear(fused::linear),
         linear(burn::tensor::module::linear),
-    )]);
-    for (name, ours, theirs) in rows {
-        println!("| {name} | {ours:.2} | {theirs:.2} | {:.2} |", theirs / ours);
-    }
+    )
+}
+
+/// The LM head's backward GEMMs (without autodiff) with a transposed operand against a
+/// contiguous copy.
+fn lm_head_gemm_table() {
+    use burn::tensor::Distribution;
     let plain = Device::flex();
     let x: Tensor<2> = Tensor::random([2048, 256], Distribution::Default, &plain);
     let g: Tensor<2> = Tensor::random([2048, 4096], Distribution::Default, &plain);

@@ -12,13 +12,12 @@
 //! the candidate objectives to the fixed sweep (also in `sweep.json`).
 
 use std::path::Path;
-use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
 use burn::tensor::Device;
-use copus_burn::driver::{Clock, Scripted};
-use copus_burn::{DecisionSource, Driver, Engine, EngineConfig};
+use copus_burn::Driver;
 use copus_core::candidates::Candidate;
+use copus_core::decision::{DecisionSource, Scripted};
 use copus_core::throughput::{ThroughputModel, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
 use serde::{Deserialize, Serialize};
@@ -227,49 +226,10 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     }
     drop(first);
 
-    let mut arms: Vec<Arm> = std::iter::once(Arm { name: "copus".into(), kind: ArmKind::Copus, runs: Vec::new() })
-        .chain(fixed.iter().map(|c| Arm {
-            name: format!("fixed B_g={} ({} B_m={})", c.global_batch, c.dims, c.micro_batch),
-            kind: ArmKind::Fixed(*c),
-            runs: Vec::new(),
-        }))
-        .chain(ceiling.iter().map(|_| Arm { name: "ceiling (scripted)".into(), kind: ArmKind::Ceiling, runs: Vec::new() }))
-        .collect();
+    let mut arms = arms(&fixed, ceiling.is_some());
+    let plan = Plan { h, cfg: &cfg, fixed: &fixed, ceiling: &ceiling };
     for &seed in &h.seeds {
-        let mut recipe = base.clone();
-        recipe.train.seed = seed;
-        let prepared = prepare(&recipe)?;
-        let device = Device::flex().autodiff();
-        let full = crate::prepare::seeded(&device, seed, || full_params(&cfg.init(&device)));
-        warm_up(&cfg, &full, &prepared, fixed[0], &recipe)?;
-        for (position, i) in running_order(arms.len(), seed, h.shuffle).into_iter().enumerate() {
-            let arm = &mut arms[i];
-            let label = format!("{} seed {seed}", arm.name);
-            let mut run = match arm.kind {
-                ArmKind::Fixed(c) => one_run(h, &recipe, &cfg, &full, &prepared, c, &mut Scripted::new([]), &label)?,
-                ArmKind::Ceiling => {
-                    let (start, plan) = ceiling.clone().context("a ceiling")?;
-                    one_run(h, &recipe, &cfg, &full, &prepared, start, &mut Scripted::new(plan), &label)?
-                }
-                ArmKind::Copus => {
-                    let s = crate::adaptive::setup(&recipe)?;
-                    let start = crate::adaptive::start_candidate(&recipe, &s.scorer, par.initial_dims(&s.spec)?)?;
-                    let mut orch = s.orch;
-                    one_run(h, &recipe, &cfg, &full, &prepared, start, &mut orch, &label)?
-                }
-            };
-            run.order = position;
-            tracing::info!(
-                "{label}: {}",
-                run.crossings
-                    .iter()
-                    .zip(&h.targets)
-                    .map(|(c, t)| format!("{t}: {}", c.map_or("-".into(), |c| format!("{c:.1} s"))))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            arm.runs.push(run);
-        }
+        plan.one_seed(&base, seed, &mut arms)?;
         // After every seed, the report so far: a stopped experiment keeps the seeds it ran.
         write_results(name, h, &base, &arms, &profile, folder)?;
     }
@@ -288,6 +248,70 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
         tracing::warn!("plot not written: {e:#}");
     }
     Ok(report)
+}
+
+/// The arms: Copus, one fixed arm per B_g on its fastest layout, and the scripted ceiling
+/// when there is one.
+fn arms(fixed: &[Candidate], ceiling: bool) -> Vec<Arm> {
+    std::iter::once(Arm { name: "copus".into(), kind: ArmKind::Copus, runs: Vec::new() })
+        .chain(fixed.iter().map(|c| Arm {
+            name: format!("fixed B_g={} ({} B_m={})", c.global_batch, c.dims, c.micro_batch),
+            kind: ArmKind::Fixed(*c),
+            runs: Vec::new(),
+        }))
+        .chain(ceiling.then_some(()).iter().map(|_| Arm { name: "ceiling (scripted)".into(), kind: ArmKind::Ceiling, runs: Vec::new() }))
+        .collect()
+}
+
+/// What every seed of the headline runs: the settings, the model, the fixed arms' candidates
+/// and the ceiling's start and plan.
+struct Plan<'a> {
+    h: &'a Headline,
+    cfg: &'a LlamaConfig,
+    fixed: &'a [Candidate],
+    ceiling: &'a Option<(Candidate, Vec<(u64, Candidate)>)>,
+}
+
+impl Plan<'_> {
+    /// Every arm on `seed`, in the seed's shuffled order.
+    fn one_seed(&self, base: &Recipe, seed: u64, arms: &mut [Arm]) -> anyhow::Result<()> {
+        let (h, cfg, fixed, ceiling) = (self.h, self.cfg, self.fixed, self.ceiling);
+        let mut recipe = base.clone();
+        recipe.train.seed = seed;
+        let prepared = prepare(&recipe)?;
+        let device = Device::flex().autodiff();
+        let full = crate::prepare::seeded(&device, seed, || full_params(&cfg.init(&device)));
+        warm_up(cfg, &full, &prepared, fixed[0], &recipe)?;
+        for (position, i) in running_order(arms.len(), seed, h.shuffle).into_iter().enumerate() {
+            let arm = &mut arms[i];
+            let label = format!("{} seed {seed}", arm.name);
+            let mut run = match arm.kind {
+                ArmKind::Fixed(c) => one_run(h, &recipe, cfg, &full, &prepared, c, &mut Scripted::new([]), &label)?,
+                ArmKind::Ceiling => {
+                    let (start, plan) = ceiling.clone().context("a ceiling")?;
+                    one_run(h, &recipe, cfg, &full, &prepared, start, &mut Scripted::new(plan), &label)?
+                }
+                ArmKind::Copus => {
+                    let s = crate::adaptive::setup(&recipe)?;
+                    let start = crate::adaptive::fresh_job(&recipe, &s)?.start_candidate()?;
+                    let mut orch = s.orch;
+                    one_run(h, &recipe, cfg, &full, &prepared, start, &mut orch, &label)?
+                }
+            };
+            run.order = position;
+            tracing::info!(
+                "{label}: {}",
+                run.crossings
+                    .iter()
+                    .zip(&h.targets)
+                    .map(|(c, t)| format!("{t}: {}", c.map_or("-".into(), |c| format!("{c:.1} s"))))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            arm.runs.push(run);
+        }
+        Ok(())
+    }
 }
 
 /// Writes `report.md` and `results.json` for the seeds run so far; returns the report.
@@ -335,17 +359,28 @@ fn fixed_profile(
     }
     let device = Device::flex().autodiff();
     let full = crate::prepare::seeded(&device, recipe.train.seed, || full_params(&cfg.init(&device)));
-    crate::profile::measure_profile(cfg, &full, swept, seq, steps, path.as_deref())
+    crate::profile::measure_profile(cfg, &full, swept, (seq, steps), &recipe.engine_options(), path.as_deref())
 }
 
 /// A few untimed steps so the first arm is not charged for thread pools and allocators.
 fn warm_up(cfg: &LlamaConfig, full: &copus_burn::parallel::FullParams, p: &Prepared, c: Candidate, recipe: &Recipe) -> anyhow::Result<()> {
-    let ec = EngineConfig::new(c.dims, c.global_batch, c.micro_batch, p.spec.seq_len, recipe.optim.clone());
-    let mut e = Engine::new(Arc::new(cfg.clone()), full, ec)?;
+    let space = recipe.parallel.as_ref().context("a `parallel` section")?.space()?.enumerate(&p.spec);
+    let mut e = crate::prepare::job(recipe, cfg, space).start_at(c).engine(full)?;
     for i in 0..3u64 {
         e.step(copus_burn::DataSource::sequences(&TrainSequences(&p.train), i * c.global_batch as u64, c.global_batch))?;
     }
     Ok(())
+}
+
+/// The job of one arm: the recipe's job (every engine option it sets) starting at `start`.
+pub(crate) fn arm_job(
+    recipe: &Recipe,
+    cfg: &LlamaConfig,
+    spec: &copus_core::model::ModelSpec,
+    start: Candidate,
+) -> anyhow::Result<copus_burn::JobBuilder<LlamaConfig>> {
+    let space = recipe.parallel.as_ref().context("a `parallel` section")?.space()?.enumerate(spec);
+    Ok(crate::prepare::job(recipe, cfg, space).start_at(start))
 }
 
 /// One arm on one seed: trains from `start` until the held-out loss reaches the last target or
@@ -361,11 +396,7 @@ fn one_run(
     source: &mut dyn DecisionSource,
     label: &str,
 ) -> anyhow::Result<ArmRun> {
-    let par = recipe.parallel.as_ref().context("a `parallel` section")?;
-    let space = par.space()?.enumerate(&p.spec);
-    let ec = EngineConfig::new(start.dims, start.global_batch, start.micro_batch, p.spec.seq_len, recipe.optim.clone())
-        .with_schedule(par.schedule);
-    let mut driver = Driver::new(Engine::new(Arc::new(cfg.clone()), full, ec)?, space, Clock::Wall)?;
+    let mut driver = arm_job(recipe, cfg, &p.spec, start)?.build(full)?.driver;
     let data = TrainSequences(&p.train);
     let t = &recipe.train;
     let eval = |driver: &mut Driver<LlamaConfig>| -> anyhow::Result<f64> {
@@ -414,9 +445,27 @@ fn pct(x: f64) -> String {
 /// interval; the best fixed arm chosen on the first half of the seeds and judged on the rest,
 /// and in hindsight; the goals at the last target; the objective fit on the fixed sweep.
 fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &ThroughputProfile) -> String {
+    let mut md = report_header(name, h, recipe);
+    let copus = arms.iter().find(|a| a.kind == ArmKind::Copus);
+    for (k, target) in h.targets.iter().enumerate() {
+        md.push_str(&format!(
+            "## Target {target}\n\n| arm | time per seed (s) | mean (s) | min-max (s) | Copus / arm (geo. mean) | 95% CI |\n|---|---|---:|---:|---:|---|\n"
+        ));
+        target_rows(&mut md, h, arms, k, copus);
+        md.push('\n');
+        best_fixed_lines(&mut md, h, arms, k, copus);
+        md.push('\n');
+    }
+    goals(&mut md, h, recipe, arms, copus);
+    objective_fit(&mut md, h, recipe, arms, profile);
+    md
+}
+
+/// The report's title and the paragraph on how it was measured.
+fn report_header(name: &str, h: &Headline, recipe: &Recipe) -> String {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let par = recipe.parallel.as_ref();
-    let mut md = format!(
+    format!(
         "# {name}\n\nClock: wall clock of this machine ({cores} cores, {} in-process ranks). Training recipe: {} ({}). \
          Targets: held-out loss {:?} (nats/token), evaluated every {} s of run clock off the clock, crossing times \
          interpolated between evaluations. Seeds: {:?}, arm order {} per seed; the same data order and initial weights \
@@ -431,64 +480,71 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
         h.max_secs,
         par.map(|p| p.objective(&recipe.optim)),
         par.map(|p| p.switch_rule(recipe.train.time_budget_secs)),
-    );
-    let copus = arms.iter().find(|a| a.kind == ArmKind::Copus);
+    )
+}
+
+/// Target `k`'s table rows: every arm's times per seed, mean and spread, and Copus's paired
+/// ratio to it with its interval.
+fn target_rows(md: &mut String, h: &Headline, arms: &[Arm], k: usize, copus: Option<&Arm>) {
+    let n = h.seeds.len();
+    for a in arms {
+        let per: Vec<String> =
+            a.runs.iter().map(|r| r.crossings.get(k).copied().flatten().map_or("-".into(), |t| format!("{t:.1}"))).collect();
+        let (mean, spread) = a.stats(k).map_or(("-".into(), "-".into()), |(m, lo, hi)| (format!("{m:.1}"), format!("{lo:.1}-{hi:.1}")));
+        let ratio = copus
+            .filter(|c| c.kind != a.kind)
+            .and_then(|c| paired_ratio(&ratios(c, a, k, &(0..n).collect::<Vec<_>>())?, h.bootstrap_reps, 1));
+        let (r, ci) = ratio.map_or(("-".into(), "-".into()), |r| (format!("{:.3}", r.ratio), format!("{:.3}-{:.3}", r.low, r.high)));
+        md.push_str(&format!("| {} | {} | {mean} | {spread} | {r} | {ci} |\n", a.name, per.join(", ")));
+    }
+}
+
+/// Target `k`'s lines on the best fixed arm: in hindsight, chosen on the first half of the
+/// seeds and judged on the rest, and the scripted ceiling against it.
+fn best_fixed_lines(md: &mut String, h: &Headline, arms: &[Arm], k: usize, copus: Option<&Arm>) {
     let n = h.seeds.len();
     let (pick, judge): (Vec<usize>, Vec<usize>) = (0..n).partition(|i| *i < n.div_ceil(2));
-    for (k, target) in h.targets.iter().enumerate() {
+    let fixed = || arms.iter().filter(|a| matches!(a.kind, ArmKind::Fixed(_)));
+    let hindsight = fixed().filter_map(|a| Some((a.stats(k)?.0, a))).min_by(|x, y| x.0.total_cmp(&y.0));
+    let picked = fixed().filter_map(|a| Some((a.mean_over(k, &pick)?, a))).min_by(|x, y| x.0.total_cmp(&y.0));
+    if let (Some(c), Some((_, best))) = (copus, hindsight) {
+        let r = ratios(c, best, k, &(0..n).collect::<Vec<_>>()).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 2));
         md.push_str(&format!(
-            "## Target {target}\n\n| arm | time per seed (s) | mean (s) | min-max (s) | Copus / arm (geo. mean) | 95% CI |\n|---|---|---:|---:|---:|---|\n"
+            "Best fixed arm in hindsight: {}; Copus / it: {}.\n",
+            best.name,
+            r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3}, {})", r.ratio, r.low, r.high, pct(r.ratio)))
         ));
-        for a in arms {
-            let per: Vec<String> =
-                a.runs.iter().map(|r| r.crossings.get(k).copied().flatten().map_or("-".into(), |t| format!("{t:.1}"))).collect();
-            let (mean, spread) = a.stats(k).map_or(("-".into(), "-".into()), |(m, lo, hi)| (format!("{m:.1}"), format!("{lo:.1}-{hi:.1}")));
-            let ratio = copus
-                .filter(|c| c.kind != a.kind)
-                .and_then(|c| paired_ratio(&ratios(c, a, k, &(0..n).collect::<Vec<_>>())?, h.bootstrap_reps, 1));
-            let (r, ci) = ratio.map_or(("-".into(), "-".into()), |r| (format!("{:.3}", r.ratio), format!("{:.3}-{:.3}", r.low, r.high)));
-            md.push_str(&format!("| {} | {} | {mean} | {spread} | {r} | {ci} |\n", a.name, per.join(", ")));
-        }
-        let fixed = || arms.iter().filter(|a| matches!(a.kind, ArmKind::Fixed(_)));
-        let hindsight = fixed().filter_map(|a| Some((a.stats(k)?.0, a))).min_by(|x, y| x.0.total_cmp(&y.0));
-        let picked = fixed().filter_map(|a| Some((a.mean_over(k, &pick)?, a))).min_by(|x, y| x.0.total_cmp(&y.0));
-        md.push('\n');
-        if let (Some(c), Some((_, best))) = (copus, hindsight) {
-            let r = ratios(c, best, k, &(0..n).collect::<Vec<_>>()).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 2));
-            md.push_str(&format!(
-                "Best fixed arm in hindsight: {}; Copus / it: {}.\n",
-                best.name,
-                r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3}, {})", r.ratio, r.low, r.high, pct(r.ratio)))
-            ));
-        }
-        if let (Some(c), Some((_, best)), false) = (copus, picked, judge.is_empty()) {
-            let r = ratios(c, best, k, &judge).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 3));
-            md.push_str(&format!(
-                "Best fixed arm on seeds {:?}: {}; Copus / it on seeds {:?}: {}.\n",
-                pick.iter().map(|&i| h.seeds[i]).collect::<Vec<_>>(),
-                best.name,
-                judge.iter().map(|&i| h.seeds[i]).collect::<Vec<_>>(),
-                r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3})", r.ratio, r.low, r.high))
-            ));
-        }
-        if let (Some(ceil), Some((_, best))) = (arms.iter().find(|a| a.kind == ArmKind::Ceiling), hindsight) {
-            let r = ratios(ceil, best, k, &(0..n).collect::<Vec<_>>()).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 4));
-            let reading = match &r {
-                Some(r) if r.ratio < 1.0 => "below 1: what a schedule could win over the best fixed arm",
-                Some(_) => "not below 1: the scripted schedule did not beat the best fixed arm, so it bounds nothing",
-                None => "not measured",
-            };
-            md.push_str(&format!(
-                "Ceiling / best fixed: {} ({reading}).\n",
-                r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3})", r.ratio, r.low, r.high))
-            ));
-        }
-        md.push('\n');
     }
-    // Goals at the last target.
+    if let (Some(c), Some((_, best)), false) = (copus, picked, judge.is_empty()) {
+        let r = ratios(c, best, k, &judge).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 3));
+        md.push_str(&format!(
+            "Best fixed arm on seeds {:?}: {}; Copus / it on seeds {:?}: {}.\n",
+            pick.iter().map(|&i| h.seeds[i]).collect::<Vec<_>>(),
+            best.name,
+            judge.iter().map(|&i| h.seeds[i]).collect::<Vec<_>>(),
+            r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3})", r.ratio, r.low, r.high))
+        ));
+    }
+    if let (Some(ceil), Some((_, best))) = (arms.iter().find(|a| a.kind == ArmKind::Ceiling), hindsight) {
+        let r = ratios(ceil, best, k, &(0..n).collect::<Vec<_>>()).and_then(|x| paired_ratio(&x, h.bootstrap_reps, 4));
+        let reading = match &r {
+            Some(r) if r.ratio < 1.0 => "below 1: what a schedule could win over the best fixed arm",
+            Some(_) => "not below 1: the scripted schedule did not beat the best fixed arm, so it bounds nothing",
+            None => "not measured",
+        };
+        md.push_str(&format!(
+            "Ceiling / best fixed: {} ({reading}).\n",
+            r.map_or("-".into(), |r| format!("{:.3} (95% CI {:.3}-{:.3})", r.ratio, r.low, r.high))
+        ));
+    }
+}
+
+/// The goals at the last target: Copus against the fixed arm at the recipe's starting B_g and
+/// against the best fixed arm in hindsight.
+fn goals(md: &mut String, h: &Headline, recipe: &Recipe, arms: &[Arm], copus: Option<&Arm>) {
     let k = h.targets.len() - 1;
     let default = arms.iter().find(|a| matches!(a.kind, ArmKind::Fixed(c) if c.global_batch == recipe.train.global_batch));
-    let all: Vec<usize> = (0..n).collect();
+    let all: Vec<usize> = (0..h.seeds.len()).collect();
     let fixed_best = arms
         .iter()
         .filter(|a| matches!(a.kind, ArmKind::Fixed(_)))
@@ -524,7 +580,10 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
             None => md.push_str("- Copus vs the best fixed arm: not every seed reached the target.\n"),
         }
     }
-    // The objective fit on the fixed sweep.
+}
+
+/// The fit of the candidate objectives to the fixed sweep, per target.
+fn objective_fit(md: &mut String, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &ThroughputProfile) {
     md.push_str("\n## Objective fit on the fixed sweep\n\n");
     let b0 = recipe.optim.b0 as f64;
     for (target, sweep) in h.targets.iter().zip(sweeps(arms, h.targets.len(), profile)) {
@@ -539,7 +598,6 @@ fn report(name: &str, h: &Headline, recipe: &Recipe, arms: &[Arm], profile: &Thr
             None => md.push_str(&format!("- target {target}: fewer than three fixed arms reached it on every seed\n")),
         }
     }
-    md
 }
 
 /// The fixed arms as a sweep per target: B_g, the profile's samples/s of the arm's

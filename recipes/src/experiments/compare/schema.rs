@@ -137,7 +137,7 @@ pub struct Synthetic {
     #[serde(default)]
     pub estimate_error: Option<f64>,
     /// Effective dimension of the gradient noise of the estimator-driven simulation (smaller:
-    /// noisier). The default, 18.5, is calibrated on the main recipe (README, "Noise in the
+    /// noisier). The default, 18.5, is calibrated on the main recipe (docs/policy.md, "Noise in the
     /// simulation").
     #[serde(default = "default_p_eff")]
     pub p_eff: f64,

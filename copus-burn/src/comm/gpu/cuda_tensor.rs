@@ -9,7 +9,7 @@ use burn::cubecl::cuda::CudaRuntime;
 use burn::tensor::{DType, Tensor};
 use cubecl_runtime::runtime::Runtime;
 
-use crate::collective::CommError;
+use crate::comm::CommError;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 

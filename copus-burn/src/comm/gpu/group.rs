@@ -1,41 +1,15 @@
-//! Collectives on GPUs through NCCL's C interface: NVIDIA's NCCL (feature `nccl`, through
-//! cudarc with dynamic loading) and AMD's RCCL (feature `rccl`, which exports the same
-//! interface, loaded with libloading). Both sit behind the one [`Collective`] trait as
-//! [`GpuComm`].
-//!
-//! One process per GPU, started by `mpirun`: the group's rank 0 makes the library's unique id
-//! and MPI broadcasts it; each group made by [`Collective::split`] gets its own communicator the
-//! same way. Point-to-point messages (pipeline activations) and barriers go over MPI, whose
-//! sends never wait for the receive, as the engine's schedules require.
-//!
-//! The trait's slices are host buffers, so those calls stage them to the device and back. The
-//! tensor collectives ([`Collective::all_reduce_tensor`], the engine's gradient and
-//! tensor-parallel sums; [`Collective::reduce_scatter_tensor`] and
-//! [`Collective::all_gather_tensor`], ZeRO-1's) run in the tensors' own device memory where
-//! the library reaches it, else through one host buffer: NCCL reaches LibTorch's CUDA tensors
-//! (feature `tch`, all three, into fresh tensors or the all-reduce in place where the storage
-//! is unshared: `crate::tch_memory`) and CubeCL's (feature `cuda`, the all-reduce in place:
-//! `cuda_tensor`). Sums follow the library's ring or tree order, so results match the
-//! in-process engine to rounding, not to the bit.
-//!
-//! NCCL and RCCL take one rank per GPU: where ranks of the job share a device (several
-//! processes on one GPU), every rank gets an error saying so, and the engine's ranks go over
-//! MPI.
-//!
-//! Without the libraries (no driver, no NCCL/RCCL, no device) every constructor returns a
-//! [`CommError`] saying what is missing, on every rank alike, and never panics.
+//! [`GpuComm`]: a rank's communicator on a GPU collective library (NCCL, RCCL), with MPI beside
+//! it for ids, point-to-point messages and barriers.
 
 #![allow(unsafe_code)]
 
 use burn::tensor::{Tensor, TensorData};
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
-use crate::mpi::MpiComm;
+use crate::comm::mpi::MpiComm;
+use crate::comm::{Aborter, Collective, CommError, Element, ReduceOp, check_scatter, chunk_range};
 use crate::traffic;
 
-mod library;
-use library::host;
-pub use library::{GpuLibrary, Handed, Host, LibraryError};
+use super::library::{GpuLibrary, LibraryError, host};
 
 /// A rank's communicator on a GPU collective library, with MPI beside it for ids,
 /// point-to-point messages and barriers.
@@ -53,10 +27,10 @@ impl<G: GpuLibrary> std::fmt::Debug for GpuComm<G> {
 
 /// NVIDIA's NCCL (feature `nccl`).
 #[cfg(feature = "nccl")]
-pub type NcclComm = GpuComm<nccl::Nccl>;
+pub type NcclComm = GpuComm<super::nccl::Nccl>;
 /// AMD's RCCL (feature `rccl`).
 #[cfg(feature = "rccl")]
-pub type RcclComm = GpuComm<rccl::Rccl>;
+pub type RcclComm = GpuComm<super::rccl::Rccl>;
 
 impl<G: GpuLibrary> GpuComm<G> {
     /// The library's communicator over `mpi`'s group, this rank on GPU `device` (collective
@@ -288,13 +262,10 @@ fn first_shared<T: PartialEq>(places: &[T]) -> Option<(usize, usize)> {
     places.iter().enumerate().find_map(|(j, b)| places[..j].iter().position(|a| a == b).map(|i| (i, j)))
 }
 
-#[cfg(all(feature = "nccl", feature = "cuda"))]
-pub mod cuda_tensor;
-
 /// All-reduces a float tensor on a CUDA device in place across `comm`'s group: NCCL reads
 /// and writes the tensor's device memory directly. Returns the reduced tensor (the input
 /// is flattened, and copied when it was not contiguous or shared its buffer). The engine's
-/// ranks reach it through [`crate::collective::Collective::all_reduce_tensor`].
+/// ranks reach it through [`crate::comm::Collective::all_reduce_tensor`].
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 pub fn cuda_all_reduce<const D: usize>(
     comm: &NcclComm,
@@ -306,8 +277,8 @@ pub fn cuda_all_reduce<const D: usize>(
     let was_autodiff = t.is_autodiff();
     // Rank 1 is never padded; the reshape is a view when the tensor is contiguous.
     let flat: burn::tensor::Tensor<1> = t.inner().reshape([n]);
-    let reduce = |ptr, len| comm.lib.device_op(ptr, ptr, len, len, nccl::DeviceOp::AllReduce(op));
-    match cuda_tensor::in_place(comm.device, flat, reduce)? {
+    let reduce = |ptr, len| comm.lib.device_op(ptr, ptr, len, len, super::nccl::DeviceOp::AllReduce(op));
+    match super::cuda_tensor::in_place(comm.device, flat, reduce)? {
         Ok(out) => {
             let out = out.reshape(dims);
             Ok(if was_autodiff { out.autodiff() } else { out })
@@ -315,10 +286,6 @@ pub fn cuda_all_reduce<const D: usize>(
         Err(_) => Err(CommError::Invalid("the tensor is not on a CUDA device of Burn's CubeCL backend".into())),
     }
 }
-#[cfg(feature = "nccl")]
-pub mod nccl;
-#[cfg(feature = "rccl")]
-pub mod rccl;
 
 #[cfg(test)]
 mod tests {
@@ -338,16 +305,16 @@ mod tests {
     #[test]
     #[cfg(any(feature = "nccl", feature = "rccl"))]
     fn missing_libraries_are_a_clear_error() {
-        crate::mpi::init().expect("MPI starts as a singleton");
+        crate::comm::mpi::init().expect("MPI starts as a singleton");
         #[cfg(feature = "nccl")]
         {
-            let e = super::NcclComm::new(crate::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
+            let e = super::NcclComm::new(crate::comm::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
             assert!(e.starts_with("NCCL on rank 0: "), "{e}");
             assert!(e.contains("libcuda.so") || e.contains("libnccl.so") || e.contains("CUDA device"), "{e}");
         }
         #[cfg(feature = "rccl")]
         {
-            let e = super::RcclComm::new(crate::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
+            let e = super::RcclComm::new(crate::comm::mpi::MpiComm::world().unwrap(), 0).unwrap_err().to_string();
             assert!(e.starts_with("RCCL on rank 0: "), "{e}");
             assert!(e.contains("librccl.so") || e.contains("libamdhip64.so") || e.contains("ROCm device"), "{e}");
         }

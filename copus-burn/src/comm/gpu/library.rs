@@ -5,7 +5,7 @@ use std::any::TypeId;
 
 use burn::tensor::Tensor;
 
-use crate::collective::{Element, ReduceOp};
+use crate::comm::{Element, ReduceOp};
 
 /// A host buffer of one of the two element types a collective moves.
 pub enum Host<'a> {

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use libloading::Library;
 
 use super::library::{GpuLibrary, Host, LibraryError};
-use crate::collective::ReduceOp;
+use crate::comm::ReduceOp;
 
 /// NCCL's reduction operator codes (`ncclRedOp_t`), which RCCL shares.
 fn op_code(op: ReduceOp) -> c_int {

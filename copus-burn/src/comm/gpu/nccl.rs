@@ -8,7 +8,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
 
 use super::library::{GpuLibrary, Host, LibraryError};
-use crate::collective::ReduceOp;
+use crate::comm::ReduceOp;
 
 /// NCCL's communicator and the CUDA stream its calls run on.
 pub struct Nccl {
@@ -126,7 +126,7 @@ impl GpuLibrary for Nccl {
             let n = t.dims()[0];
             // In place where the tensor's storage is its own (a freshly flattened gradient).
             let reduce = |src, dst| self.device_op(src, dst, n, n, DeviceOp::AllReduce(o));
-            match crate::tch_memory::in_place_where_unshared(t, Some(device), reduce).map_err(|e| LibraryError(e.to_string()))? {
+            match crate::comm::gpu::tch_memory::in_place_where_unshared(t, Some(device), reduce).map_err(|e| LibraryError(e.to_string()))? {
                 Ok(reduced) => return Ok(Ok(reduced)),
                 Err(t) => t,
             }
@@ -192,12 +192,12 @@ impl Nccl {
     }
 
     /// `op` on a LibTorch tensor on CUDA `device`, into a fresh tensor of `out_len` elements
-    /// ([`crate::tch_memory::out_of_place`]); the tensor back where it cannot be handed over
+    /// ([`crate::comm::gpu::tch_memory::out_of_place`]); the tensor back where it cannot be handed over
     /// (another backend or device, autodiff, not f32).
     #[cfg(feature = "tch")]
     fn on_torch(&self, t: burn::tensor::Tensor<1>, device: usize, out_len: usize, o: DeviceOp) -> super::library::Handed {
         let len = t.dims()[0];
-        crate::tch_memory::out_of_place(t, Some(device), out_len, |src, dst| self.device_op(src, dst, len, out_len, o))
+        crate::comm::gpu::tch_memory::out_of_place(t, Some(device), out_len, |src, dst| self.device_op(src, dst, len, out_len, o))
             .map_err(|e| LibraryError(e.to_string()))
     }
 }

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::{Device, Tensor};
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, TensorSum};
-use crate::engine::config::RankDevice;
-use crate::mpi::MpiComm;
+use super::placement::RankDevice;
+use crate::comm::mpi::MpiComm;
+use crate::comm::{Aborter, Collective, CommError, Element, ReduceOp, TensorSum};
 
 /// One rank's communicator across processes: the library it uses, behind a lock so that its
 /// tensor all-reduce can be handed to the autodiff graph's tensor-parallel operators
@@ -30,10 +30,10 @@ enum Library {
     Mpi(MpiComm),
     /// NCCL for collectives on CUDA devices.
     #[cfg(feature = "nccl")]
-    Nccl(crate::gpu_comm::NcclComm),
+    Nccl(crate::comm::gpu::NcclComm),
     /// RCCL for collectives on ROCm devices.
     #[cfg(feature = "rccl")]
-    Rccl(crate::gpu_comm::RcclComm),
+    Rccl(crate::comm::gpu::RcclComm),
 }
 
 /// `$body` with `$c` bound to whichever communicator `$lib` (a [`Library`]) holds.
@@ -82,12 +82,12 @@ impl ProcessComm {
                 Some("`exact_reductions` asks for sums in rank order, which NCCL and RCCL do not give".to_string())
             }
             #[cfg(feature = "nccl")]
-            RankDevice::Cuda(i) | RankDevice::TchCuda(i) => match crate::gpu_comm::NcclComm::new(MpiComm::world()?, i) {
+            RankDevice::Cuda(i) | RankDevice::TchCuda(i) => match crate::comm::gpu::NcclComm::new(MpiComm::world()?, i) {
                 Ok(c) => return Ok(Library::Nccl(c).shared()),
                 Err(e) => Some(e.to_string()),
             },
             #[cfg(feature = "rccl")]
-            RankDevice::Rocm(i) => match crate::gpu_comm::RcclComm::new(MpiComm::world()?, i) {
+            RankDevice::Rocm(i) => match crate::comm::gpu::RcclComm::new(MpiComm::world()?, i) {
                 Ok(c) => return Ok(Library::Rccl(c).shared()),
                 Err(e) => Some(e.to_string()),
             },
@@ -206,10 +206,10 @@ impl Collective for ProcessComm {
     // Every library stops the job through MPI, which needs no communicator: not through the
     // lock, which a collective blocked in another call may hold.
     fn abort(&self, message: &str) {
-        crate::mpi::abort_job(message)
+        crate::comm::mpi::abort_job(message)
     }
 
     fn aborter(&self) -> Aborter {
-        Box::new(|m| crate::mpi::abort_job(m))
+        Box::new(|m| crate::comm::mpi::abort_job(m))
     }
 }

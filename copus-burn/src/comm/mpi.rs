@@ -10,9 +10,9 @@
 //! communicators by split; nobody restarts.
 //!
 //! Reductions gather every rank's buffer and add the ranks in order 0, 1, ..., n-1, as the
-//! in-process [`ThreadComm`](crate::collective::ThreadComm) does, so a layout trains to the same
+//! in-process [`ThreadComm`](crate::comm::threads::ThreadComm) does, so a layout trains to the same
 //! bits on threads and on processes. That costs about n/2 times the traffic of a ring
-//! all-reduce; it is the reference path, chosen for exact parity (see the README's scale-out
+//! all-reduce; it is the reference path, chosen for exact parity (see docs/scale-out.md, the scale-out
 //! notes).
 //!
 //! A rank that fails while starting a layout or during a step, a broken control message, and
@@ -34,8 +34,8 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
-use crate::collective::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
-use crate::engine::config::{RankDevice, node_place, placed_on_node};
+use super::placement::{RankDevice, node_place, placed_on_node};
+use crate::comm::{Aborter, Collective, CommError, Element, ReduceOp, check_partition, check_scatter, chunk_range, combine_into};
 
 /// Tag of replies from the serving processes to process 0 on the control communicator.
 const REPLY_TAG: i32 = 7;
@@ -129,22 +129,15 @@ pub fn role() -> Role {
     with_mpi(|m| role_of(m.rank, m.size)).unwrap_or(Role::Single)
 }
 
-/// Ends the run: process 0 tells the serving processes to exit; MPI is finalised. Later calls
-/// do nothing.
+/// Finalises MPI (the engine's `finish` first tells the serving processes to exit). Later
+/// calls do nothing.
 pub fn finish() {
-    if role() == (Role::Driver { size: role_size() }) {
-        let _ = control_broadcast(Some(crate::engine::messages::exit_message()));
-    }
     let universe = with_mpi(|m| {
         m.rank = 0;
         m.size = 1;
         m.universe.take()
     });
     drop(universe.flatten()); // MPI_Finalize
-}
-
-fn role_size() -> usize {
-    with_mpi(|m| m.size).unwrap_or(1)
 }
 
 /// The device a GPU rank of a multi-process run uses: [`placed_on_node`] with this process's

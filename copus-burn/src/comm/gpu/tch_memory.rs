@@ -1,5 +1,5 @@
 //! LibTorch tensors' memory for a collective library that reads and writes device addresses
-//! (NCCL, through `gpu_comm` with features `nccl` and `tch`): the input's address and a fresh
+//! (NCCL, through `comm::gpu` with features `nccl` and `tch`): the input's address and a fresh
 //! output's, or the input's alone where it may be written in place, with LibTorch's queued work
 //! on the device finished first. An input whose storage other tensors share (a view, a clone)
 //! is never changed under them.
@@ -13,7 +13,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::collective::CommError;
+use crate::comm::CommError;
 
 type Torch = burn::backend::LibTorch;
 
