@@ -94,6 +94,24 @@ pub fn perturbed(scorer: &Scorer, sigma: f64, seed: u64) -> Result<Scorer, crate
     scorer.map_prior(|c, t| t * (sigma * normal(seed ^ 0xe770_4e55, key(c))).exp())
 }
 
+/// A structured truth: every candidate's throughput of `scorer` times `exp(e)`, the errors `e`
+/// one joint draw from `seed` of the family terms of [`crate::belief`] (global, tensor and
+/// pipeline degree, data-parallel span over nodes of `ranks_per_node` ranks, micro-batch and
+/// its pairing with tp, layout, the trend in B_g / B_m, and a small independent part, with the
+/// standard deviations of `priors`). Unlike [`perturbed`], candidates that share a family share
+/// its error, as the errors of a real model do: the same layout at twice the batch is off by
+/// nearly the same factor.
+pub fn structured(
+    scorer: &Scorer,
+    priors: &crate::belief::FamilyPriors,
+    ranks_per_node: usize,
+    seed: u64,
+) -> Result<Scorer, crate::policy::PolicyError> {
+    let candidates: Vec<Candidate> = scorer.candidates().map(|(c, _)| *c).collect();
+    let draw = crate::belief::Belief::new(&candidates, priors, ranks_per_node).sample(&mut StdRng::seed_from_u64(seed ^ 0x5712_0c7e));
+    scorer.map_prior(|c, t| candidates.iter().position(|d| d == c).map_or(t, |i| t * draw[i].exp()))
+}
+
 /// How a simulation makes the noise estimate the policies see.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum SimNoise {
@@ -616,6 +634,45 @@ mod tests {
         // sigma 0 is the scorer itself.
         let same = perturbed(&scorer, 0.0, 7).unwrap();
         assert!(scorer.candidates().all(|(c, t)| same.throughput(c) == Some(*t)));
+    }
+
+    /// A structured truth shares its errors within families: two batches of one layout and
+    /// micro-batch are off by nearly the same factor (their log errors differ only by the
+    /// trend and the candidates' own terms), while the independent truth draws them apart;
+    /// the same seed gives the same truth.
+    #[test]
+    fn the_structured_truth_shares_errors_within_families() {
+        let (scorer, _) = setup();
+        let priors = crate::belief::FamilyPriors::default();
+        let pairs: Vec<(Candidate, Candidate)> = scorer
+            .candidates()
+            .filter_map(|(a, _)| {
+                let b = Candidate::new(a.dims, a.global_batch * 2, a.micro_batch).ok()?;
+                scorer.throughput(&b).map(|_| (*a, b))
+            })
+            .collect();
+        assert!(pairs.len() >= 20, "{} pairs", pairs.len());
+        let spread = |truth: &Scorer| {
+            let d: Vec<f64> = pairs
+                .iter()
+                .map(|(a, b)| {
+                    let e = |c: &Candidate| (truth.throughput(c).unwrap() / scorer.throughput(c).unwrap()).ln();
+                    e(a) - e(b)
+                })
+                .collect();
+            (d.iter().map(|x| x * x).sum::<f64>() / d.len() as f64).sqrt()
+        };
+        let (mut shared, mut independent) = (0.0, 0.0);
+        for seed in 0..8 {
+            shared += spread(&structured(&scorer, &priors, 8, seed).unwrap()) / 8.0;
+            independent += spread(&perturbed(&scorer, 0.25, seed).unwrap()) / 8.0;
+        }
+        // By hand: a pair differs by its own terms (sqrt 2 x 0.03) and the trend over ln 2
+        // (0.05 x 0.69), about 0.06; the independent truth by sqrt 2 x 0.25, about 0.35.
+        assert!(shared < 0.12, "pairs of a layout drift apart by {shared}");
+        assert!(independent > 0.25, "independent errors too alike: {independent}");
+        let (a, b) = (structured(&scorer, &priors, 8, 3).unwrap(), structured(&scorer, &priors, 8, 3).unwrap());
+        assert!(scorer.candidates().all(|(c, _)| a.throughput(c) == b.throughput(c)));
     }
 
     /// A prior that ranks the candidates of every B_g wrongly (its favourite is truly half as
