@@ -132,7 +132,9 @@ fn fixed_setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     let only = Candidate::new(ParallelDims { dp: 1, tp: 1, pp: 1 }, b, m)
         .map_err(|e| anyhow!("recipe fields `train.global_batch` = {b} and `train.micro_batch` = {m}: {e}"))?;
     let space = Enumeration { feasible: vec![only], rejected: Vec::new() };
-    let prior = ClusterModel::new(ClusterSpec::cpu_ranks(1, 1), spec.clone());
+    // Any prior scores the one candidate; no memory limit may drop it (the device's memory is
+    // the run's to find out, as for any single-rank training).
+    let prior = ClusterModel::new(ClusterSpec { memory_bytes: f64::INFINITY, ..ClusterSpec::cpu_ranks(1, 1) }, spec.clone());
     let b0 = recipe.optim.b0 as f64;
     let scorer = Scorer::plain(&space.feasible, &prior, b0)?;
     let orch = Orchestrator::new(Box::new(copus_core::policy::Static), scorer.clone());
@@ -876,5 +878,23 @@ mod tests {
         for (ec, what) in saved.iter().zip(["fresh run", "resumed run"]) {
             has_options(ec, &[], None, what);
         }
+    }
+
+    /// A fixed run scores its one candidate whatever the model's size (a 3B model's memory
+    /// estimate is far above any default device budget; the old single-rank run never asked).
+    #[test]
+    fn a_fixed_run_of_a_large_model_sets_up() {
+        let text = r#"(
+            name: "big",
+            model: (preset: "llama-3.2-3b", seq_len: Some(32)),
+            data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+            train: (global_batch: 8, micro_batch: 8, max_steps: 1),
+        )"#;
+        let recipe = Recipe::parse(text, "big").unwrap();
+        assert!(!recipe.is_adaptive());
+        let s = setup(&recipe).unwrap();
+        assert!(s.fixed && s.space.feasible.len() == 1);
+        let start = fresh_job(&recipe, &s).unwrap().start_candidate().unwrap();
+        assert_eq!((start.dims.world_size(), start.global_batch, start.micro_batch), (1, 8, 8));
     }
 }

@@ -521,7 +521,9 @@ impl Recipe {
     /// How the engine runs for this recipe: its backend and `ranks_per_device`, and the
     /// `parallel` section's schedule, exact reductions, checkpointing, precision and ZeRO-1
     /// (their defaults without one). Every run of the recipe on the engine takes its options
-    /// from here, through [`EngineOptions::engine_config`](copus_burn::EngineOptions::engine_config).
+    /// from here, through [`EngineOptions::engine_config`](copus_burn::EngineOptions::engine_config);
+    /// a fixed run (`adaptive: Some(false)`) with a `parallel` section takes its precision and
+    /// checkpointing too (the rest has no effect on one rank).
     pub fn engine_options(&self) -> copus_burn::EngineOptions {
         let mut o = copus_burn::EngineOptions {
             device: self.backend.rank_device(),

@@ -11,6 +11,20 @@ use crate::summary::Summary;
 /// Runs a recipe to the end, under Copus when it is adaptive; returns the run folder and its
 /// summary.
 pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    fixed_needs_no_mpirun(recipe)?;
+    crate::adaptive::run(recipe, opts)
+}
+
+/// Continues the run in `run_dir` (a run folder of `recipe` with checkpoints) to the recipe's
+/// end.
+pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
+    fixed_needs_no_mpirun(recipe)?;
+    crate::adaptive::resume(recipe, run_dir, opts)
+}
+
+/// A fixed recipe trains on one rank: under `mpirun` with several processes it is refused, not
+/// left to fail once the data is prepared.
+fn fixed_needs_no_mpirun(recipe: &Recipe) -> anyhow::Result<()> {
     #[cfg(feature = "mpi")]
     if let copus_burn::comm::mpi::Role::Driver { size } = copus_burn::comm::mpi::role()
         && !recipe.is_adaptive()
@@ -20,13 +34,9 @@ pub fn run_any(recipe: &Recipe, opts: &RunOptions) -> anyhow::Result<(PathBuf, S
             recipe.name
         ));
     }
-    crate::adaptive::run(recipe, opts)
-}
-
-/// Continues the run in `run_dir` (a run folder of `recipe` with checkpoints) to the recipe's
-/// end.
-pub fn resume_any(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Result<(PathBuf, Summary)> {
-    crate::adaptive::resume(recipe, run_dir, opts)
+    #[cfg(not(feature = "mpi"))]
+    let _ = recipe;
+    Ok(())
 }
 
 /// Run a recipe file.

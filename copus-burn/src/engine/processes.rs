@@ -161,7 +161,7 @@ pub fn finish() {
 /// ranks may be waiting for it inside a collective.
 pub fn serve<L: ParallelLm, E: std::fmt::Display>(decode_model: impl Fn(&str) -> Result<L, E>) -> Result<(), EngineError> {
     let Role::Worker { rank, .. } = mpi::role() else {
-        return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::mpi::init first)".into()));
+        return Err(EngineError::Dead("serve runs on processes 1.. of an MPI job (call copus_burn::comm::mpi::init first)".into()));
     };
     let mut server = Server { rank, running: None, model: None, job: None, pending: None };
     loop {

@@ -193,6 +193,9 @@ pub fn run(name: &str, h: &Headline, folder: &Path) -> anyhow::Result<String> {
     h.validate()?;
     let base = Recipe::load(Path::new(&h.recipe))?;
     let par = base.parallel.clone().with_context(|| format!("{}: the training recipe needs a `parallel` section", h.recipe))?;
+    if !base.is_adaptive() {
+        return Err(anyhow!("{}: the headline's Copus arm needs an adaptive training recipe (`adaptive` not false)", h.recipe));
+    }
     let fixed_batches = if h.fixed_batches.is_empty() { par.global_batches.clone() } else { h.fixed_batches.clone() };
     if let Some(b) = fixed_batches.iter().find(|b| !par.global_batches.contains(b)) {
         return Err(anyhow!(
