@@ -55,6 +55,12 @@ pub struct ProfileEntry {
 }
 
 impl ProfileEntry {
+    /// The entry of candidate `c` at `samples_per_sec`.
+    pub fn of(c: &Candidate, samples_per_sec: f64) -> Self {
+        let d = c.dims;
+        Self { dp: d.dp, tp: d.tp, pp: d.pp, global_batch: c.global_batch, micro_batch: c.micro_batch, samples_per_sec }
+    }
+
     fn dims(&self) -> ParallelDims {
         ParallelDims { dp: self.dp, tp: self.tp, pp: self.pp }
     }

@@ -37,18 +37,7 @@ fn space() -> Enumeration {
 
 /// A made-up profile: tp2 twice as fast as the other layouts at every batch.
 fn profile(space: &Enumeration) -> ThroughputProfile {
-    let entries = space
-        .feasible
-        .iter()
-        .map(|c| ProfileEntry {
-            dp: c.dims.dp,
-            tp: c.dims.tp,
-            pp: c.dims.pp,
-            global_batch: c.global_batch,
-            micro_batch: c.micro_batch,
-            samples_per_sec: if c.dims.tp == 2 { 20.0 } else { 10.0 },
-        })
-        .collect();
+    let entries = space.feasible.iter().map(|c| ProfileEntry::of(c, if c.dims.tp == 2 { 20.0 } else { 10.0 })).collect();
     ThroughputProfile::new("t".into(), "tiny-1m".into(), entries).unwrap()
 }
 

@@ -48,14 +48,7 @@ fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_kill
     let entries: Vec<ProfileEntry> = enumeration
         .feasible
         .iter()
-        .map(|c| ProfileEntry {
-            dp: c.dims.dp,
-            tp: c.dims.tp,
-            pp: c.dims.pp,
-            global_batch: c.global_batch,
-            micro_batch: c.micro_batch,
-            samples_per_sec: if c.dims.tp == 2 { 40.0 } else { 10.0 } * c.global_batch as f64 / (1.0 + c.micro_batch as f64),
-        })
+        .map(|c| ProfileEntry::of(c, if c.dims.tp == 2 { 40.0 } else { 10.0 } * c.global_batch as f64 / (1.0 + c.micro_batch as f64)))
         .collect();
     let profile = ThroughputProfile::new("t".into(), "tiny-1m".into(), entries).unwrap();
     let scorer = Scorer::plain(&enumeration.feasible, &profile, 2.0).unwrap();
