@@ -65,15 +65,8 @@ pub(crate) struct Setup {
 }
 
 impl Setup {
-    /// Who decides: the script when the recipe has one, else the orchestrator.
-    fn source(&mut self) -> &mut dyn DecisionSource {
-        match &mut self.script {
-            Some(s) => s,
-            None => &mut self.orch,
-        }
-    }
-
-    /// The training data and [`Setup::source`] together.
+    /// Who decides (the script when the recipe has one, else the orchestrator), and the
+    /// training data beside it.
     fn data_and_source(&mut self) -> (TrainSequences<'_>, &mut dyn DecisionSource) {
         let source: &mut dyn DecisionSource = match &mut self.script {
             Some(s) => s,
@@ -82,7 +75,7 @@ impl Setup {
         (TrainSequences(&self.train), source)
     }
 
-    /// [`Setup::source`], to read.
+    /// The decision source of [`Setup::data_and_source`], to read.
     fn source_ref(&self) -> &dyn DecisionSource {
         match &self.script {
             Some(s) => s,
@@ -208,7 +201,8 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     let _lock = dir.lock()?;
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
-    let job = crate::prepare::job(&saved, &s.cfg, s.space.clone()).resume(&dir, Some(s.source()), || copus_burn::driver::Clock::Wall)?;
+    let job = crate::prepare::job(&saved, &s.cfg, s.space.clone())
+        .resume(&dir, Some(s.data_and_source().1), || copus_burn::driver::Clock::Wall)?;
     let (mut driver, path) = (job.driver, job.resumed_from.unwrap_or_default());
     if precision_changed {
         let text = ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?;
