@@ -28,7 +28,8 @@ use rand_distr::{Distribution, StandardNormal};
 use crate::candidates::Candidate;
 
 /// Prior standard deviations of each family's terms, on the log scale (0.1 is about 10%).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FamilyPriors {
     /// The global term shared by every candidate.
     pub global: f64,
@@ -56,6 +57,75 @@ impl Default for FamilyPriors {
     }
 }
 
+impl FamilyPriors {
+    /// Every family at 0: a prior that is taken as exact (set the families it is unsure of).
+    pub fn none() -> Self {
+        Self { global: 0.0, tp: 0.0, pp: 0.0, dp_span: 0.0, micro: 0.0, micro_tp: 0.0, layout: 0.0, trend: 0.0, own: 0.0 }
+    }
+
+    /// The family standard deviations one set of measured errors shows, by the method of
+    /// moments: `y[i] = ln(measured / prior)` of `candidates[i]` on nodes of `ranks_per_node`
+    /// ranks. The families are taken in the belief's order (global, tp, pp, data-parallel span,
+    /// micro-batch, micro-batch x tp, layout, trend), each fitted to what the ones before left:
+    /// a family's standard deviation is the spread of its groups' mean residuals less what the
+    /// residual scatter alone would give them, its groups' means are then removed; the trend is
+    /// the slope of the residuals on the centred `ln(B_g / B_m)`, and `own` their final scatter.
+    /// The global term is one draw, so its size is `|mean| / 0.8` (the mean absolute value of a
+    /// normal is 0.8 standard deviations). A family with one group in the data (or none)
+    /// gets 0: the data cannot tell it, and the caller must say what it assumes instead.
+    pub fn estimate(candidates: &[Candidate], y: &[f64], ranks_per_node: usize) -> Self {
+        let n = candidates.len().min(y.len());
+        if n == 0 {
+            return Self::none();
+        }
+        let (candidates, y) = (&candidates[..n], &y[..n]);
+        let mean = y.iter().sum::<f64>() / n as f64;
+        let mut r: Vec<f64> = y.iter().map(|v| v - mean).collect();
+        let per_node = ranks_per_node.max(1);
+        let keys: [&TermOf<'_>; 6] = [
+            &|c| Some(Term::Tp(c.dims.tp)),
+            &|c| Some(Term::Pp(c.dims.pp)),
+            &|c| (c.dims.dp > 1).then(|| Term::DpSpan(c.dims.world_size() > per_node)),
+            &|c| Some(Term::Micro(c.micro_batch)),
+            &|c| Some(Term::MicroTp(c.micro_batch, c.dims.tp)),
+            &|c| Some(Term::Layout(c.dims.dp, c.dims.tp, c.dims.pp)),
+        ];
+        let mut sds = [0.0; 6];
+        for (k, key) in keys.iter().enumerate() {
+            let mut groups: BTreeMap<Term, (f64, f64)> = BTreeMap::new();
+            for (c, v) in candidates.iter().zip(&r) {
+                if let Some(t) = key(c) {
+                    let g = groups.entry(t).or_default();
+                    (g.0, g.1) = (g.0 + v, g.1 + 1.0);
+                }
+            }
+            if groups.len() < 2 {
+                continue;
+            }
+            let members: f64 = groups.values().map(|g| g.1).sum();
+            let between = groups.values().map(|g| g.0 * g.0 / g.1).sum::<f64>() / members;
+            let scatter = r.iter().map(|v| v * v).sum::<f64>() / n as f64;
+            let noise = scatter * groups.len() as f64 / members;
+            sds[k] = (between - noise).max(0.0).sqrt();
+            for (c, v) in candidates.iter().zip(r.iter_mut()) {
+                if let Some(g) = key(c).and_then(|t| groups.get(&t)) {
+                    *v -= g.0 / g.1;
+                }
+            }
+        }
+        let x: Vec<f64> = candidates.iter().map(|c| (c.global_batch as f64 / c.micro_batch as f64).ln()).collect();
+        let xm = x.iter().sum::<f64>() / n as f64;
+        let sxx: f64 = x.iter().map(|v| (v - xm).powi(2)).sum();
+        let slope = if sxx > 0.0 { x.iter().zip(&r).map(|(a, b)| (a - xm) * b).sum::<f64>() / sxx } else { 0.0 };
+        let own = (x.iter().zip(&r).map(|(a, b)| (b - slope * (a - xm)).powi(2)).sum::<f64>() / n as f64).sqrt();
+        let [tp, pp, dp_span, micro, micro_tp, layout] = sds;
+        Self { global: mean.abs() / 0.8, tp, pp, dp_span, micro, micro_tp, layout, trend: slope.abs(), own }
+    }
+}
+
+/// The family term of a candidate, if it has one in that family.
+type TermOf<'a> = dyn Fn(&Candidate) -> Option<Term> + 'a;
+
 /// A family term's key: which weight a candidate's feature vector names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Term {
@@ -68,19 +138,35 @@ enum Term {
     MicroTp(usize, usize),
     Layout(usize, usize, usize),
     Trend,
-    Own(usize),
 }
 
 /// The posterior over the family terms of a fixed list of candidates.
+///
+/// The weights of the shared families are held as a Gaussian (mean and covariance); each
+/// candidate's own term is integrated out in closed form, so the covariance stays the size of
+/// the families (tens of terms) whatever the number of candidates. A candidate's measurements
+/// enter as one summary, their precision-weighted mean `ybar` with variance `v`; given the
+/// weights `w`, its own term is then `k (ybar - x.w)` with `k = own^2 / (own^2 + v)` and
+/// variance `(1 - k) own^2`, so its prediction is `(1 - k) x.w + k ybar`.
 #[derive(Clone, Debug)]
 pub struct Belief {
     candidates: Vec<Candidate>,
-    /// Each candidate's sparse feature vector: (weight index, value).
+    /// Each candidate's sparse feature vector over the shared families: (weight index, value).
     features: Vec<Vec<(usize, f64)>>,
-    /// Posterior mean of the weights.
+    /// Prior variance of each candidate's own term.
+    own: f64,
+    /// The prior of the shared weights: variances (the mean is 0).
+    prior_var: Vec<f64>,
+    /// Each candidate's measurement summary: precision-weighted mean of `y` and its variance.
+    summary: Vec<Option<(f64, f64)>>,
+    /// Posterior mean of the shared weights.
     mean: Vec<f64>,
-    /// Posterior covariance of the weights, row-major `d x d`.
+    /// Posterior covariance of the shared weights, row-major `d x d`.
     cov: Vec<f64>,
+    /// Each candidate's posterior mean and variance of `y`, kept from the last fit.
+    predictions: Vec<(f64, f64)>,
+    /// The lower Cholesky factor of `cov`, kept from the last fit.
+    chol: Vec<f64>,
 }
 
 impl Belief {
@@ -101,8 +187,7 @@ impl Belief {
         };
         let features: Vec<Vec<(usize, f64)>> = candidates
             .iter()
-            .enumerate()
-            .map(|(i, c)| {
+            .map(|c| {
                 let d = c.dims;
                 let mut x = vec![
                     (slot(Term::Global, priors.global), 1.0),
@@ -112,7 +197,6 @@ impl Belief {
                     (slot(Term::MicroTp(c.micro_batch, d.tp), priors.micro_tp), 1.0),
                     (slot(Term::Layout(d.dp, d.tp, d.pp), priors.layout), 1.0),
                     (slot(Term::Trend, priors.trend), trend_of(c) - centre),
-                    (slot(Term::Own(i), priors.own), 1.0),
                 ];
                 if d.dp > 1 {
                     x.push((slot(Term::DpSpan(d.world_size() > per_node), priors.dp_span), 1.0));
@@ -120,28 +204,42 @@ impl Belief {
                 x
             })
             .collect();
-        let n = sd.len();
-        let mut cov = vec![0.0; n * n];
-        for (k, s) in sd.iter().enumerate() {
-            cov[k * n + k] = s * s;
-        }
-        Self { candidates: candidates.to_vec(), features, mean: vec![0.0; n], cov }
+        let prior_var: Vec<f64> = sd.iter().map(|s| s * s).collect();
+        let n = prior_var.len();
+        let mut b = Self {
+            candidates: candidates.to_vec(),
+            features,
+            own: priors.own * priors.own,
+            prior_var,
+            summary: vec![None; candidates.len()],
+            mean: vec![0.0; n],
+            cov: Vec::new(),
+            predictions: Vec::new(),
+            chol: Vec::new(),
+        };
+        b.refit();
+        b
     }
 
-    /// The number of weights (family terms).
+    /// The number of shared weights (family terms, without the candidates' own terms).
     pub fn terms(&self) -> usize {
         self.mean.len()
+    }
+
+    /// The candidates, in the order [`Belief::sample`] returns them.
+    pub fn candidates(&self) -> &[Candidate] {
+        &self.candidates
     }
 
     fn position(&self, c: &Candidate) -> Option<usize> {
         self.candidates.iter().position(|d| d == c)
     }
 
-    /// `S x` for the feature vector `x` of candidate `i`.
-    fn cov_times(&self, i: usize) -> Vec<f64> {
+    /// `S a` for a sparse vector `a`.
+    fn cov_times(&self, a: &[(usize, f64)]) -> Vec<f64> {
         let n = self.terms();
         let mut out = vec![0.0; n];
-        for &(k, v) in &self.features[i] {
+        for &(k, v) in a {
             for (o, s) in out.iter_mut().zip(&self.cov[k * n..(k + 1) * n]) {
                 *o += v * s;
             }
@@ -149,51 +247,147 @@ impl Belief {
         out
     }
 
-    fn dot(&self, i: usize, w: &[f64]) -> f64 {
-        self.features[i].iter().map(|&(k, v)| v * w[k]).sum()
+    fn dot(a: &[(usize, f64)], w: &[f64]) -> f64 {
+        a.iter().map(|&(k, v)| v * w[k]).sum()
+    }
+
+    /// The posterior from the prior and every candidate's summary, by rank-one updates: a
+    /// summary `(ybar, v)` of candidate `c` is one observation of `x_c.w` with variance
+    /// `own^2 + v` (the own term and the measurement noise, both independent of `w`).
+    fn refit(&mut self) {
+        let n = self.terms();
+        self.mean = vec![0.0; n];
+        self.cov = vec![0.0; n * n];
+        for (k, v) in self.prior_var.iter().enumerate() {
+            self.cov[k * n + k] = *v;
+        }
+        for i in 0..self.candidates.len() {
+            let Some((ybar, v)) = self.summary[i] else { continue };
+            let x = &self.features[i];
+            let sx = self.cov_times(x);
+            let s = Self::dot(x, &sx) + self.own + v;
+            let innovation = ybar - Self::dot(x, &self.mean);
+            for (m, g) in self.mean.iter_mut().zip(&sx) {
+                *m += g * innovation / s;
+            }
+            for r in 0..n {
+                let a = sx[r] / s;
+                if a == 0.0 {
+                    continue;
+                }
+                for (cv, g) in self.cov[r * n..(r + 1) * n].iter_mut().zip(&sx) {
+                    *cv -= a * g;
+                }
+            }
+        }
+        self.predictions = (0..self.candidates.len())
+            .map(|i| {
+                let (a, b, e) = self.linear(i);
+                (Self::dot(&a, &self.mean) + b, (Self::dot(&a, &self.cov_times(&a)) + e).max(0.0))
+            })
+            .collect();
+        self.chol = cholesky(&self.cov, n);
     }
 
     /// Adds one observation of `y(c) = ln(measured / prior)` with `variance` (a window of `n`
-    /// steps of scatter `sigma`: `sigma^2 / n`). Observations of non-candidates, non-finite
-    /// values and non-positive variances are ignored.
+    /// steps of scatter `sigma`: `sigma^2 / n`), merged into the candidate's summary by
+    /// precision. Observations of non-candidates, non-finite values and non-positive variances
+    /// are ignored.
     pub fn observe(&mut self, c: &Candidate, y: f64, variance: f64) {
         let Some(i) = self.position(c) else { return };
         if !(y.is_finite() && variance.is_finite() && variance > 0.0) {
             return;
         }
-        let sx = self.cov_times(i);
-        let s = self.dot(i, &sx) + variance;
-        let innovation = y - self.dot(i, &self.mean);
-        let n = self.terms();
-        for (m, g) in self.mean.iter_mut().zip(&sx) {
-            *m += g * innovation / s;
+        self.summary[i] = Some(match self.summary[i] {
+            Some((m, v)) => {
+                let p = 1.0 / v + 1.0 / variance;
+                ((m / v + y / variance) / p, 1.0 / p)
+            }
+            None => (y, variance),
+        });
+        self.refit();
+    }
+
+    /// Replaces the measurement summaries: each `(candidate, ybar, variance)` the mean of `y`
+    /// over its measurements and that mean's variance; candidates not listed have none. One
+    /// refit for all, where [`Belief::observe`] refits per observation.
+    pub fn set_summaries(&mut self, summaries: &[(Candidate, f64, f64)]) {
+        self.summary = vec![None; self.candidates.len()];
+        for (c, y, v) in summaries {
+            if let Some(i) = self.position(c)
+                && y.is_finite()
+                && v.is_finite()
+                && *v > 0.0
+            {
+                self.summary[i] = Some((*y, *v));
+            }
         }
-        for r in 0..n {
-            let a = sx[r] / s;
-            if a == 0.0 {
-                continue;
+        self.refit();
+    }
+
+    /// Candidate `i`'s prediction as `a.w + b + e`: the sparse weight vector `a`, the constant
+    /// `b` and the variance of the independent `e` (its own term given the weights).
+    fn linear(&self, i: usize) -> (Vec<(usize, f64)>, f64, f64) {
+        match self.summary[i] {
+            Some((ybar, v)) => {
+                let k = self.own / (self.own + v);
+                let a = self.features[i].iter().map(|&(j, x)| (j, (1.0 - k) * x)).collect();
+                (a, k * ybar, (1.0 - k) * self.own)
             }
-            for (cv, g) in self.cov[r * n..(r + 1) * n].iter_mut().zip(&sx) {
-                *cv -= a * g;
-            }
+            None => (self.features[i].clone(), 0.0, self.own),
         }
     }
 
     /// The posterior mean and standard deviation of `y(c)`; `None` for a non-candidate.
     pub fn predict(&self, c: &Candidate) -> Option<(f64, f64)> {
+        let (m, v) = self.predictions[self.position(c)?];
+        Some((m, v.sqrt()))
+    }
+
+    /// The posterior mean and standard deviation of `y(c) - y(d)`: the difference shares the
+    /// families the two candidates share, so two members of one family differ by less than
+    /// either is known. `None` unless both are candidates.
+    pub fn predict_difference(&self, c: &Candidate, d: &Candidate) -> Option<(f64, f64)> {
         let i = self.position(c)?;
-        let var = self.dot(i, &self.cov_times(i));
-        Some((self.dot(i, &self.mean), var.max(0.0).sqrt()))
+        self.differences_from(d).map(|all| all[i])
+    }
+
+    /// [`Belief::predict_difference`] of every candidate (in candidate order) from `d`, at the
+    /// cost of one: `var(y_c - y_d) = var(y_c) + var(y_d) - 2 a_c' S a_d` with `S a_d` once.
+    pub fn differences_from(&self, d: &Candidate) -> Option<Vec<(f64, f64)>> {
+        let j = self.position(d)?;
+        let (a_d, _, _) = self.linear(j);
+        let s_d = self.cov_times(&a_d);
+        let (m_d, v_d) = self.predictions[j];
+        let out = (0..self.candidates.len())
+            .map(|i| {
+                if i == j {
+                    return (0.0, 0.0);
+                }
+                let (a, _, _) = self.linear(i);
+                let (m, v) = self.predictions[i];
+                let var = v + v_d - 2.0 * Self::dot(&a, &s_d);
+                (m - m_d, var.max(0.0).sqrt())
+            })
+            .collect();
+        Some(out)
     }
 
     /// One joint draw of every candidate's `y` from the posterior (in candidate order): the
-    /// weights drawn as `mean + L z` with `L` the Cholesky factor of the covariance.
+    /// weights drawn as `mean + L z` with `L` the Cholesky factor of the covariance, then each
+    /// candidate's own term given them.
     pub fn sample(&self, rng: &mut impl Rng) -> Vec<f64> {
         let n = self.terms();
-        let l = cholesky(&self.cov, n);
+        let l = &self.chol;
         let z: Vec<f64> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
         let w: Vec<f64> = (0..n).map(|r| self.mean[r] + (0..=r).map(|k| l[r * n + k] * z[k]).sum::<f64>()).collect();
-        (0..self.candidates.len()).map(|i| self.dot(i, &w)).collect()
+        (0..self.candidates.len())
+            .map(|i| {
+                let (a, b, e) = self.linear(i);
+                let own: f64 = StandardNormal.sample(rng);
+                Self::dot(&a, &w) + b + e.sqrt() * own
+            })
+            .collect()
     }
 }
 
@@ -349,5 +543,35 @@ mod tests {
         let share = within as f64 / total as f64;
         assert!(share > 0.9, "{within} of {total} within two standard deviations");
         assert!(err_post < 0.2 * err_prior, "posterior error {err_post} against the prior's {err_prior}");
+    }
+
+    /// The method of moments on draws from known priors gives them back, roughly: each
+    /// family's estimate within a factor of two of its prior over many candidates.
+    #[test]
+    fn family_sizes_are_estimated_from_a_profile() {
+        let mut cands = Vec::new();
+        for (dp, tp, pp) in [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8)] {
+            for m in [1, 2, 4, 8] {
+                for b in [16, 32, 64, 128, 256] {
+                    if b % (dp * m) == 0 {
+                        cands.push(c(dp, tp, pp, b, m));
+                    }
+                }
+            }
+        }
+        let p =
+            FamilyPriors { global: 0.3, tp: 0.2, pp: 0.2, dp_span: 0.0, micro: 0.15, micro_tp: 0.0, layout: 0.0, trend: 0.1, own: 0.05 };
+        let (mut own, mut trend, mut micro) = (0.0, 0.0, 0.0);
+        let runs = 40;
+        for seed in 0..runs {
+            let y = Belief::new(&cands, &p, 8).sample(&mut StdRng::seed_from_u64(seed));
+            let e = FamilyPriors::estimate(&cands, &y, 8);
+            (own, trend, micro) = (own + e.own / runs as f64, trend + e.trend / runs as f64, micro + e.micro / runs as f64);
+        }
+        assert!(own > 0.5 * p.own && own < 2.0 * p.own, "own {own}");
+        assert!(trend > 0.5 * p.trend && trend < 1.5 * p.trend, "trend {trend}");
+        assert!(micro > 0.5 * p.micro && micro < 1.5 * p.micro, "micro {micro}");
+        // No data, no sizes.
+        assert_eq!(FamilyPriors::estimate(&[], &[], 8).own, 0.0);
     }
 }

@@ -634,6 +634,43 @@ mod tests {
         }
     }
 
+    /// The sizes of the prior's error families on the stored two-rank profile, which the
+    /// structured truth of recipes/suite-structured.ron cites, printed with `--nocapture`: for
+    /// the constants fitted to this profile (what a prior fitted on a machine keeps) and for
+    /// those before the fit (what an analytic prior brings to a machine it was not fitted on).
+    /// Held to the ranges the suite file states.
+    #[test]
+    fn the_cpu_profiles_error_families_have_the_sizes_the_suite_cites() {
+        let profile = ThroughputProfile::from_ron(include_str!("testdata/cpu-2ranks-tiny-profile.ron")).unwrap();
+        let spec = ModelSpec { seq_len: 128, ..ModelSpec::tiny_5m() };
+        let cands: Vec<Candidate> =
+            profile.entries().iter().map(|e| Candidate::new(e.dims(), e.global_batch, e.micro_batch).unwrap()).collect();
+        let families = |cluster: ClusterSpec| {
+            let model = ClusterModel { memory: MemoryModel::fp32(), ..ClusterModel::new(cluster, spec.clone()) };
+            let y: Vec<f64> =
+                profile.entries().iter().zip(&cands).map(|(e, c)| (e.samples_per_sec / model.samples_per_sec(c).unwrap()).ln()).collect();
+            let f = crate::belief::FamilyPriors::estimate(&cands, &y, 2);
+            let layout_level = (f.tp * f.tp + f.pp * f.pp + f.dp_span * f.dp_span + f.layout * f.layout).sqrt();
+            println!("{f:?}\nlayout-level {layout_level:.3}");
+            (f, layout_level)
+        };
+        let (fitted, fitted_layout) = families(ClusterSpec::cpu_ranks(2, 2));
+        let before = ClusterSpec {
+            intensity_half: 8.0,
+            hbm_bandwidth: 10e9,
+            intra_node_bw: 4e9,
+            inter_node_bw: 4e9,
+            intra_latency: 50e-6,
+            inter_latency: 50e-6,
+            idle_reclaim: 0.0,
+            ..ClusterSpec::cpu_ranks(2, 2)
+        };
+        let (unfitted, unfitted_layout) = families(before);
+        assert!(fitted_layout < 0.15 && fitted.own < 0.12 && fitted.micro_tp < 0.1 && fitted.trend < 0.1, "{fitted:?}");
+        assert!(unfitted_layout > 0.15, "the unfitted prior's layout-level error {unfitted_layout}");
+        assert!(unfitted.own < 0.15, "{unfitted:?}");
+    }
+
     #[test]
     fn big_models_do_not_fit_unsharded() {
         // 32.8B params at 16 bytes each: 525 GB of state. One node (8 x 80 GB) cannot hold it;

@@ -90,6 +90,10 @@ pub trait Policy: Send {
             scorer.observe_throughput(candidate, samples_per_sec);
         }
     }
+    /// Tells the policy how many seconds the run has left (its time budget less the time spent,
+    /// or its remaining samples at the current rate): the horizon over which a change must
+    /// repay its cost. Policies that do not weigh costs ignore it.
+    fn observe_horizon(&mut self, _remaining_secs: f64) {}
     /// What the policy has learned during the run (measured throughput, switch costs), for a
     /// whole-run checkpoint. Settings given at construction are not part of it. By default the
     /// scorer's measurements, if the policy has a scorer.
@@ -160,4 +164,8 @@ pub struct PolicyState {
     /// The B_g running and the step it started at (dwell time).
     #[serde(default)]
     pub batch_seen: Option<(usize, u64)>,
+    /// The structured belief's measurements ([`Learning`](super::Learning)): each measured
+    /// candidate's step count, mean and sum of squared deviations of `ln(measured / prior)`.
+    #[serde(default)]
+    pub belief: Vec<(Candidate, f64, f64, f64)>,
 }

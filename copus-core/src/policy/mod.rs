@@ -16,6 +16,9 @@
 //!   - [`DpOnlyGoodput`]: AdaptDL-like: best Goodput over (B_g, B_m) on a fixed layout.
 //! - `copus.rs`: [`Copus`], best Goodput over all candidates, with switch thresholds and a payback
 //!   test for layout changes, and its [`SwitchRule`].
+//! - `learning.rs`: [`Learning`], Copus on a structured throughput belief
+//!   ([`crate::belief`]) with Thompson-sampled exploration and one decision rule of six
+//!   settings, [`Rule`].
 //! - `oracle.rs`: [`hindsight_oracle`], the best [`Schedule`] for a known noise [`Trajectory`], by
 //!   dynamic programming, and [`schedule_time`] to cost any schedule on the same terms (regret).
 //! - `lineup.rs`: [`lineup()`], the baselines and Copus with their starting configurations, as a
@@ -25,6 +28,7 @@ mod baselines;
 mod copus;
 mod error;
 mod interface;
+mod learning;
 mod lineup;
 mod oracle;
 mod scorer;
@@ -35,6 +39,7 @@ pub use baselines::{CbsFixedLayout, DpOnlyGoodput, MerrillWarmup, Static};
 pub use copus::{Choice, Confirmation, Copus, ExploreNoise, SwitchRule};
 pub use error::PolicyError;
 pub use interface::{Decision, Policy, PolicyState, StepObservation};
+pub use learning::{Learning, Rule};
 pub use lineup::{Entry, Lineup, Named, lineup, smallest_on};
 pub use oracle::{Schedule, SwitchCosts, Trajectory, hindsight_oracle, schedule_time};
 pub use scorer::{Score, Scorer};

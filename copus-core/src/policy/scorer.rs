@@ -190,6 +190,12 @@ impl Scorer {
         self.log_error
     }
 
+    /// The prior samples/s of `c` (the throughput model's, or the profile's), if it is a
+    /// candidate.
+    pub fn prior(&self, c: &Candidate) -> Option<f64> {
+        self.entries.iter().position(|(d, _)| d == c).map(|i| self.prior[i])
+    }
+
     /// Whether the run has measured `c` (a step of it ran).
     pub fn is_measured(&self, c: &Candidate) -> bool {
         self.entries.iter().zip(&self.measured).any(|((d, _), m)| d == c && m.is_some())

@@ -21,7 +21,9 @@ use super::schema::Sweeps;
 use super::schema::{CompareRecipe, Synthetic};
 use copus_core::policy::{Entry, Named, lineup, smallest_on};
 
-fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> anyhow::Result<(Scorer, usize)> {
+/// The policies' scorer of a synthetic scenario under `objective` (the analytic model's
+/// throughput) and the cluster's ranks.
+pub(crate) fn synthetic_scorer(s: &Synthetic, objective: ObjectiveKind) -> anyhow::Result<(Scorer, usize)> {
     let spec = ModelSpec::preset(&s.model)?;
     let cluster = s.cluster.spec()?;
     let world = cluster.gpus_per_node * cluster.num_nodes;
