@@ -448,7 +448,7 @@ mod tests {
     /// A candidate measured to be 30% faster is chosen by the decision itself, at the lower
     /// bound; one measured 10% slower is not, whatever the draws.
     #[test]
-    fn a_measured_gain_is_taken_and_a_small_one_is_not() {
+    fn a_measured_gain_is_taken_and_a_loss_is_not() {
         let (c, o) = (Candidate::new(d(1, 1, 1), 8, 8).unwrap(), Candidate::new(d(1, 1, 1), 8, 4).unwrap());
         let s = scorer_of(&[(d(1, 1, 1), 8, 8, 100.0), (d(1, 1, 1), 8, 4, 100.0)]);
         for (speed, wanted) in [(130.0, Decision::ChangeBatch(o)), (90.0, Decision::Keep)] {
