@@ -793,7 +793,8 @@ mod tests {
         let mut n = 0;
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
-            let comparison = p.file_name().is_some_and(|n| ["compare-", "suite-"].iter().any(|s| n.to_string_lossy().starts_with(s)));
+            let comparison =
+                p.file_name().is_some_and(|n| ["compare-", "suite-", "evidence-"].iter().any(|s| n.to_string_lossy().starts_with(s)));
             if p.extension().is_some_and(|x| x == "ron") && !comparison {
                 match Recipe::load(&p) {
                     Ok(_) => n += 1,
