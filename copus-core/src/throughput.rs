@@ -613,16 +613,7 @@ mod tests {
         assert!(errs.iter().all(|e| e.abs() < 0.4), "{errs:?}");
         let (_, rms_busy) = centred_log_errors(&prior(ClusterSpec { idle_reclaim: 0.0, ..ClusterSpec::cpu_ranks(2, 2) }), &profile);
         assert!(rms_busy > 0.2, "rms log error without reclaim {rms_busy:.3}");
-        let before = ClusterSpec {
-            intensity_half: 8.0,
-            hbm_bandwidth: 10e9,
-            intra_node_bw: 4e9,
-            inter_node_bw: 4e9,
-            intra_latency: 50e-6,
-            inter_latency: 50e-6,
-            idle_reclaim: 0.0,
-            ..ClusterSpec::cpu_ranks(2, 2)
-        };
+        let before = unfitted_cpu_ranks();
         let (_, rms_before) = centred_log_errors(&prior(before), &profile);
         assert!(rms_before > 0.3, "rms log error of the constants before the fit {rms_before:.3}");
         // What a run needs of the prior: at the batch sizes that win on this machine (B_g 4
@@ -631,6 +622,20 @@ mod tests {
         for b in [4, 8] {
             let (c, _) = best(&m, b, &[1, 2, 4, 8]).unwrap();
             assert_eq!(c.dims, profile.best_layout(b).unwrap().0, "B_g {b}");
+        }
+    }
+
+    /// The two-rank CPU constants before they were fitted to the stored profile.
+    fn unfitted_cpu_ranks() -> ClusterSpec {
+        ClusterSpec {
+            intensity_half: 8.0,
+            hbm_bandwidth: 10e9,
+            intra_node_bw: 4e9,
+            inter_node_bw: 4e9,
+            intra_latency: 50e-6,
+            inter_latency: 50e-6,
+            idle_reclaim: 0.0,
+            ..ClusterSpec::cpu_ranks(2, 2)
         }
     }
 
@@ -655,16 +660,7 @@ mod tests {
             (f, layout_level)
         };
         let (fitted, fitted_layout) = families(ClusterSpec::cpu_ranks(2, 2));
-        let before = ClusterSpec {
-            intensity_half: 8.0,
-            hbm_bandwidth: 10e9,
-            intra_node_bw: 4e9,
-            inter_node_bw: 4e9,
-            intra_latency: 50e-6,
-            inter_latency: 50e-6,
-            idle_reclaim: 0.0,
-            ..ClusterSpec::cpu_ranks(2, 2)
-        };
+        let before = unfitted_cpu_ranks();
         let (unfitted, unfitted_layout) = families(before);
         assert!(fitted_layout < 0.15 && fitted.own < 0.12 && fitted.micro_tp < 0.1 && fitted.trend < 0.1, "{fitted:?}");
         assert!(unfitted_layout > 0.15, "the unfitted prior's layout-level error {unfitted_layout}");
