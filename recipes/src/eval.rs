@@ -18,7 +18,7 @@ pub fn evaluate(model: &Llama, heldout: &PackedDataset, count: usize, micro: usi
 /// The first `count` held-out sequences (`seq_len + 1` ids each), row-major: what
 /// [`copus_burn::Engine::evaluate`] takes.
 pub fn windows(heldout: &PackedDataset, count: usize) -> Vec<i64> {
-    (0..count.min(heldout.num_seqs())).flat_map(|i| heldout.sequence(i).iter().map(|&t| i64::from(t))).collect()
+    (0..count.min(heldout.num_seqs())).flat_map(|i| heldout.sequence(i).iter().map(|&t| i64::from(t)).collect::<Vec<_>>()).collect()
 }
 
 /// Mean loss per token over the first `count` held-out sequences in micro-batches of `micro`,
@@ -28,7 +28,8 @@ pub fn heldout_loss(heldout: &PackedDataset, count: usize, micro: usize, device:
     let (mut sum, mut tokens) = (0.0, 0usize);
     let idx: Vec<usize> = (0..count).collect();
     for chunk in idx.chunks(micro.max(1)) {
-        let seqs: Vec<&[u32]> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
+        let seqs: Vec<_> = chunk.iter().map(|&i| heldout.sequence(i)).collect();
+        let seqs: Vec<&[u32]> = seqs.iter().map(|s| s.as_ref()).collect();
         sum += loss_sum(MicroBatch::from_windows(&seqs, device));
         tokens += chunk.len() * heldout.seq_len();
     }

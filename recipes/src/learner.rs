@@ -39,7 +39,7 @@ impl Dataset<Vec<u32>> for Sequences {
         if index >= self.len {
             return Err(DatasetError::new(std::io::Error::other(format!("sequence {index} of {}", self.len))));
         }
-        Ok(if self.shuffled { self.data.sample(index as u64) } else { self.data.sequence(index) }.to_vec())
+        Ok(if self.shuffled { self.data.sample(index as u64) } else { self.data.sequence(index) }.into_owned())
     }
     fn len(&self) -> usize {
         self.len

@@ -1,7 +1,7 @@
 //! `recipes`: the command line over the `recipes` library: the top level's parsing and the
 //! dispatch to each subcommand's module (which holds its arguments and runs it), the exit codes,
 //! the allocator, and the serving loop of MPI processes 1.. . Subcommands: run (the default),
-//! bench, compare, learner, orchestrator, export, eval, generate, profile.
+//! bench, compare, learner, orchestrator, export, eval, generate, profile, prepare.
 //!
 //! ```text
 //! cargo run --release -p recipes -- recipes/shakespeare-tiny.ron
@@ -56,7 +56,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use recipes::report::progress;
-use recipes::{Usage, bench, experiments, interop, learner, orchestrator, profile, run};
+use recipes::{Usage, bench, experiments, interop, learner, orchestrator, prepare, profile, run};
 
 #[derive(Parser)]
 #[command(name = "recipes", about = "copus recipes: train on real text and report", args_conflicts_with_subcommands = true)]
@@ -88,6 +88,7 @@ enum Cmd {
     Eval(interop::EvalArgs),
     Generate(interop::GenerateArgs),
     Profile(profile::ProfileArgs),
+    Prepare(prepare::PrepareArgs),
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -101,6 +102,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         (Some(Cmd::Eval(args)), _) => args.exec(),
         (Some(Cmd::Generate(args)), _) => args.exec(),
         (Some(Cmd::Profile(args)), _) => args.exec(),
+        (Some(Cmd::Prepare(args)), _) => args.exec(),
         (None, Some(recipe)) => run::run_file(&recipe, cli.max_steps, cli.resume.as_deref(), false),
         (None, None) => Err(Usage("give a recipe file (e.g. recipes/shakespeare-tiny.ron) or a subcommand; see --help".into()).into()),
     }

