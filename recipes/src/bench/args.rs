@@ -17,6 +17,20 @@ pub struct BenchArgs {
 
 #[derive(clap::Subcommand)]
 enum BenchMode {
+    /// Tokenization MB/s against the Python `tokenizers` package (same files, tokenizer and
+    /// threads, alternating rounds), `recipes prepare`'s MB/s, and the data loader's sequences/s
+    /// against the main job's measured demand.
+    Data {
+        /// Threads on both sides.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Alternating rounds per side.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Skip the Python side.
+        #[arg(long)]
+        no_python: bool,
+    },
     /// Training-step time per phase on the reference shape and tiny-20m, against PyTorch when it
     /// is installed, and the noise-scale probe's cost.
     Step {
@@ -172,6 +186,9 @@ impl BenchArgs {
         match self.mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
             BenchMode::Step { steps, warmup, no_torch, threads } => super::step::run(steps.max(1), warmup, !no_torch, threads.max(1)),
             BenchMode::Engine { steps } => super::engine::run(steps.max(1)),
+            BenchMode::Data { threads, rounds, no_python } => {
+                super::data::run(&super::data::Options { threads: threads.max(1), rounds: rounds.max(1), no_python })?
+            }
             BenchMode::Device { backend, presets, ranks, global_batch, micro_batch, seq, steps, peak_tflops, parity_only } => {
                 let ranks = ranks as usize;
                 if global_batch == 0 || micro_batch == 0 || !global_batch.is_multiple_of(ranks * micro_batch) {

@@ -1,8 +1,9 @@
-//! The benchmarks (`recipes bench step|engine|reconfig|probe|memory|device`), each printing a table, and what
+//! The benchmarks (`recipes bench step|engine|reconfig|probe|memory|device|data`), each printing a table, and what
 //! they share: the reference shapes, the synthetic tokens every side of a comparison sees, and
 //! medians.
 
 pub mod args;
+pub mod data;
 pub mod device;
 pub mod engine;
 pub mod memory;
