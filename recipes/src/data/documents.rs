@@ -5,7 +5,7 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use super::DataError;
+use super::error::{DataError, io};
 use super::spec::{Source, TextSplit, TokenDtype};
 
 /// A file of the corpus and what identifies its content for the cache.
@@ -22,7 +22,7 @@ pub struct FileStamp {
 impl FileStamp {
     /// The stamp of `path` now.
     pub fn of(path: &Path) -> Result<Self, DataError> {
-        let meta = std::fs::metadata(path).map_err(super::io(path))?;
+        let meta = std::fs::metadata(path).map_err(io(path))?;
         let modified_ns = meta
             .modified()
             .ok()
@@ -62,7 +62,7 @@ fn wanted(source: &Source, path: &Path) -> bool {
 
 fn walk(dir: &Path, source: &Source, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
     let mut entries: Vec<PathBuf> =
-        std::fs::read_dir(dir).map_err(super::io(dir))?.map(|e| e.map(|e| e.path()).map_err(super::io(dir))).collect::<Result<_, _>>()?;
+        std::fs::read_dir(dir).map_err(io(dir))?.map(|e| e.map(|e| e.path()).map_err(io(dir))).collect::<Result<_, _>>()?;
     entries.sort();
     for p in entries {
         if p.is_dir() {
@@ -160,7 +160,7 @@ pub fn read(
     let mut stats = ReadStats::default();
     for path in files {
         let shown = path.display().to_string();
-        let bytes_of_file = std::fs::metadata(path).map_err(super::io(path))?.len();
+        let bytes_of_file = std::fs::metadata(path).map_err(io(path))?.len();
         let base = match naming {
             Naming::Stem => path.file_stem().and_then(|s| s.to_str()).unwrap_or("document").to_string(),
             Naming::Path => shown.clone(),
@@ -208,7 +208,7 @@ pub fn paragraphs(text: &str) -> impl Iterator<Item = String> + '_ {
 }
 
 fn read_utf8(path: &Path, skip_invalid: bool, stats: &mut ReadStats) -> Result<Option<String>, DataError> {
-    let bytes = std::fs::read(path).map_err(super::io(path))?;
+    let bytes = std::fs::read(path).map_err(io(path))?;
     match String::from_utf8(bytes) {
         Ok(s) => Ok(Some(s)),
         Err(_) if skip_invalid => {
@@ -229,12 +229,12 @@ fn read_jsonl(
     stats: &mut ReadStats,
     emit: &mut Emit<'_>,
 ) -> Result<(), DataError> {
-    let file = std::fs::File::open(path).map_err(super::io(path))?;
+    let file = std::fs::File::open(path).map_err(io(path))?;
     let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
     let (mut line, mut offset, mut number) = (Vec::new(), 0u64, 0u64);
     loop {
         line.clear();
-        let n = reader.read_until(b'\n', &mut line).map_err(super::io(path))?;
+        let n = reader.read_until(b'\n', &mut line).map_err(io(path))?;
         if n == 0 {
             return Ok(());
         }
@@ -289,7 +289,7 @@ fn read_parquet(path: &Path, base: &str, column: &str, stats: &mut ReadStats, em
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::RowAccessor;
     let perr = |e: parquet::errors::ParquetError| DataError::Input(format!("{}: not a readable Parquet file ({e})", path.display()));
-    let file = std::fs::File::open(path).map_err(super::io(path))?;
+    let file = std::fs::File::open(path).map_err(io(path))?;
     let reader = SerializedFileReader::new(file).map_err(perr)?;
     let schema = reader.metadata().file_metadata().schema_descr_ptr();
     let root = schema.root_schema();

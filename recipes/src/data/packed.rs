@@ -15,7 +15,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use super::DataError;
+use super::error::DataError;
 use super::tokens::TokenStore;
 
 /// How an epoch's sequences are ordered.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::DataError;
+use super::error::{DataError, io};
 
 /// The width of one stored id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -52,8 +52,8 @@ pub struct Shard {
 impl Shard {
     /// Maps `path` read-only; its length must be a whole number of ids.
     pub fn map(path: &Path, width: Width) -> Result<Self, DataError> {
-        let file = std::fs::File::open(path).map_err(super::io(path))?;
-        let len = file.metadata().map_err(super::io(path))?.len();
+        let file = std::fs::File::open(path).map_err(io(path))?;
+        let len = file.metadata().map_err(io(path))?.len();
         if len % width.bytes() as u64 != 0 {
             return Err(DataError::Input(format!(
                 "{}: {len} bytes is not a whole number of {:?} ids ({} bytes each); is `dtype` right?",
@@ -69,7 +69,7 @@ impl Shard {
             // are not written while a run reads them (the prepared cache is written to a new
             // folder and renamed into place, never rewritten), so the mapped bytes do not change
             // under the slices taken from them.
-            Ids::Mapped(unsafe { Mmap::map(&file) }.map_err(super::io(path))?)
+            Ids::Mapped(unsafe { Mmap::map(&file) }.map_err(io(path))?)
         };
         Ok(Self { ids, width, tokens: len / width.bytes() as u64 })
     }
@@ -193,13 +193,13 @@ impl TokenStore {
 /// check of a large shard leaves no resident pages behind), or an error naming the first id at
 /// or above `vocab` and its position.
 pub fn check_ids(path: &Path, width: Width, vocab: usize) -> Result<(), DataError> {
-    let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(super::io(path))?);
+    let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(io(path))?);
     let mut buf = vec![0u8; 1 << 20];
     let (w, mut position) = (width.bytes(), 0u64);
     loop {
         let mut filled = 0;
         while filled < buf.len() {
-            let n = file.read(&mut buf[filled..]).map_err(super::io(path))?;
+            let n = file.read(&mut buf[filled..]).map_err(io(path))?;
             if n == 0 {
                 break;
             }
@@ -246,7 +246,7 @@ const MEGATRON_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 /// the ones Megatron writes for token ids), sequence and document counts, then the sequences'
 /// lengths (int32) and byte offsets (int64); the document index after them is not needed.
 pub fn read_megatron_index(idx: &Path) -> Result<MegatronIndex, DataError> {
-    let bytes = std::fs::read(idx).map_err(super::io(idx))?;
+    let bytes = std::fs::read(idx).map_err(io(idx))?;
     let bad = |why: String| DataError::Input(format!("{}: not a Megatron index ({why})", idx.display()));
     let u64_at = |at: usize| -> Result<u64, DataError> {
         bytes
@@ -333,7 +333,7 @@ impl ShardWriter {
                 self.close_current()?;
                 let name = format!("{}-{:05}.bin", self.prefix, self.written.len());
                 let path = self.dir.join(&name);
-                let f = std::fs::File::create(&path).map_err(super::io(&path))?;
+                let f = std::fs::File::create(&path).map_err(io(&path))?;
                 self.written.push((name, 0));
                 self.current = Some((std::io::BufWriter::with_capacity(1 << 20, f), 0));
             }
@@ -347,7 +347,7 @@ impl ShardWriter {
                 }
             }
             let path = self.dir.join(&self.written.last().expect("a shard").0);
-            w.write_all(&bytes).map_err(super::io(&path))?;
+            w.write_all(&bytes).map_err(io(&path))?;
             *n += take as u64;
             self.written.last_mut().expect("a shard").1 = *n;
             ids = &ids[take..];
@@ -359,8 +359,8 @@ impl ShardWriter {
         use std::io::Write;
         if let Some((mut w, _)) = self.current.take() {
             let path = self.dir.join(&self.written.last().expect("a shard").0);
-            w.flush().map_err(super::io(&path))?;
-            w.get_ref().sync_all().map_err(super::io(&path))?;
+            w.flush().map_err(io(&path))?;
+            w.get_ref().sync_all().map_err(io(&path))?;
         }
         Ok(())
     }
