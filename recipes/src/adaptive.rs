@@ -605,6 +605,18 @@ mod tests {
         assert!(!fixed.is_adaptive());
     }
 
+    /// (step, loss) of every line of a run folder's `metrics.jsonl`.
+    fn logged_losses(folder: &Path) -> Vec<(u64, f64)> {
+        std::fs::read_to_string(folder.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["metrics"]["step"].as_u64().unwrap(), v["metrics"]["loss"].as_f64().unwrap())
+            })
+            .collect()
+    }
+
     /// A run stopped after 6 steps and resumed to 10 logs the same steps as a run that was
     /// never stopped; lines logged after the last checkpoint are dropped; the newest two
     /// checkpoints are kept; a changed recipe is refused with the field named.
@@ -624,16 +636,6 @@ mod tests {
                 )"#,
                 out.path().display()
             )
-        };
-        let losses = |folder: &Path| -> Vec<(u64, f64)> {
-            std::fs::read_to_string(folder.join("metrics.jsonl"))
-                .unwrap()
-                .lines()
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                    (v["metrics"]["step"].as_u64().unwrap(), v["metrics"]["loss"].as_f64().unwrap())
-                })
-                .collect()
         };
         let whole = Recipe::parse(&text("whole", 3), "whole").unwrap();
         let (whole_dir, whole_sum) = run(&whole, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
@@ -675,7 +677,7 @@ mod tests {
         let (again, s) = resume(&parted, &dir, &RunOptions { max_steps: None, ..RunOptions::default() }).unwrap();
         assert_eq!(again, dir);
         assert_eq!((s.steps, s.tokens), (whole_sum.steps, whole_sum.tokens));
-        let (a, b) = (losses(&dir), losses(&whole_dir));
+        let (a, b) = (logged_losses(&dir), logged_losses(&whole_dir));
         assert_eq!(a.len(), 10, "{a:?}");
         for ((sa, la), (sb, lb)) in a.iter().zip(&b) {
             assert_eq!(sa, sb);
@@ -697,7 +699,7 @@ mod tests {
         let (_, newest) = RunDir::new(&dir).checkpoints().pop().unwrap();
         let (_, cfg, _) = copus_burn::state::TrainingState::load(&newest).unwrap();
         assert_eq!(cfg.precision, Precision::Bf16Mixed);
-        assert!(losses(&dir).iter().all(|(_, l)| l.is_finite()));
+        assert!(logged_losses(&dir).iter().all(|(_, l)| l.is_finite()));
     }
 
     /// A run on the user's own corpus (JSON lines in a folder, held out by fraction) with a
@@ -730,16 +732,6 @@ mod tests {
                 corpus.display()
             )
         };
-        let losses = |folder: &Path| -> Vec<(u64, f64)> {
-            std::fs::read_to_string(folder.join("metrics.jsonl"))
-                .unwrap()
-                .lines()
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                    (v["metrics"]["step"].as_u64().unwrap(), v["metrics"]["loss"].as_f64().unwrap())
-                })
-                .collect()
-        };
         let whole = Recipe::parse(&text("whole"), "whole").unwrap();
         let (whole_dir, whole_sum) = run(&whole, &RunOptions::default()).unwrap();
         let parted = Recipe::parse(&text("parted"), "parted").unwrap();
@@ -748,7 +740,7 @@ mod tests {
         let (_, s) = resume(&parted, &dir, &RunOptions::default()).unwrap();
         assert_eq!((s.steps, s.tokens), (whole_sum.steps, whole_sum.tokens));
         assert_eq!(s.corpus_sha256, whole_sum.corpus_sha256);
-        let (a, b) = (losses(&dir), losses(&whole_dir));
+        let (a, b) = (logged_losses(&dir), logged_losses(&whole_dir));
         assert_eq!(a.len(), 8, "{a:?}");
         for ((sa, la), (sb, lb)) in a.iter().zip(&b) {
             assert_eq!(sa, sb);

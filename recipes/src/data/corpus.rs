@@ -669,6 +669,15 @@ mod tests {
         root
     }
 
+    /// The folder `root` as whole-file documents, a 300-id BPE.
+    fn text_spec(root: &Path, heldout: Heldout) -> DataSpec {
+        spec(
+            Source::Text { paths: vec![root.display().to_string()], split: TextSplit::PerFile },
+            heldout,
+            TokenizerRecipe::Bpe { vocab_size: 300 },
+        )
+    }
+
     fn small() -> BuildOptions {
         BuildOptions { shard_tokens: 500, bpe_sample_bytes: 1 << 20, batch_bytes: 2_000 }
     }
@@ -678,11 +687,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = text_folder(dir.path(), 40);
         let cache = dir.path().join("cache");
-        let s = spec(
-            Source::Text { paths: vec![root.display().to_string()], split: TextSplit::PerFile },
-            Heldout::Fraction(0.3),
-            TokenizerRecipe::Bpe { vocab_size: 300 },
-        );
+        let s = text_spec(&root, Heldout::Fraction(0.3));
         let first = open(&s, &cache, &small()).unwrap();
         assert!(!first.reused);
         // Held out by the hash of each document's name, whatever order files are found in.
@@ -732,11 +737,7 @@ mod tests {
         let cache = dir.path().join("cache");
         let name = |i: usize| root.join(format!("doc-{i:03}.txt")).display().to_string();
         let holding_out = |i: usize| {
-            let s = spec(
-                Source::Text { paths: vec![root.display().to_string()], split: TextSplit::PerFile },
-                Heldout::Documents(vec![name(i)]),
-                TokenizerRecipe::Bpe { vocab_size: 300 },
-            );
+            let s = text_spec(&root, Heldout::Documents(vec![name(i)]));
             open(&s, &cache, &small()).unwrap().tokenizer
         };
         let (no_0, no_1) = (holding_out(0), holding_out(1));
@@ -902,11 +903,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = text_folder(dir.path(), 12);
         let cache = dir.path().join("cache");
-        let s = spec(
-            Source::Text { paths: vec![root.display().to_string()], split: TextSplit::PerFile },
-            Heldout::Documents(vec![root.join("doc-000.txt").display().to_string()]),
-            TokenizerRecipe::Bpe { vocab_size: 300 },
-        );
+        let s = text_spec(&root, Heldout::Documents(vec![root.join("doc-000.txt").display().to_string()]));
         let dataset = || PackedDataset::from_store(open(&s, &cache, &small()).unwrap().train, 16, 5, Order::Keyed, "training").unwrap();
         let run = dataset();
         let n = run.num_seqs() as u64;
