@@ -7,7 +7,7 @@
 //! first. A fixed run (no `parallel` section, or `adaptive: Some(false)`) is the same run on one
 //! rank whose decision source, the static policy, never changes anything.
 //!
-//! Every run writes `recipe.ron`, `tokenizer.json`, `metrics.jsonl` (a line per step),
+//! Every run writes `recipe.ron`, `tokenizer.json`, `corpus.sha256`, `metrics.jsonl` (a line per step),
 //! `eval.jsonl`, `decisions.jsonl` (every decision, with the predicted Goodput of the current
 //! and the proposed configuration and whether it was applied), `reconfigurations.csv`
 //! (measured costs), checkpoints (every `train.checkpoint_every` steps, at the end and on a
@@ -160,11 +160,30 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     driver.engine_mut().set_emergency_dir(&folder);
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
     s.tokenizer.save(folder.join("tokenizer.json"), false).map_err(|e| anyhow!("{}: {e}", folder.join("tokenizer.json").display()))?;
+    std::fs::write(folder.join(CORPUS_FILE), format!("{}\n", s.checksum))?;
     let mut logs = Logs::open(&folder, true)?;
     let initial_eval = evaluate(driver.engine_mut(), &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
     let history = History { points: Vec::new(), initial_eval, last_eval: (0, initial_eval) };
     train(Run { recipe, s: &mut s, driver, folder, logs, history }, opts, stop)
+}
+
+/// The run folder's record of the corpus it trains on: sha256 over its documents' names and
+/// texts (the summary's `corpus_sha256`).
+const CORPUS_FILE: &str = "corpus.sha256";
+
+/// A resumed run must read the corpus it started on: when the files changed since (the cache
+/// rebuilt from them), the same sample indices would name other sequences.
+fn check_same_corpus(run_dir: &Path, now: &str) -> anyhow::Result<()> {
+    let Ok(recorded) = std::fs::read_to_string(run_dir.join(CORPUS_FILE)) else { return Ok(()) };
+    let recorded = recorded.trim();
+    if recorded != now {
+        return Err(anyhow!(
+            "{}: the corpus changed since the run started (sha256 {recorded}, now {now}); restore its files as they were, or start a new run",
+            run_dir.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Continues the run in `run_dir` from its newest readable checkpoint. `recipe` must be the
@@ -201,6 +220,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     let _lock = dir.lock()?;
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
+    check_same_corpus(run_dir, &s.checksum)?;
     let job = crate::prepare::job(&saved, &s.cfg, s.space.clone())
         .resume(&dir, Some(s.data_and_source().1), || copus_burn::driver::Clock::Wall)?;
     let (mut driver, path) = (job.driver, job.resumed_from.unwrap_or_default());
@@ -748,6 +768,11 @@ mod tests {
         }
         // Steps after the change read twice the sequences.
         assert_eq!(whole_sum.tokens, (3 * 4 + 5 * 8) * 32);
+        // A corpus that changed since the run started is refused on resume.
+        std::fs::write(corpus.join("part-0.jsonl"), "{\"text\": \"another text altogether\"}\n").unwrap();
+        let longer = Recipe::parse(&text("parted").replace("max_steps: 8,", "max_steps: 9,"), "parted").unwrap();
+        let err = resume(&longer, &dir, &RunOptions::default()).unwrap_err().to_string();
+        assert!(err.contains("the corpus changed since the run started"), "{err}");
     }
 
     /// Ctrl-C (here its flag, set before the run starts) lets the first step finish, writes a
