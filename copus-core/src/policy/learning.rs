@@ -13,12 +13,18 @@
 //!    a candidate `c` is worth the change when its Goodput over what is left of the horizon
 //!    after the change beats staying by `threshold` at every point of the band:
 //!    `G_c (H - cost(c)) >= (1 + threshold) G_cur H`. Of those, the one with the largest
-//!    smallest margin is chosen.
+//!    smallest margin is chosen. A change of B_g goes ahead only once changes of B_g the same
+//!    way have been judged worth it at every judgement for `dwell_steps` steps: the smoothed
+//!    noise estimate's error is correlated over about that span, and a run that looks at its
+//!    band every window would otherwise act on the band's one-sided error rate again and again
+//!    (on a flat noise scale the rule without this went up and back down scores of times).
 //! 2. **Explore.** Otherwise one joint draw of every candidate's throughput from the belief
-//!    replaces its lower bound, and the same test is made on the draw (Thompson sampling,
-//!    charging the change's cost over the horizon): a candidate the belief is unsure of wins
-//!    sometimes, in proportion to the chance that it is better, and is then measured for a
-//!    window; one measured before may be measured again.
+//!    replaces its lower bound, and the same test is made on the draw among the running
+//!    B_g's candidates, charging the change's cost twice (there and back) over the horizon
+//!    (Thompson sampling): a layout or B_m the belief is unsure of wins sometimes, in
+//!    proportion to the chance that it is better, and is then measured for a window; one
+//!    measured before may be measured again. A change of B_g is never a trial: it is the
+//!    band's decision.
 //!
 //! A change of B_g is judged only once the running B_g has run `dwell_steps` (its noise
 //! estimate has seen the batch); before that, and before there is a usable estimate, only
@@ -125,6 +131,8 @@ pub struct Learning {
     seen: Option<(Candidate, u64)>,
     /// The B_g running and the step it was first seen at.
     batch_seen: Option<(usize, u64)>,
+    /// A change of B_g judged worth it (upwards or not) since this step, not yet confirmed.
+    wanted: Option<(bool, u64)>,
 }
 
 impl Learning {
@@ -156,6 +164,7 @@ impl Learning {
             layouts: (0, 0),
             seen: None,
             batch_seen: None,
+            wanted: None,
         })
     }
 
@@ -226,6 +235,19 @@ impl Learning {
     /// the horizon at every point of `band` (or on throughput, `band` empty), each candidate's
     /// `y` given by `relative(i)`; the one with the largest smallest margin.
     fn best_change(&self, cur: usize, y_cur: f64, eligible: &[usize], band: &[f64], relative: &dyn Fn(usize) -> f64) -> Option<usize> {
+        self.best_change_costed(cur, y_cur, eligible, band, relative, 1.0)
+    }
+
+    /// [`Self::best_change`] with each change's cost counted `trips` times.
+    fn best_change_costed(
+        &self,
+        cur: usize,
+        y_cur: f64,
+        eligible: &[usize],
+        band: &[f64],
+        relative: &dyn Fn(usize) -> f64,
+        trips: f64,
+    ) -> Option<usize> {
         let h = self.horizon();
         let c0 = self.belief.candidates()[cur];
         let points: Vec<Option<f64>> = if band.is_empty() { vec![None] } else { band.iter().map(|p| Some(*p)).collect() };
@@ -235,7 +257,7 @@ impl Learning {
                 continue;
             }
             let c = self.belief.candidates()[i];
-            let left = (h - self.cost(&c0, &c)).max(0.0);
+            let left = (h - trips * self.cost(&c0, &c)).max(0.0);
             let rel = relative(i);
             let margin = points
                 .iter()
@@ -264,6 +286,38 @@ impl Learning {
         let (low, high) = obs.noise.and_then(|n| n.b_simple_band(self.rule.confidence))?;
         let phi = obs.b_simple().unwrap_or(low);
         Some([low, phi.min(Self::PHI_CAP), high.min(Self::PHI_CAP)])
+    }
+
+    /// A decided change of B_g goes ahead only once changes of B_g the same way have been
+    /// judged worth it at every judgement for `dwell_steps` steps (the span over which the
+    /// smoothed noise estimate's error is correlated: one look at the band errs at its one-sided
+    /// rate, and a run looks every window); a change of layout or B_m at the same B_g goes
+    /// ahead at once. Anything else clears what was being confirmed.
+    fn confirmed(&mut self, decided: Option<usize>, cur: &Candidate, step: u64) -> Option<usize> {
+        let Some(i) = decided else {
+            self.wanted = None;
+            return None;
+        };
+        let b = self.belief.candidates()[i].global_batch;
+        if b == cur.global_batch {
+            self.wanted = None;
+            return Some(i);
+        }
+        let up = b > cur.global_batch;
+        match self.wanted {
+            Some((u, since)) if u == up => {
+                if step.saturating_sub(since) >= self.rule.dwell_steps {
+                    self.wanted = None;
+                    Some(i)
+                } else {
+                    None
+                }
+            }
+            _ => {
+                self.wanted = Some((up, step));
+                None
+            }
+        }
     }
 
     /// Steps the configuration and its B_g have run, noting changes of either.
@@ -306,12 +360,17 @@ impl Policy for Learning {
         let lower = |i: usize| differences.get(i).map_or(f64::NEG_INFINITY, |(m, s)| m - z * s);
         let y_cur = self.belief.predict(&cur).map_or(0.0, |p| p.0);
         let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur);
+        let decided = self.confirmed(decided, &cur, obs.step);
         let explored = decided.is_none();
         let target = decided.or_else(|| {
-            // Explore: one joint draw in place of the lower bound.
+            // Explore: one joint draw in place of the lower bound, among the running B_g's
+            // candidates (a change of B_g is the band's decision, never a trial), paying for
+            // the way there and back.
             let draw = self.belief.sample(&mut self.rng);
             let relative = |i: usize| draw[i] - draw[ci] + y_cur;
-            self.best_change(ci, y_cur, &eligible, &band, &relative)
+            let same_batch: Vec<usize> =
+                eligible.iter().copied().filter(|&i| self.belief.candidates()[i].global_batch == cur.global_batch).collect();
+            self.best_change_costed(ci, y_cur, &same_batch, &band, &relative, 2.0)
         });
         let Some(i) = target else { return Decision::Keep };
         let decision = Decision::to(&cur, self.belief.candidates()[i]);
@@ -480,26 +539,52 @@ mod tests {
     }
 
     /// A change of B_g waits for the dwell and a noise estimate; at a large B_simple the larger
-    /// batch, twice as fast, wins once both are there.
+    /// batch, twice as fast, wins once both are there and the band has said so at every
+    /// judgement for `dwell_steps`. An estimate that goes away before then clears it.
     #[test]
-    fn a_change_of_batch_waits_for_the_dwell_and_the_estimate() {
+    fn a_change_of_batch_waits_for_the_dwell_and_is_confirmed() {
         let (c, o) = (Candidate::new(d(1, 1, 1), 8, 8).unwrap(), Candidate::new(d(1, 1, 1), 32, 8).unwrap());
         let s = scorer_of(&[(d(1, 1, 1), 8, 8, 100.0), (d(1, 1, 1), 32, 8, 200.0)]);
         let rule = Rule { dwell_steps: 16, window: 4, ..Rule::default() };
-        let mut p = Learning::new(s, rule, &flat(0.01, 0.01), 8, 1).unwrap();
         let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 1e4, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
-        let mut first = None;
-        for step in 1..=40 {
-            p.observe_throughput(&c, 100.0);
-            let obs = StepObservation { step, current: c, noise: (step > 24).then_some(noise).flatten() };
-            let decision = p.decide(&obs);
-            if decision != Decision::Keep {
-                assert_eq!(decision, Decision::ChangeBatch(o));
-                first = Some(step);
-                break;
+        let first_change = |estimate_until: u64| {
+            let mut p = Learning::new(s.clone(), rule, &flat(0.01, 0.01), 8, 1).unwrap();
+            for step in 1..=80 {
+                p.observe_throughput(&c, 100.0);
+                let seen = (24 < step && step <= estimate_until).then_some(noise).flatten();
+                let decision = p.decide(&StepObservation { step, current: c, noise: seen });
+                if decision != Decision::Keep {
+                    assert_eq!(decision, Decision::ChangeBatch(o));
+                    return Some(step);
+                }
+            }
+            None
+        };
+        // First judged worth it at 28 (the first judgement with an estimate after the dwell),
+        // then at 32, ..., 44: 16 steps of the same judgement.
+        assert_eq!(first_change(80), Some(44));
+        // The estimate gone at 40: the judgement at 40 finds no band, and nothing is changed.
+        assert_eq!(first_change(39), None);
+    }
+
+    /// Thompson's draws try layouts and micro-batches of the running B_g, never another B_g:
+    /// with two B_g of equal prior Goodput and a wide belief, no draw of 500 moves the batch.
+    #[test]
+    fn exploration_never_changes_the_batch() {
+        let (c, o) = (Candidate::new(d(1, 1, 1), 8, 8).unwrap(), Candidate::new(d(1, 1, 1), 16, 8).unwrap());
+        // At B_simple 8, B_g 16 at 1.5x the speed has the same Goodput as B_g 8 (efficiency
+        // 1 / (1 + B / B_simple): 1/2 against 2/3).
+        let s = scorer_of(&[(d(1, 1, 1), 8, 8, 100.0), (d(1, 1, 1), 16, 8, 150.0)]);
+        let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 8.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
+        let rule = Rule { dwell_steps: 1, window: 8, ..Rule::default() };
+        for seed in 0..500 {
+            let mut p = Learning::new(s.clone(), rule, &flat(0.3, 0.3), 8, seed).unwrap();
+            for step in 1..=8 {
+                p.observe_throughput(&c, 100.0);
+                let decision = p.decide(&StepObservation { step, current: c, noise });
+                assert_ne!(decision, Decision::ChangeBatch(o), "seed {seed}");
             }
         }
-        assert_eq!(first, Some(28), "the first judgement with an estimate after the dwell");
     }
 
     /// On a simulated run over a structured truth, what the belief learned about the
