@@ -160,7 +160,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     driver.engine_mut().set_emergency_dir(&folder);
     std::fs::write(folder.join("recipe.ron"), ron::ser::to_string_pretty(recipe, ron::ser::PrettyConfig::default())?)?;
     s.tokenizer.save(folder.join("tokenizer.json"), false).map_err(|e| anyhow!("{}: {e}", folder.join("tokenizer.json").display()))?;
-    std::fs::write(folder.join(CORPUS_FILE), format!("{}\n", s.checksum))?;
+    std::fs::write(folder.join(CORPUS_FILE), corpus_record(&s.checksum, &s.tokenizer))?;
     let mut logs = Logs::open(&folder, true)?;
     let initial_eval = evaluate(driver.engine_mut(), &s.heldout, recipe.train.eval_sequences, recipe.train.micro_batch)?;
     writeln!(logs.evals, "{}", serde_json::json!({"step": 0, "tokens": 0, "train_secs": 0.0, "eval_loss": initial_eval}))?;
@@ -168,20 +168,29 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
     train(Run { recipe, s: &mut s, driver, folder, logs, history }, opts, stop)
 }
 
-/// The run folder's record of the corpus it trains on: sha256 over its documents' names and
-/// texts (the summary's `corpus_sha256`).
+/// The run folder's record of the data it trains on: the corpus's sha256 (over its documents'
+/// names and texts; the summary's `corpus_sha256`) and the tokenizer's (over its JSON).
 const CORPUS_FILE: &str = "corpus.sha256";
 
-/// A resumed run must read the corpus it started on: when the files changed since (the cache
-/// rebuilt from them), the same sample indices would name other sequences.
+/// The lines of [`CORPUS_FILE`]: `corpus SHA` and `tokenizer SHA`.
+fn corpus_record(checksum: &str, tokenizer: &tokenizers::Tokenizer) -> String {
+    use sha2::{Digest, Sha256};
+    let json = tokenizer.to_string(false).unwrap_or_default();
+    format!("corpus {checksum}\ntokenizer {}\n", crate::data::hex(&Sha256::digest(json.as_bytes())))
+}
+
+/// A resumed run must read the data it started on: when the corpus's files or the tokenizer
+/// changed since, the same sample indices would name other ids.
 fn check_same_corpus(run_dir: &Path, now: &str) -> anyhow::Result<()> {
     let Ok(recorded) = std::fs::read_to_string(run_dir.join(CORPUS_FILE)) else { return Ok(()) };
-    let recorded = recorded.trim();
-    if recorded != now {
-        return Err(anyhow!(
-            "{}: the corpus changed since the run started (sha256 {recorded}, now {now}); restore its files as they were, or start a new run",
-            run_dir.display()
-        ));
+    for (was, is) in recorded.lines().zip(now.lines()) {
+        if was != is {
+            let what = is.split(' ').next().unwrap_or("data");
+            return Err(anyhow!(
+                "{}: the {what} changed since the run started ({was}, now {is}); restore it as it was, or start a new run",
+                run_dir.display()
+            ));
+        }
     }
     Ok(())
 }
@@ -220,7 +229,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     let _lock = dir.lock()?;
     // The policy as the run started it (its horizon follows the original time budget).
     let mut s = setup(&saved)?;
-    check_same_corpus(run_dir, &s.checksum)?;
+    check_same_corpus(run_dir, &corpus_record(&s.checksum, &s.tokenizer))?;
     let job = crate::prepare::job(&saved, &s.cfg, s.space.clone())
         .resume(&dir, Some(s.data_and_source().1), || copus_burn::driver::Clock::Wall)?;
     let (mut driver, path) = (job.driver, job.resumed_from.unwrap_or_default());

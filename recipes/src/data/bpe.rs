@@ -15,8 +15,14 @@ pub const MAX_VOCAB: usize = 1 << 20;
 /// ids are dense), rounded up to a multiple of 64 (so tensor parallelism can split it), as
 /// every run builds it. Every id the tokenizer can produce is then inside the vocabulary.
 pub fn vocab_of(tokenizer: &tokenizers::Tokenizer) -> usize {
+    id_bound(tokenizer).div_ceil(64) * 64
+}
+
+/// One past the largest id the tokenizer has (its size when its ids are dense): every id it
+/// produces is below it, and a stored id at or above it did not come from it.
+pub fn id_bound(tokenizer: &tokenizers::Tokenizer) -> usize {
     let largest = tokenizer.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-    largest.max(tokenizer.get_vocab_size(true)).div_ceil(64) * 64
+    largest.max(tokenizer.get_vocab_size(true))
 }
 
 /// [`vocab_of`] for a tokenizer a user supplied, checked: at least one id, at most

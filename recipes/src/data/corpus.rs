@@ -13,8 +13,9 @@
 //!
 //! `Tokens` sources are used where they lie: each shard memory-mapped, its ids checked once
 //! against the tokenizer (the check remembered under `CACHE/checked/` by the files' sizes and
-//! modification times), the split made by spans of blocks (flat shards, 2^20 ids per block,
-//! named `path#k`) or sequences (Megatron, named `path#k`).
+//! modification times), the split made by spans of blocks (flat shards, 2^16 ids per block,
+//! named `path#k`) or sequences (Megatron, named `path#k`; the index is read into memory,
+//! 16 bytes per sequence).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
-use super::bpe::{BPE_SETTINGS, bpe_tokenizer, vocab_of};
+use super::bpe::{BPE_SETTINGS, bpe_tokenizer, id_bound, vocab_of};
 use super::builtin::load_plays;
 use super::documents::{self, Document, FileStamp, Naming};
 use super::error::{DataError, hex, io};
@@ -186,7 +187,7 @@ fn check_heldout_files(spec: &DataSpec, files: &[PathBuf]) -> Result<(), DataErr
                 field: spec.heldout_field,
                 what: "file",
                 name: w.clone(),
-                allowed: listing(&shown, "files"),
+                allowed: listing(&shown[..shown.len().min(64)], shown.len() as u64, "files"),
             });
         }
     }
@@ -194,12 +195,13 @@ fn check_heldout_files(spec: &DataSpec, files: &[PathBuf]) -> Result<(), DataErr
 }
 
 /// "the corpus has: a, b, c" or the first names and a count.
-fn listing(names: &[String], what: &str) -> String {
-    const SHOWN: usize = 64;
-    if names.len() <= SHOWN {
+/// "allowed: a, b, c" when the corpus has at most 64 names (`total`), else the first and the
+/// count.
+fn listing(names: &[String], total: u64, what: &str) -> String {
+    if total as usize <= names.len() {
         format!("allowed: {}", names.join(", "))
     } else {
-        format!("the corpus has {} {what}, the first: {}, ...", names.len(), names[..12].join(", "))
+        format!("the corpus has {total} {what}, the first: {}, ...", names[..names.len().min(12)].join(", "))
     }
 }
 
@@ -240,6 +242,9 @@ fn open_text(spec: &DataSpec, cache: &Path, options: &BuildOptions) -> Result<Co
     let lock_path = folder.with_extension("lock");
     let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
     lock.lock().map_err(io(&lock_path))?;
+    // Under the lock no one else builds this corpus: a temporary folder left by a build that was
+    // killed (its process gone) goes.
+    remove_partials(&folder);
     let wanted = |m: &Manifest| {
         m.version == CACHE_VERSION && m.source == source && m.heldout == heldout && m.tokenizer == identity && m.files == stamps
     };
@@ -270,6 +275,18 @@ fn open_text(spec: &DataSpec, cache: &Path, options: &BuildOptions) -> Result<Co
         },
     )?;
     open_built(&folder, &m, spec, false)
+}
+
+/// Removes `folder`'s temporary siblings (`NAME.partial-PID`) left by killed builds.
+fn remove_partials(folder: &Path) {
+    let (Some(dir), Some(name)) = (folder.parent(), folder.file_name().and_then(|n| n.to_str())) else { return };
+    let prefix = format!("{name}.partial-");
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            tracing::info!("removing {}, left by an interrupted build", entry.path().display());
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn read_manifest(folder: &Path) -> Option<Manifest> {
@@ -316,12 +333,13 @@ fn tokenizer_for(spec: &DataSpec, files: &TextFiles, cache: &Path, options: &Bui
     // The sample: the first training documents up to the byte budget (the rest is read and
     // passed over; a corpus too large for that is better served by its own `tokenizer.json`).
     let mut texts: Vec<String> = Vec::new();
-    let mut bytes = 0usize;
+    let (mut bytes, mut documents) = (0usize, 0u64);
     each_document(
         spec,
         files,
         cache,
         &mut |d| {
+            documents += 1;
             if bytes < options.bpe_sample_bytes && !spec.heldout.holds(&d.name, &d.file) {
                 bytes += d.text.len();
                 texts.push(d.text);
@@ -331,7 +349,9 @@ fn tokenizer_for(spec: &DataSpec, files: &TextFiles, cache: &Path, options: &Bui
         &mut |_| {},
     )?;
     if texts.is_empty() {
-        return Err(DataError::Input("the training split has no documents: every document is held out".into()));
+        // The same errors as after tokenizing: no documents at all, or none left to train on.
+        let counts = Counts { heldout_documents: documents, ..Counts::default() };
+        check_counts(spec, &counts)?;
     }
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     tracing::info!("tokenizer: byte-level BPE, {vocab_size} tokens, trained on {} training documents (cached)", refs.len());
@@ -370,10 +390,10 @@ impl Encoder<'_> {
                 Ok(ids)
             })
             .collect();
-        for ((_, held), ids) in self.batch.iter().zip(encoded) {
+        for ((d, held), ids) in self.batch.iter().zip(encoded) {
             let ids = ids?;
             if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab) {
-                return Err(DataError::Tokenizer(format!("id {bad} is outside the vocabulary of {}", self.vocab)));
+                return Err(DataError::Tokenizer(format!("{}: id {bad} is outside the tokenizer's {} ids", d.name, self.vocab)));
             }
             self.writers[usize::from(*held)].write(&ids)?;
             let c = &mut self.counts;
@@ -433,8 +453,8 @@ fn fill(
     tmp: &Path,
     mut m: Manifest,
 ) -> Result<Manifest, DataError> {
-    let vocab = vocab_of(tokenizer);
-    m.width = Width::for_vocab(vocab);
+    let vocab = id_bound(tokenizer);
+    m.width = Width::for_vocab(vocab_of(tokenizer));
     let mut enc = Encoder {
         tokenizer,
         eot: tokenizer.token_to_id("<|endoftext|>"),
@@ -459,7 +479,7 @@ fn fill(
             hasher.update(d.name.as_bytes());
             hasher.update(d.text.as_bytes());
             let held = spec.heldout.holds(&d.name, &d.file);
-            if names.len() < 65 {
+            if names.len() < 64 {
                 names.push(d.name.clone());
             }
             if held && matches!(spec.heldout, Heldout::Documents(_)) {
@@ -472,9 +492,9 @@ fn fill(
     enc.flush()?;
     progress.finish();
     let what = if spec.source == Source::Shakespeare { "play" } else { "document" };
-    check_named_documents(spec, &held_found, &names, what)?;
+    check_named_documents(spec, &held_found, &names, enc.counts.train_documents + enc.counts.heldout_documents, what)?;
     enc.counts.skipped = skipped;
-    check_counts(&enc.counts)?;
+    check_counts(spec, &enc.counts)?;
     let [train, heldout] = enc.writers;
     m.train_shards = train.finish()?;
     m.heldout_shards = heldout.finish()?;
@@ -489,7 +509,7 @@ fn fill(
 }
 
 /// Every document `Documents([..])` names was found.
-fn check_named_documents(spec: &DataSpec, found: &[String], names: &[String], what: &'static str) -> Result<(), DataError> {
+fn check_named_documents(spec: &DataSpec, found: &[String], names: &[String], total: u64, what: &'static str) -> Result<(), DataError> {
     if let Heldout::Documents(wanted) = &spec.heldout
         && let Some(missing) = wanted.iter().find(|w| !found.contains(w))
     {
@@ -497,27 +517,32 @@ fn check_named_documents(spec: &DataSpec, found: &[String], names: &[String], wh
             field: spec.heldout_field,
             what,
             name: missing.clone(),
-            allowed: listing(names, "documents"),
+            allowed: listing(names, total, "documents"),
         });
     }
     Ok(())
 }
 
-fn check_counts(c: &Counts) -> Result<(), DataError> {
+fn check_counts(spec: &DataSpec, c: &Counts) -> Result<(), DataError> {
+    let field = spec.heldout_field;
     if c.train_documents + c.heldout_documents == 0 {
-        return Err(DataError::Input("the corpus has no documents (every file empty, or skipped)".into()));
+        let paths = spec.source.paths().map_or_else(|| spec.source.name().to_string(), |p| p.join(", "));
+        return Err(DataError::Input(format!("`data.source`: {paths} holds no documents (every file empty, or skipped)")));
     }
     if c.train_documents == 0 {
-        return Err(DataError::Input("`data.heldout` leaves the training split empty: every document is held out".into()));
+        return Err(DataError::Input(format!("`{field}` leaves the training split empty: every document is held out")));
     }
     if c.heldout_documents == 0 {
-        return Err(DataError::Input("`data.heldout` holds out no document: raise the fraction or name documents or files".into()));
+        return Err(DataError::Input(format!(
+            "`{field}` holds out none of the {} documents: raise the fraction (about 1 / documents at least) or name documents or files",
+            c.train_documents
+        )));
     }
     Ok(())
 }
 
 /// Ids of a flat token shard that make one document for the held-out split.
-pub const TOKEN_BLOCK: u64 = 1 << 20;
+pub const TOKEN_BLOCK: u64 = 1 << 16;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Checked {
@@ -593,7 +618,7 @@ fn open_tokens(spec: &DataSpec, paths: &[String], dtype: TokenDtype, cache: &Pat
         ));
     };
     let tokenizer = load_tokenizer_file(tpath)?;
-    let vocab = vocab_of(&tokenizer);
+    let vocab = id_bound(&tokenizer);
     let files = documents::resolve(&spec.source, paths)?;
     check_heldout_files(spec, &files)?;
     let (shards, docs, checked) = map_token_files(&files, dtype)?;
@@ -607,7 +632,7 @@ fn open_tokens(spec: &DataSpec, paths: &[String], dtype: TokenDtype, cache: &Pat
         for (k, &(start, len)) in ds.iter().enumerate() {
             let name = format!("{shown}#{k}");
             let span = Span { shard: i, start, len };
-            if names.len() < 65 {
+            if names.len() < 64 {
                 names.push(name.clone());
             }
             if spec.heldout.holds(&name, &shown) {
@@ -622,8 +647,8 @@ fn open_tokens(spec: &DataSpec, paths: &[String], dtype: TokenDtype, cache: &Pat
             }
         }
     }
-    check_named_documents(spec, &found, &names, "document")?;
-    check_counts(&counts)?;
+    check_named_documents(spec, &found, &names, counts.train_documents + counts.heldout_documents, "document")?;
+    check_counts(spec, &counts)?;
     let stamps: Vec<FileStamp> = files.iter().map(|f| FileStamp::of(f)).collect::<Result<_, _>>()?;
     let checksum = sha256_hex(serde_json::to_string(&stamps).expect("serializes").as_bytes());
     let shards = Arc::new(shards);
@@ -767,7 +792,7 @@ mod tests {
         let e = open(&spec(text.clone(), Heldout::Fraction(1.5), bpe.clone()), &cache, &small()).err().unwrap().to_string();
         assert!(e.contains("Fraction(1.5)"), "{e}");
         let e = open(&spec(text, Heldout::Fraction(1e-9), bpe.clone()), &cache, &small()).err().unwrap().to_string();
-        assert!(e.contains("holds out no document"), "{e}");
+        assert!(e.contains("`data.heldout` holds out none of the 3 documents"), "{e}");
         // An empty corpus.
         let empty = dir.path().join("empty");
         std::fs::create_dir_all(&empty).unwrap();
@@ -834,7 +859,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cache = dir.path().join("cache");
         let (tpath, tok) = tokenizer_file(dir.path());
-        let vocab = crate::data::vocab_of(&tok) as u32;
+        let vocab = crate::data::bpe::id_bound(&tok) as u32;
         // Three blocks of flat u16 ids: the third block partial.
         let n = 2 * TOKEN_BLOCK + 1000;
         let ids: Vec<u16> = (0..n).map(|i| (i % u64::from(vocab)) as u16).collect();
@@ -871,7 +896,8 @@ mod tests {
         assert_eq!(all(&c.train), [1, 2, 3, 9, 10]);
         assert_eq!(all(&c.heldout), [4, 5, 6, 7, 8]);
         // Ids outside the tokenizer, a length not a whole number of ids, a missing index, a BPE.
-        std::fs::write(&bin, [vocab as u16 + 5, 1].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        // The first id past the tokenizer's (not past the model's vocabulary, rounded up to 64).
+        std::fs::write(&bin, [vocab as u16, 1].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
         let flat = |p: &Path| Source::Tokens { paths: vec![p.display().to_string()], dtype: TokenDtype::U16 };
         let e = open(&spec(flat(&bin), Heldout::Fraction(0.5), TokenizerRecipe::File(tpath.clone())), &cache, &small())
             .err()
@@ -895,11 +921,12 @@ mod tests {
         assert!(e.contains("need the tokenizer that made them"), "{e}");
     }
 
-    /// The sequences a run reads depend only on sample indices: steps of B_g 4, 4, then 8 read
-    /// samples 0..16 in order, and a resumed run that reopens the cache at sample 8 reads what
-    /// the uninterrupted one read from there, across an epoch boundary.
+    /// The sequences a run reads depend only on sample indices, through a reopening of the
+    /// cache (what a resumed process does) and across an epoch boundary; each epoch visits
+    /// every sequence once. (The run-level test with a batch change and a resume is
+    /// `adaptive::tests::a_run_on_a_user_corpus_resumes_across_a_batch_change_on_the_same_data`.)
     #[test]
-    fn the_position_survives_a_batch_change_and_a_resume() {
+    fn samples_depend_only_on_their_index_across_a_reopened_cache_and_epochs() {
         let dir = tempfile::tempdir().unwrap();
         let root = text_folder(dir.path(), 12);
         let cache = dir.path().join("cache");

@@ -60,17 +60,25 @@ fn wanted(source: &Source, path: &Path) -> bool {
     }
 }
 
-fn walk(dir: &Path, source: &Source, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
-    let mut entries: Vec<PathBuf> =
-        std::fs::read_dir(dir).map_err(io(dir))?.map(|e| e.map(|e| e.path()).map_err(io(dir))).collect::<Result<_, _>>()?;
+/// Every wanted file below `dir`, sorted; folders reached through symbolic links are not
+/// entered (a link loop would never end), linked files are read. Files of another kind are
+/// counted in `passed_over`.
+fn walk(dir: &Path, source: &Source, out: &mut Vec<PathBuf>, passed_over: &mut u64) -> Result<(), DataError> {
+    let mut entries: Vec<(PathBuf, bool)> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .map(|e| e.and_then(|e| Ok((e.path(), e.file_type()?.is_dir()))).map_err(io(dir)))
+        .collect::<Result<_, _>>()?;
     entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            if !p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
-                walk(&p, source, out)?;
+    for (p, is_dir) in entries {
+        let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+        if is_dir {
+            if !hidden {
+                walk(&p, source, out, passed_over)?;
             }
         } else if wanted(source, &p) {
             out.push(p);
+        } else if !hidden {
+            *passed_over += 1;
         }
     }
     Ok(())
@@ -85,14 +93,19 @@ pub fn resolve(source: &Source, paths: &[String]) -> Result<Vec<PathBuf>, DataEr
         return Err(DataError::Input(format!("`data.source`: {}(paths: []) names no file; give files, folders or globs", source.name())));
     }
     let mut files = Vec::new();
+    let mut passed_over = 0u64;
     for p in paths {
         if p.contains(['*', '?', '[']) {
             let matches = glob::glob(p).map_err(|e| DataError::Input(format!("`data.source.paths`: `{p}` is not a valid glob ({e})")))?;
             let before = files.len();
             for m in matches {
                 let m = m.map_err(|e| DataError::Input(format!("`data.source.paths`: `{p}`: {e}")))?;
-                if m.is_file() && wanted(source, &m) {
+                if m.is_dir() {
+                    walk(&m, source, &mut files, &mut passed_over)?;
+                } else if wanted(source, &m) {
                     files.push(m);
+                } else {
+                    passed_over += 1;
                 }
             }
             if files.len() == before {
@@ -103,7 +116,7 @@ pub fn resolve(source: &Source, paths: &[String]) -> Result<Vec<PathBuf>, DataEr
         let path = PathBuf::from(p);
         if path.is_dir() {
             let before = files.len();
-            walk(&path, source, &mut files)?;
+            walk(&path, source, &mut files, &mut passed_over)?;
             if files.len() == before {
                 return Err(DataError::Input(format!("`data.source.paths`: the folder `{p}` holds no {} file", kind_of_file(source))));
             }
@@ -115,6 +128,12 @@ pub fn resolve(source: &Source, paths: &[String]) -> Result<Vec<PathBuf>, DataEr
     }
     files.sort();
     files.dedup();
+    if passed_over > 0 {
+        tracing::warn!(
+            "data: {passed_over} files in the source's folders and globs are not {} files and were passed over",
+            kind_of_file(source)
+        );
+    }
     Ok(files)
 }
 
@@ -312,13 +331,17 @@ fn read_parquet(path: &Path, base: &str, column: &str, stats: &mut ReadStats, em
     let projection =
         parquet::schema::types::Type::group_type_builder(root.name()).with_fields(vec![field.clone()]).build().map_err(perr)?;
     let rows = reader.get_row_iter(Some(projection)).map_err(perr)?;
+    let mut nulls = 0u64;
     for (k, row) in rows.enumerate() {
         let row = row.map_err(perr)?;
         match row.get_string(0) {
             Ok(s) => emit(format!("{base}#{k}"), s.clone(), stats)?,
-            // A null text is no document.
-            Err(_) => continue,
+            // A null text is no document (counted, and said).
+            Err(_) => nulls += 1,
         }
+    }
+    if nulls > 0 {
+        tracing::warn!("{}: {nulls} rows with a null `{column}` hold no document", path.display());
     }
     Ok(())
 }

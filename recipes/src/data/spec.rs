@@ -43,7 +43,7 @@ pub enum Source {
     /// `.bin`), or Megatron's indexed `.bin`/`.idx` pairs (`Megatron`). The ids must come from
     /// the recipe's tokenizer (a `File`).
     Tokens {
-        /// Files, folders and globs (for `Megatron`, the `.bin` files or their prefixes).
+        /// Files, folders and globs (for `Megatron`, the `.bin` files; each `.idx` beside its `.bin`).
         paths: Vec<String>,
         /// How the ids are stored.
         dtype: TokenDtype,

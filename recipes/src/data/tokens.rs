@@ -1,7 +1,8 @@
 //! Token ids on disk, memory-mapped: shards of little-endian u16 or u32 ids (the prepared cache,
 //! nanoGPT's `.bin`), Megatron's indexed `.bin`/`.idx`, and a split's stream as spans over
-//! them. Reading a window copies its ids out of the mapping; nothing of the corpus is held in
-//! the process's own memory, so a run's resident memory does not grow with the corpus.
+//! them. Reading a window copies its ids out of the mapping; the ids are never copied into the
+//! process's own memory (a split's spans are, 24 bytes each, and a Megatron index's sequences,
+//! 16 bytes each), so a run's resident memory does not grow with the ids.
 
 #![allow(unsafe_code)]
 
@@ -65,10 +66,11 @@ impl Shard {
         let ids = if len == 0 {
             Ids::Owned(Vec::new())
         } else {
-            // SAFETY: the mapping is read-only and private to this process; the corpus's files
-            // are not written while a run reads them (the prepared cache is written to a new
-            // folder and renamed into place, never rewritten), so the mapped bytes do not change
-            // under the slices taken from them.
+            // SAFETY: the mapping is read-only. Its bytes change only if the file is written
+            // while mapped: the prepared cache never is (a rebuild writes a new folder and renames
+            // it into place; the old files live on until unmapped), and docs/data.md tells users
+            // not to rewrite `Tokens` shards under a running run (a truncated file would fault
+            // the reader, as it would any memory-mapped reader).
             Ids::Mapped(unsafe { Mmap::map(&file) }.map_err(io(path))?)
         };
         Ok(Self { ids, width, tokens: len / width.bytes() as u64 })
