@@ -19,8 +19,9 @@ pub const MAX_HELLO: usize = 4 * 1024;
 
 /// The protocol version this build speaks; a `Hello` of another is refused. Version 3: the
 /// shared token never crosses the wire; each side proves it knows it (HMAC-SHA256 over both
-/// sides' nonces and the run's fingerprint).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// sides' nonces and the run's fingerprint). Version 4: every frame after the handshake is
+/// sealed with a session key and a sequence number ([`SessionMac`]).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The shortest shared token the service accepts.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -168,6 +169,10 @@ pub enum ProtocolError {
     /// A number that JSON cannot carry (NaN or infinite); the message is not sent.
     #[error("`{0}` is not a finite number")]
     NonFinite(String),
+    /// A frame after the handshake whose MAC does not match its bytes, or whose sequence
+    /// number is not the next one (altered, replayed, reordered or reflected on the way).
+    #[error("a frame failed its authentication ({0}); the connection is dropped")]
+    Forged(&'static str),
 }
 
 /// A protocol message: it names its first non-finite number, if any (JSON would write it as
@@ -411,6 +416,104 @@ pub fn client_proof(token: &str, client_nonce: &str, service_nonce: &str, finger
     hex(&hmac::Mac::finalize(mac(token, "copus client", service_nonce, client_nonce, fingerprint)).into_bytes())
 }
 
+/// Bytes a sealed frame adds to its message: its sequence number (8) and its MAC (32).
+pub const SEAL: usize = 8 + 32;
+
+/// The side of an authenticated session that sends a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The training run's client.
+    Client,
+    /// The orchestrator service.
+    Service,
+}
+
+/// The authentication of a session's frames after the handshake. Both sides derive one key
+/// from the token and the two nonces (HMAC-SHA256 under the token over a role, the nonces and
+/// the fingerprint, as the proofs are), so a key never crosses the wire and each connection has
+/// its own. Every frame then carries its sequence number (counted per direction from 0) and an
+/// HMAC-SHA256 under the session key over the sender's side, the number and the message's
+/// bytes: a changed byte, a replayed, dropped or reordered frame, or a frame sent back to its
+/// sender fails [`SessionMac::open`].
+#[derive(Clone)]
+pub struct SessionMac {
+    key: [u8; 32],
+    side: Side,
+    sent: u64,
+    received: u64,
+}
+
+impl std::fmt::Debug for SessionMac {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionMac").field("side", &self.side).field("sent", &self.sent).field("received", &self.received).finish()
+    }
+}
+
+impl SessionMac {
+    /// The session of a handshake with these nonces, for `side`.
+    pub fn new(token: &str, client_nonce: &str, service_nonce: &str, fingerprint: &RunFingerprint, side: Side) -> Self {
+        let digest = hmac::Mac::finalize(mac(token, "copus session key", client_nonce, service_nonce, fingerprint)).into_bytes();
+        let mut key = [0u8; 32];
+        key.copy_from_slice(&digest);
+        Self { key, side, sent: 0, received: 0 }
+    }
+
+    fn tag(&self, from: Side, seq: u64, body: &[u8]) -> [u8; 32] {
+        use hmac::Mac;
+        let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(&self.key).expect("HMAC takes a key of any length");
+        m.update(&[u8::from(from == Side::Service)]);
+        m.update(&seq.to_be_bytes());
+        m.update(body);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(&m.finalize().into_bytes());
+        out
+    }
+
+    /// `msg` as a sealed frame: 4-byte big-endian length, the sequence number, the MAC, then
+    /// the JSON [`encode`] would send.
+    pub fn seal<T: Message>(&mut self, msg: &T) -> Result<Vec<u8>, ProtocolError> {
+        let plain = encode(msg)?;
+        let body = &plain[4..];
+        let seq = self.sent;
+        let tag = self.tag(self.side, seq, body);
+        let len = SEAL + body.len();
+        if len > MAX_FRAME {
+            return Err(ProtocolError::TooLarge(len));
+        }
+        let mut out = Vec::with_capacity(4 + len);
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+        out.extend_from_slice(&seq.to_be_bytes());
+        out.extend_from_slice(&tag);
+        out.extend_from_slice(body);
+        self.sent += 1;
+        Ok(out)
+    }
+
+    /// The message of a sealed frame's body (after its length), if its MAC matches and its
+    /// number is the next from the other side; the count moves on only then.
+    pub fn open<T: for<'de> Deserialize<'de>>(&mut self, frame: &[u8]) -> Result<T, ProtocolError> {
+        if frame.len() < SEAL {
+            return Err(ProtocolError::Forged("shorter than its seal"));
+        }
+        let seq = u64::from_be_bytes(frame[..8].try_into().expect("8 bytes"));
+        let (tag, body) = (&frame[8..SEAL], &frame[SEAL..]);
+        let from = if self.side == Side::Client { Side::Service } else { Side::Client };
+        let expected = self.tag(from, seq, body);
+        let mut diff = 0u8;
+        for (a, b) in expected.iter().zip(tag) {
+            diff |= a ^ b;
+        }
+        if diff != 0 {
+            return Err(ProtocolError::Forged("its MAC does not match"));
+        }
+        if seq != self.received {
+            return Err(ProtocolError::Forged("not the next sequence number"));
+        }
+        self.received += 1;
+        decode(body)
+    }
+}
+
 /// Whether `proof` is `expected` (the comparison takes the same time wherever they differ).
 pub fn proof_matches(expected: &str, proof: &str) -> bool {
     let (a, b) = (expected.as_bytes(), proof.as_bytes());
@@ -640,5 +743,37 @@ mod tests {
             body[i] = val;
             let _ = decode::<Request>(&body);
         }
+    }
+
+    /// A sealed frame opens on the other side and only there, once, in order, unchanged.
+    #[test]
+    fn sealed_frames_open_once_in_order_unchanged_and_only_across() {
+        let fp = fp();
+        let (cn, sn) = (nonce(), nonce());
+        let mut client = SessionMac::new("0123456789abcdef-key", &cn, &sn, &fp, Side::Client);
+        let mut service = SessionMac::new("0123456789abcdef-key", &cn, &sn, &fp, Side::Service);
+        let body = |frame: &[u8]| frame[4..].to_vec();
+        let (a, b) = (body(&client.seal(&Request::Bye).unwrap()), body(&client.seal(&Request::Bye).unwrap()));
+        assert_eq!(a.len(), SEAL + serde_json::to_vec(&Request::Bye).unwrap().len());
+        // Out of order: the second before the first.
+        let mut late = service.clone();
+        assert!(matches!(late.open::<Request>(&b), Err(ProtocolError::Forged(_))));
+        assert!(matches!(service.open::<Request>(&a), Ok(Request::Bye)));
+        // Replayed.
+        assert!(matches!(service.open::<Request>(&a), Err(ProtocolError::Forged(_))));
+        assert!(matches!(service.open::<Request>(&b), Ok(Request::Bye)));
+        // Changed in any byte: the number, the tag or the message.
+        let c = body(&client.seal(&Request::Bye).unwrap());
+        for at in [0, 7, 8, 39, SEAL, c.len() - 1] {
+            let mut bad = c.clone();
+            bad[at] ^= 0x20;
+            assert!(matches!(service.clone().open::<Request>(&bad), Err(ProtocolError::Forged(_))), "byte {at}");
+        }
+        // Sent back to its sender (the client opening its own frame), or under another key.
+        assert!(matches!(client.clone().open::<Request>(&c), Err(ProtocolError::Forged(_))));
+        let mut other = SessionMac::new("0123456789abcdef-key", &nonce(), &sn, &fp, Side::Service);
+        assert!(matches!(other.open::<Request>(&a), Err(ProtocolError::Forged(_))));
+        assert!(matches!(service.open::<Request>(&c), Ok(Request::Bye)));
+        assert!(matches!(service.open::<Request>(&[0u8; 10]), Err(ProtocolError::Forged(_))));
     }
 }

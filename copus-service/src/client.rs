@@ -9,8 +9,8 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::time::{Duration, Instant};
 
 use copus_core::orchestrator::{
-    MAX_FRAME, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, client_proof, decode, encode,
-    frame_len_within, nonce, proof_matches, service_proof,
+    MAX_FRAME, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, SessionMac, Side, client_proof,
+    decode, encode, frame_len_within, nonce, proof_matches, service_proof,
 };
 use copus_core::policy::{Decision, StepObservation};
 
@@ -172,8 +172,9 @@ struct Endpoint {
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(30);
 
 impl Endpoint {
-    /// Connects and says hello; then hands over `state` if given.
-    fn open(&self, state: Option<&OrchestratorState>) -> Result<TcpStream, ServiceError> {
+    /// Connects and says hello; then hands over `state` if given. Returns the connection and
+    /// the session's sealing of every later frame.
+    fn open(&self, state: Option<&OrchestratorState>) -> Result<(TcpStream, SessionMac), ServiceError> {
         let addr = self.addr;
         let mut stream =
             TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|source| ServiceError::Connect { addr, source })?;
@@ -203,7 +204,16 @@ impl Endpoint {
             other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
         };
         let prove = Request::Prove { proof: client_proof(&self.token, &client_nonce, &service_nonce, &self.fingerprint) };
-        match exchange(&mut stream, &prove, self.deadline)? {
+        let mut mac = SessionMac::new(&self.token, &client_nonce, &service_nonce, &self.fingerprint, Side::Client);
+        // The welcome is the first sealed frame; a refusal comes unsealed (the service has no
+        // session with a client that did not prove the token).
+        send_frame(&mut stream, &encode(&prove)?, self.deadline)?;
+        let body = read_body(&mut stream, self.deadline)?;
+        let answer = mac.open::<Response>(&body).or_else(|sealed| match decode::<Response>(&body) {
+            Ok(Response::Error(e)) => Ok(Response::Error(e)),
+            _ => Err(sealed),
+        })?;
+        match answer {
             Response::Welcome { policy } if policy != self.policy => {
                 return Err(ServiceError::Refused {
                     addr,
@@ -215,13 +225,13 @@ impl Endpoint {
             other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
         }
         if let Some(state) = state {
-            match exchange(&mut stream, &Request::Resume(Box::new(state.clone())), self.deadline)? {
+            match exchange_sealed(&mut stream, &mut mac, &Request::Resume(Box::new(state.clone())), self.deadline)? {
                 Response::Ack => {}
                 Response::Error(e) => return Err(ServiceError::Refused { addr, reason: format!("refused the handover: {e}") }),
                 other => return Err(ServiceError::Refused { addr, reason: format!("gave an unexpected answer {other:?}") }),
             }
         }
-        Ok(stream)
+        Ok((stream, mac))
     }
 }
 
@@ -382,7 +392,13 @@ impl Client {
 /// The client's background thread: sends each message while connected; while not, drops
 /// messages (the embedded orchestrator decides) and reconnects with exponential backoff,
 /// handing over the embedded orchestrator's state.
-fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, dtx: Sender<(u64, Decision)>, stx: Sender<Status>) {
+fn client_thread(
+    endpoint: Endpoint,
+    stream: (TcpStream, SessionMac),
+    rx: Receiver<Outgoing>,
+    dtx: Sender<(u64, Decision)>,
+    stx: Sender<Status>,
+) {
     let mut stream = Some(stream);
     let mut backoff = BACKOFF.0;
     let mut next_attempt = Instant::now();
@@ -421,8 +437,8 @@ fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, 
                 }
             }
         }
-        let Some(s) = stream.as_mut() else { continue };
-        match exchange(s, &req, endpoint.deadline) {
+        let Some((s, mac)) = stream.as_mut() else { continue };
+        match exchange_sealed(s, mac, &req, endpoint.deadline) {
             Ok(Response::Decision { step, decision }) => {
                 let _ = dtx.send((step, decision));
             }
@@ -447,23 +463,44 @@ fn client_thread(endpoint: Endpoint, stream: TcpStream, rx: Receiver<Outgoing>, 
             }
         }
     }
-    if let Some(s) = stream.as_mut() {
-        let _ = exchange(s, &Request::Bye, endpoint.deadline);
+    if let Some((s, mac)) = stream.as_mut() {
+        let _ = exchange_sealed(s, mac, &Request::Bye, endpoint.deadline);
     }
 }
 
-/// Sends `req` and reads the whole answer within `deadline` of sending it.
+/// Sends `req` unsealed (the handshake) and reads the whole unsealed answer within `deadline`
+/// of sending it.
 pub(crate) fn exchange(stream: &mut TcpStream, req: &Request, deadline: Duration) -> Result<Response, ServiceError> {
-    let frame = encode(req)?;
+    send_frame(stream, &encode(req)?, deadline)?;
+    Ok(decode::<Response>(&read_body(stream, deadline)?)?)
+}
+
+/// Sends `req` sealed and reads the sealed answer within `deadline`; an answer whose seal fails
+/// is an error (the caller drops the connection).
+pub(crate) fn exchange_sealed(
+    stream: &mut TcpStream,
+    mac: &mut SessionMac,
+    req: &Request,
+    deadline: Duration,
+) -> Result<Response, ServiceError> {
+    send_frame(stream, &mac.seal(req)?, deadline)?;
+    Ok(mac.open::<Response>(&read_body(stream, deadline)?)?)
+}
+
+fn send_frame(stream: &mut TcpStream, frame: &[u8], deadline: Duration) -> Result<(), ServiceError> {
     stream.set_write_timeout(Some(deadline))?;
-    stream.write_all(&frame).map_err(ServiceError::Lost)?;
+    stream.write_all(frame).map_err(ServiceError::Lost)
+}
+
+/// The body of the next frame, whole within `deadline`.
+pub(crate) fn read_body(stream: &mut TcpStream, deadline: Duration) -> Result<Vec<u8>, ServiceError> {
     let until = Instant::now() + deadline;
     let mut header = [0u8; 4];
     read_by(stream, &mut header, until, deadline)?;
     let n = frame_len_within(header, MAX_FRAME)?;
     let mut body = vec![0u8; n];
     read_by(stream, &mut body, until, deadline)?;
-    Ok(decode::<Response>(&body)?)
+    Ok(body)
 }
 
 /// Fills `buf` from `stream` by `until`, however the bytes trickle in.

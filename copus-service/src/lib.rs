@@ -10,7 +10,11 @@
 //! `Challenge` with its nonce and an HMAC-SHA256 proof over both nonces and the fingerprint,
 //! which the client checks before it sends its own proof (`Prove`). So an impostor listening on
 //! the address learns nothing of the token (only the run's name and fingerprint) and gives no
-//! decisions. Each handshake frame must come whole
+//! decisions. Every frame after the handshake is sealed with a key both sides derive from the
+//! token and the two nonces, and carries its sequence number and an HMAC over its bytes
+//! ([`SessionMac`](copus_core::orchestrator::SessionMac)): an altered, replayed, reordered or
+//! reflected frame is refused and the connection dropped (the run's embedded orchestrator then
+//! decides, as for a lost service). Each handshake frame must come whole
 //! within [`ServiceConfig::handshake_timeout`] and in at most
 //! [`MAX_HELLO`](copus_core::orchestrator::MAX_HELLO) bytes; only after it may frames grow to
 //! [`MAX_FRAME`](copus_core::orchestrator::MAX_FRAME). Connections without a whole hello are

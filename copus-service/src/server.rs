@@ -8,8 +8,8 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use copus_core::orchestrator::{
-    MAX_FRAME, MAX_HELLO, Orchestrator, ProtocolError, Request, Response, RunFingerprint, check_hello, check_token, client_proof, decode,
-    encode, frame_len_within, nonce, proof_matches, service_proof,
+    MAX_FRAME, MAX_HELLO, Orchestrator, ProtocolError, Request, Response, RunFingerprint, SessionMac, Side, check_hello, check_token,
+    client_proof, decode, encode, frame_len_within, nonce, proof_matches, service_proof,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -179,9 +179,10 @@ async fn read_hello(
     }
 }
 
-/// Sends `r` as one frame; false when the connection is gone.
-async fn send(stream: &mut tokio::net::TcpStream, r: &Response) -> bool {
-    match encode(r) {
+/// Sends `r` as one frame (sealed with `mac` after the handshake); false when the connection
+/// is gone.
+async fn send(stream: &mut tokio::net::TcpStream, mac: Option<&mut SessionMac>, r: &Response) -> bool {
+    match mac.map_or_else(|| encode(r), |m| m.seal(r)) {
         Ok(frame) => stream.write_all(&frame).await.is_ok(),
         Err(_) => false,
     }
@@ -189,13 +190,14 @@ async fn send(stream: &mut tokio::net::TcpStream, r: &Response) -> bool {
 
 /// The handshake, each side proving it knows the token without sending it: the client's
 /// `Hello` (version, fingerprint, nonce), the service's `Challenge` (its nonce and proof), the
-/// client's `Prove`. Returns the session's orchestrator, or `None` after answering an error.
+/// client's `Prove`. Returns the session's orchestrator and the sealing of its later frames, or
+/// the error to answer.
 async fn handshake(
     stream: &mut tokio::net::TcpStream,
     cfg: &ServiceConfig,
     make: &MakeOrchestrator,
     pending: Unauthenticated,
-) -> Result<Orchestrator, String> {
+) -> Result<(Orchestrator, SessionMac), String> {
     let until = tokio::time::Instant::now() + cfg.handshake_timeout;
     let hello = match read_hello(stream, until, &pending).await {
         Ok(body) => decode::<Request>(&body).map_err(|e| e.to_string())?,
@@ -207,7 +209,7 @@ async fn handshake(
     let client_nonce = check_hello(&hello, &cfg.fingerprint).map_err(|e| e.to_string())?;
     let service_nonce = nonce();
     let proof = service_proof(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint);
-    if !send(stream, &Response::Challenge { nonce: service_nonce.clone(), proof }).await {
+    if !send(stream, None, &Response::Challenge { nonce: service_nonce.clone(), proof }).await {
         return Err(String::new());
     }
     let left = until.saturating_duration_since(tokio::time::Instant::now());
@@ -218,7 +220,7 @@ async fn handshake(
     };
     match prove {
         Request::Prove { proof } if proof_matches(&client_proof(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint), &proof) => {
-            Ok(make())
+            Ok((make(), SessionMac::new(&cfg.token, &client_nonce, &service_nonce, &cfg.fingerprint, Side::Service)))
         }
         _ => Err(ProtocolError::Unauthorized.to_string()),
     }
@@ -232,19 +234,19 @@ async fn session(
     pending: Unauthenticated,
     failed: Arc<FailedHellos>,
 ) {
-    let mut orch = match handshake(&mut stream, &cfg, &make, pending).await {
+    let (mut orch, mut mac) = match handshake(&mut stream, &cfg, &make, pending).await {
         Ok(o) => o,
         Err(why) => {
             if !why.is_empty() {
                 failed.note(peer, &why);
-                let _ = send(&mut stream, &Response::Error(why)).await;
+                let _ = send(&mut stream, None, &Response::Error(why)).await;
             } else {
                 failed.note(peer, "no whole handshake in time");
             }
             return;
         }
     };
-    if !send(&mut stream, &Response::Welcome { policy: orch.policy_name() }).await {
+    if !send(&mut stream, Some(&mut mac), &Response::Welcome { policy: orch.policy_name() }).await {
         return;
     }
     loop {
@@ -252,7 +254,8 @@ async fn session(
         let reply = match read_frame(&mut stream, MAX_FRAME, cfg.idle_timeout, cfg.frame_timeout).await {
             Err(ReadEnd::Closed) | Err(ReadEnd::Timeout) => return,
             Err(ReadEnd::Bad(e)) => Err(e.to_string()),
-            Ok(body) => match decode::<Request>(&body) {
+            // A frame whose seal fails is refused, and the connection dropped.
+            Ok(body) => match mac.open::<Request>(&body) {
                 Ok(req) => match orch.handle(req) {
                     Response::Error(e) => Err(e),
                     r => Ok(r),
@@ -264,7 +267,7 @@ async fn session(
             Ok(r) => (r, false),
             Err(e) => (Response::Error(e), true),
         };
-        if !send(&mut stream, &r).await || last {
+        if !send(&mut stream, Some(&mut mac), &r).await || last {
             return;
         }
     }

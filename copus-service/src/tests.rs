@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use copus_core::orchestrator::{
-    MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, client_proof, decode,
-    encode, frame_len_within, nonce, proof_matches, service_proof,
+    MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, SessionMac, Side,
+    client_proof, decode, encode, frame_len_within, nonce, proof_matches, service_proof,
 };
 use copus_core::policy::{Decision, Scorer, StepObservation, SwitchRule};
 
@@ -111,26 +111,34 @@ fn read_frame(s: &mut TcpStream) -> Vec<u8> {
     body
 }
 
-/// The client's side of the handshake by hand, proving with `token`; the service's last answer.
-fn handshake_as_client(s: &mut TcpStream, token: &str) -> Response {
+/// The client's side of the handshake by hand, proving with `token`: the service's last answer
+/// (a sealed welcome, or an unsealed refusal) and the session's seal.
+fn handshake_as_client(s: &mut TcpStream, token: &str) -> (Response, SessionMac) {
     let n = nonce();
     let hello = Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fingerprint(), nonce: n.clone() };
     let Response::Challenge { nonce: theirs, proof } = exchange(s, &hello, Duration::from_secs(10)).unwrap() else {
         panic!("no challenge")
     };
     assert!(proof_matches(&service_proof(TOKEN, &n, &theirs, &fingerprint()), &proof), "the real service proves the token");
-    exchange(s, &Request::Prove { proof: client_proof(token, &n, &theirs, &fingerprint()) }, Duration::from_secs(10)).unwrap()
+    s.write_all(&encode(&Request::Prove { proof: client_proof(token, &n, &theirs, &fingerprint()) }).unwrap()).unwrap();
+    let body = read_frame(s);
+    let mut mac = SessionMac::new(token, &n, &theirs, &fingerprint(), Side::Client);
+    let answer = mac.open::<Response>(&body).unwrap_or_else(|_| decode::<Response>(&body).unwrap());
+    (answer, mac)
 }
 
-/// The service's side of the handshake by hand, knowing `token`; then welcomes the client.
-fn handshake_as_service(s: &mut TcpStream, token: &str) {
+/// The service's side of the handshake by hand, knowing `token`; then welcomes the client,
+/// sealed. Returns the session's seal.
+fn handshake_as_service(s: &mut TcpStream, token: &str) -> SessionMac {
     let Request::Hello { nonce: theirs, .. } = decode::<Request>(&read_frame(s)).unwrap() else { panic!("no hello") };
     let n = nonce();
     s.write_all(&encode(&Response::Challenge { nonce: n.clone(), proof: service_proof(token, &theirs, &n, &fingerprint()) }).unwrap())
         .unwrap();
     let Request::Prove { proof } = decode::<Request>(&read_frame(s)).unwrap() else { panic!("no proof") };
     assert!(proof_matches(&client_proof(token, &theirs, &n, &fingerprint()), &proof));
-    s.write_all(&encode(&Response::Welcome { policy: "copus".into() }).unwrap()).unwrap();
+    let mut mac = SessionMac::new(token, &theirs, &n, &fingerprint(), Side::Service);
+    s.write_all(&mac.seal(&Response::Welcome { policy: "copus".into() }).unwrap()).unwrap();
+    mac
 }
 
 /// A listener that is not the service: it answers the hello with a challenge whose proof is
@@ -175,9 +183,9 @@ fn trickling_service() -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        handshake_as_service(&mut s, TOKEN);
+        let mut mac = handshake_as_service(&mut s, TOKEN);
         let _step = read_frame(&mut s);
-        let frame = encode(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
+        let frame = mac.seal(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
         for b in frame {
             if s.write_all(&[b]).is_err() {
                 return;
@@ -294,18 +302,17 @@ fn wrong_tokens_versions_runs_and_bad_frames_are_refused() {
     assert!(matches!(&answer, Some(Response::Error(e)) if e.contains("exceeds")), "{answer:?}");
     // Garbage after a valid hello.
     let mut s = TcpStream::connect(addr).unwrap();
-    assert!(matches!(handshake_as_client(&mut s, TOKEN), Response::Welcome { .. }));
+    let (welcome, mut mac) = handshake_as_client(&mut s, TOKEN);
+    assert!(matches!(welcome, Response::Welcome { .. }));
     // A proof made with another token is refused.
     let mut wrong = TcpStream::connect(addr).unwrap();
-    assert!(matches!(handshake_as_client(&mut wrong, "0123456789abcdef-guess"), Response::Error(e) if e.contains("wrong token")));
+    assert!(matches!(handshake_as_client(&mut wrong, "0123456789abcdef-guess").0, Response::Error(e) if e.contains("wrong token")));
+    // Unsealed junk after the handshake fails its seal.
     let junk = b"{not json";
     s.write_all(&(junk.len() as u32).to_be_bytes()).unwrap();
     s.write_all(junk).unwrap();
-    let mut header = [0u8; 4];
-    s.read_exact(&mut header).unwrap();
-    let mut body = vec![0u8; frame_len_within(header, MAX_FRAME).unwrap()];
-    s.read_exact(&mut body).unwrap();
-    assert!(matches!(decode::<Response>(&body).unwrap(), Response::Error(e) if e.contains("malformed")));
+    let body = read_frame(&mut s);
+    assert!(matches!(mac.open::<Response>(&body).unwrap(), Response::Error(e) if e.contains("failed its authentication")));
     // A short token is refused at start.
     let e = spawn("127.0.0.1:0".parse().unwrap(), ServiceConfig::new("short".into(), fingerprint()), make()).err().unwrap();
     assert!(e.to_string().contains("at least 16"), "{e}");
@@ -337,7 +344,7 @@ fn a_vanished_service_leaves_the_embedded_orchestrator_deciding() {
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        handshake_as_service(&mut s, TOKEN);
+        let _ = handshake_as_service(&mut s, TOKEN);
         drop(s);
         drop(listener);
     });
@@ -445,4 +452,84 @@ fn the_connection_cap_and_handshake_timeout_hold() {
     client.observe(obs(1, 4.0), 10.0, no_state());
     assert!(client.wait_for(1, Duration::from_secs(5)).is_some());
     drop(service);
+}
+
+/// After the handshake every frame is sealed: the service refuses a step whose bytes were
+/// changed on the way, or one sent again, and drops the connection; a run whose service
+/// answers with a changed or replayed decision falls back to its embedded orchestrator.
+#[test]
+fn a_tampered_or_replayed_frame_is_refused_and_the_connection_dropped() {
+    let service = spawn("127.0.0.1:0".parse().unwrap(), config(), make()).unwrap();
+    let step = |k| Request::Step { observation: obs(k, 4.0), samples_per_sec: 10.0 };
+    let refused = |s: &mut TcpStream, mac: &mut SessionMac| {
+        let answer = mac.open::<Response>(&read_frame(s)).unwrap();
+        assert!(matches!(&answer, Response::Error(e) if e.contains("failed its authentication")), "{answer:?}");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(s.read(&mut [0u8; 1]).unwrap(), 0, "the connection is dropped");
+    };
+    // A changed byte (a digit of the observation's numbers).
+    let mut s = TcpStream::connect(service.addr).unwrap();
+    let (_, mut mac) = handshake_as_client(&mut s, TOKEN);
+    let mut frame = mac.seal(&step(1)).unwrap();
+    let at = frame.windows(4).position(|w| w == b"10.0").expect("the samples/s in the JSON") + 1;
+    frame[at] = b'9';
+    s.write_all(&frame).unwrap();
+    refused(&mut s, &mut mac);
+    // The same sealed step twice: the first is answered, the replay refused.
+    let mut s = TcpStream::connect(service.addr).unwrap();
+    let (_, mut mac) = handshake_as_client(&mut s, TOKEN);
+    let frame = mac.seal(&step(1)).unwrap();
+    s.write_all(&frame).unwrap();
+    assert!(matches!(mac.open::<Response>(&read_frame(&mut s)).unwrap(), Response::Decision { step: 1, .. }));
+    s.write_all(&frame).unwrap();
+    refused(&mut s, &mut mac);
+    // A frame sealed in another session (another key) is refused too.
+    let mut other = TcpStream::connect(service.addr).unwrap();
+    let (_, mut other_mac) = handshake_as_client(&mut other, TOKEN);
+    let mut s = TcpStream::connect(service.addr).unwrap();
+    let (_, mut mac) = handshake_as_client(&mut s, TOKEN);
+    s.write_all(&other_mac.seal(&step(1)).unwrap()).unwrap();
+    refused(&mut s, &mut mac);
+    drop(service);
+
+    // The client's side: a service whose first decision is altered on the way, then one that
+    // replays its first decision for the second step.
+    for replay in [false, true] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut mac = handshake_as_service(&mut s, TOKEN);
+            let _ = read_frame(&mut s);
+            let mut first = mac.seal(&Response::Decision { step: 1, decision: Decision::Keep }).unwrap();
+            if !replay {
+                let at = first.windows(4).position(|w| w == b"Keep").unwrap();
+                first[at] = b'k';
+            }
+            let _ = s.write_all(&first);
+            // The second step (when the first decision was accepted), answered with the first
+            // decision's frame again.
+            let mut header = [0u8; 4];
+            if s.read_exact(&mut header).is_ok() {
+                let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
+                let _ = s.read_exact(&mut body);
+                let _ = s.write_all(&first);
+            }
+            let _ = s.read_to_end(&mut Vec::new());
+        });
+        let mut remote = RemoteSource::synchronous(connect(addr).unwrap(), make()(), Duration::from_secs(10));
+        use copus_core::decision::DecisionSource;
+        let mut embedded = make()();
+        // The altered decision is refused at step 1; the replayed one at step 2.
+        let refused_at = if replay { 2 } else { 1 };
+        for k in 1..=refused_at {
+            let (theirs, ours) = (remote.on_step(&obs(k, 4.0), 10.0), embedded.on_step_measured(&obs(k, 4.0), 10.0));
+            if k == refused_at {
+                assert_eq!(theirs, ours, "the refused step is decided in process");
+            }
+        }
+        let why = remote.unavailable().expect("the run fell back").to_string();
+        assert!(why.contains("failed its authentication"), "replay {replay}: {why}");
+        assert_eq!(remote.fallback_steps(), 1, "replay {replay}: the refused step was decided in process");
+    }
 }
