@@ -1,6 +1,15 @@
 //! A run folder on disk: whole-run checkpoints under `checkpoints/step-N.bpk` with rotation, a
 //! resume from the newest one that loads, and log files cut back to a checkpoint's step.
 //!
+//! One lineage: `checkpoints/lineage` lists, oldest first, the checkpoints the run's current
+//! branch went through (each save appends its file; each checkpoint also records its parent in
+//! its `extra` map, `copus.run.parent`). A resume continues from the newest checkpoint of that
+//! list that loads and cuts the list back to it; a checkpoint file that is not on the list (one
+//! of an abandoned branch: a newer checkpoint that was unreadable for a while, the run resumed
+//! from an older one, then the newer one came back) is set aside as `*.bpk.branch`, renamed,
+//! never deleted, so the run never continues a branch whose logs it has cut. A folder without
+//! the list (an older run) resumes as before, from the newest checkpoint that loads.
+//!
 //! One rule for left-over temporary files holds everywhere: a save writes a uniquely named
 //! temporary file and renames it (`checkpoint::write_atomically`), and only the temporaries of
 //! processes that no longer run are removed (by the save of the same file, and by every
@@ -23,6 +32,13 @@ use crate::parallel::ParallelLm;
 /// Checkpoints kept by default: the newest and the one before, so a save cut short or a damaged
 /// newest file still leaves one to resume from.
 pub const DEFAULT_KEEP: usize = 2;
+
+/// The key of a checkpoint's parent (the checkpoint file its branch continued from, or
+/// `start`) in its `extra` map.
+pub const PARENT_KEY: &str = "copus.run.parent";
+
+/// Entries of the lineage list kept (the newest); far more than the checkpoints kept.
+const LINEAGE_KEPT: usize = 256;
 
 /// A failure reading or writing a run folder.
 #[derive(Debug, thiserror::Error)]
@@ -161,8 +177,28 @@ impl RunDir {
         Ok(RunLock { _file: file })
     }
 
-    /// Writes a whole-run checkpoint of `driver` at its current step (atomically) and removes
-    /// all but the newest `keep`; returns the file written.
+    /// The lineage file's path.
+    fn lineage_path(&self) -> PathBuf {
+        self.checkpoints_dir().join("lineage")
+    }
+
+    /// The checkpoints of the run's current branch, oldest first (`None`: no lineage file, an
+    /// older run folder).
+    pub fn lineage(&self) -> Option<Vec<String>> {
+        let text = std::fs::read_to_string(self.lineage_path()).ok()?;
+        Some(text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
+    }
+
+    fn write_lineage(&self, names: &[String]) -> Result<(), RunDirError> {
+        let path = self.lineage_path();
+        let kept = &names[names.len().saturating_sub(LINEAGE_KEPT)..];
+        let text: String = kept.iter().map(|n| format!("{n}\n")).collect();
+        write_atomically(&path, text.as_bytes()).map_err(|source| RunDirError::Io { path, source })
+    }
+
+    /// Writes a whole-run checkpoint of `driver` at its current step (atomically), recording its
+    /// parent and appending it to the lineage, and removes all but the newest `keep`; returns
+    /// the file written.
     pub fn save<L: ParallelLm>(
         &self,
         driver: &mut Driver<L>,
@@ -172,7 +208,18 @@ impl RunDir {
         let dir = self.checkpoints_dir();
         std::fs::create_dir_all(&dir).map_err(|source| RunDirError::Io { path: dir.clone(), source })?;
         let path = self.checkpoint_path(driver.engine().steps_done());
-        driver.save_checkpoint(&path, source, extra)?;
+        let mut lineage = self.lineage().unwrap_or_default();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        // A save at the step of the newest entry (the end of a run that just checkpointed)
+        // replaces that file: it stays one entry.
+        if lineage.last() == Some(&name) {
+            lineage.pop();
+        }
+        let mut extra = extra.clone();
+        extra.insert(PARENT_KEY.into(), lineage.last().cloned().unwrap_or_else(|| "start".into()));
+        driver.save_checkpoint(&path, source, &extra)?;
+        lineage.push(name);
+        self.write_lineage(&lineage)?;
         // Temporaries of any checkpoint's save cut short by a killed process.
         remove_dead_temporaries(&dir, None);
         let all = self.checkpoints();
@@ -212,7 +259,27 @@ impl RunDir {
         source: &mut dyn DecisionSource,
         adjust: &dyn Fn(EngineConfig) -> EngineConfig,
     ) -> Result<(Driver<L>, PathBuf), RunDirError> {
+        let lineage = self.lineage();
         let mut checkpoints = self.checkpoints();
+        if let Some(names) = &lineage {
+            checkpoints.retain(|(_, path)| {
+                let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                if names.iter().any(|n| n == name) {
+                    return true;
+                }
+                let aside = path.with_extension("bpk.branch");
+                match std::fs::rename(path, &aside).and_then(|()| sync_parent(path)) {
+                    Ok(()) => tracing::warn!(
+                        "checkpoint {} is not of the run's current branch (not in {}); set aside as {}",
+                        path.display(),
+                        self.lineage_path().display(),
+                        aside.display()
+                    ),
+                    Err(e) => tracing::warn!("checkpoint {} is not of the run's current branch; not set aside: {e}", path.display()),
+                }
+                false
+            });
+        }
         let regular = checkpoints.len();
         checkpoints.extend(self.emergency_checkpoints());
         // Newest first; at equal steps a regular checkpoint before an emergency one.
@@ -235,9 +302,13 @@ impl RunDir {
                         .and_then(|()| sync_parent(&to))
                         .map_err(|source| RunDirError::Io { path: path.clone(), source })?;
                     tracing::info!("the emergency checkpoint {} is now {}", path.display(), to.display());
+                    self.continue_lineage_from(lineage.as_deref(), &to)?;
                     return Ok((driver, to));
                 }
-                Ok((driver, _)) => return Ok((driver, path.clone())),
+                Ok((driver, _)) => {
+                    self.continue_lineage_from(lineage.as_deref(), path)?;
+                    return Ok((driver, path.clone()));
+                }
                 Err(e @ DriverError::Engine(EngineError::Damaged { .. })) => {
                     let aside = path.with_extension("bpk.bad");
                     match std::fs::rename(path, &aside).and_then(|()| sync_parent(path)) {
@@ -260,6 +331,18 @@ impl RunDir {
             (None, Some((path, source))) => Err(RunDirError::Unusable { path, source }),
             (None, None) => Err(RunDirError::NoCheckpoints(self.checkpoints_dir())),
         }
+    }
+
+    /// The lineage cut back to `from` (the checkpoint a resume continues from), or ending at it
+    /// when it is not on the list (an emergency checkpoint, a folder without a lineage).
+    fn continue_lineage_from(&self, lineage: Option<&[String]>, from: &Path) -> Result<(), RunDirError> {
+        let name = from.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let mut names = lineage.map(<[String]>::to_vec).unwrap_or_default();
+        match names.iter().position(|n| *n == name) {
+            Some(i) => names.truncate(i + 1),
+            None => names.push(name),
+        }
+        self.write_lineage(&names)
     }
 
     /// Cuts the log file `name` of the run back to the lines of steps up to `step` (and a CSV

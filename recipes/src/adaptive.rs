@@ -784,6 +784,50 @@ mod tests {
         assert!(err.contains("the corpus changed since the run started"), "{err}");
     }
 
+    /// One lineage: the newest checkpoint (step 6) vanishes for a while, the run resumes from
+    /// step 4 and writes step 5 (its parent recorded); when step 6 comes back, the next resume
+    /// continues from step 5, sets step 6 aside as another branch's (renamed, not deleted), and
+    /// the log holds steps 1 to 8 once each, with the losses of a run never stopped.
+    #[test]
+    fn a_checkpoint_that_vanishes_and_returns_does_not_fork_the_run() {
+        let out = tempfile::tempdir().unwrap();
+        let text = |name: &str| {
+            format!(
+                r#"(
+                    name: "{name}",
+                    output_dir: "{}",
+                    model: (preset: "tiny-1m", seq_len: Some(32)),
+                    data: (heldout_plays: ["macbeth"], tokenizer: Bpe(vocab_size: 512)),
+                    train: (global_batch: 4, micro_batch: 2, max_steps: 8, eval_every: 4, eval_sequences: 8, checkpoint_every: 2, seed: 3),
+                    optim: (lr: 3e-3, b0: 4, warmup_steps: 2, total_steps: 8),
+                    parallel: (world_size: 1, global_batches: [4], micro_batches: [2]),
+                )"#,
+                out.path().display()
+            )
+        };
+        let whole = Recipe::parse(&text("whole"), "whole").unwrap();
+        let (whole_dir, _) = run(&whole, &RunOptions::default()).unwrap();
+        let recipe = Recipe::parse(&text("forked"), "forked").unwrap();
+        let (dir, _) = run(&recipe, &RunOptions { max_steps: Some(6), ..RunOptions::default() }).unwrap();
+        let rd = RunDir::new(&dir);
+        let six = rd.checkpoint_path(6);
+        let hidden = out.path().join("away.bpk");
+        std::fs::rename(&six, &hidden).unwrap();
+        let (_, s) = resume(&recipe, &dir, &RunOptions { max_steps: Some(5), ..RunOptions::default() }).unwrap();
+        assert_eq!(s.steps, 5);
+        let (_, _, extra) = copus_burn::state::TrainingState::load(&rd.checkpoint_path(5)).unwrap();
+        assert_eq!(extra.get(copus_burn::run_dir::PARENT_KEY).map(String::as_str), Some("step-00000004.bpk"));
+        std::fs::rename(&hidden, &six).unwrap();
+        let (_, s) = resume(&recipe, &dir, &RunOptions::default()).unwrap();
+        assert_eq!(s.steps, 8);
+        assert!(six.with_extension("bpk.branch").exists(), "the other branch's checkpoint is set aside, not deleted");
+        let (a, b) = (logged_losses(&dir), logged_losses(&whole_dir));
+        assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), (1..=8).collect::<Vec<u64>>());
+        for ((sa, la), (_, lb)) in a.iter().zip(&b) {
+            assert!((la - lb).abs() <= 1e-6, "step {sa}: {la} vs {lb}");
+        }
+    }
+
     /// Ctrl-C (here its flag, set before the run starts) lets the first step finish, writes a
     /// checkpoint, and reports the run as interrupted; the run then resumes to its end.
     #[test]
