@@ -134,3 +134,14 @@ pub(crate) fn saving<T, E: std::fmt::Display>(save: impl FnOnce() -> Result<T, E
     }
     saved
 }
+
+/// Asks the process `pid` (a supervised run's child) to stop as SIGTERM does: it finishes its
+/// step, writes a checkpoint and exits.
+#[allow(unsafe_code)]
+pub(crate) fn terminate(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return };
+    // SAFETY: kill(2) takes any pid and signal number and touches no memory of this process;
+    // the pid is the supervised child's, which this process has not yet waited for, so it
+    // cannot have been reused.
+    let _ = unsafe { libc::kill(pid, libc::SIGTERM) };
+}
