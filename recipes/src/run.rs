@@ -98,7 +98,7 @@ impl RunArgs {
     }
 }
 
-/// Where a run started by [`supervise`] writes its run folder's path, once it has one
+/// Where a run started by `recipes run --max-restarts` writes its run folder's path, once it has one
 /// (environment variable naming a file).
 pub const RUN_FOLDER_FILE_ENV: &str = "COPUS_RUN_FOLDER_FILE";
 
