@@ -262,23 +262,7 @@ impl RunDir {
         let lineage = self.lineage();
         let mut checkpoints = self.checkpoints();
         if let Some(names) = &lineage {
-            checkpoints.retain(|(_, path)| {
-                let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                if names.iter().any(|n| n == name) {
-                    return true;
-                }
-                let aside = path.with_extension("bpk.branch");
-                match std::fs::rename(path, &aside).and_then(|()| sync_parent(path)) {
-                    Ok(()) => tracing::warn!(
-                        "checkpoint {} is not of the run's current branch (not in {}); set aside as {}",
-                        path.display(),
-                        self.lineage_path().display(),
-                        aside.display()
-                    ),
-                    Err(e) => tracing::warn!("checkpoint {} is not of the run's current branch; not set aside: {e}", path.display()),
-                }
-                false
-            });
+            self.set_aside_other_branches(&mut checkpoints, names);
         }
         let regular = checkpoints.len();
         checkpoints.extend(self.emergency_checkpoints());
@@ -331,6 +315,27 @@ impl RunDir {
             (None, Some((path, source))) => Err(RunDirError::Unusable { path, source }),
             (None, None) => Err(RunDirError::NoCheckpoints(self.checkpoints_dir())),
         }
+    }
+
+    /// Keeps the checkpoints on the lineage `names`; renames each other one `*.bpk.branch`.
+    fn set_aside_other_branches(&self, checkpoints: &mut Vec<(u64, PathBuf)>, names: &[String]) {
+        checkpoints.retain(|(_, path)| {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if names.iter().any(|n| n == name) {
+                return true;
+            }
+            let aside = path.with_extension("bpk.branch");
+            match std::fs::rename(path, &aside).and_then(|()| sync_parent(path)) {
+                Ok(()) => tracing::warn!(
+                    "checkpoint {} is not of the run's current branch (not in {}); set aside as {}",
+                    path.display(),
+                    self.lineage_path().display(),
+                    aside.display()
+                ),
+                Err(e) => tracing::warn!("checkpoint {} is not of the run's current branch; not set aside: {e}", path.display()),
+            }
+            false
+        });
     }
 
     /// The lineage cut back to `from` (the checkpoint a resume continues from), or ending at it

@@ -155,7 +155,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
     // A supervisor (`recipes run --max-restarts`) learns where to resume from.
-    if let Some(file) = std::env::var_os(crate::run::RUN_FOLDER_FILE_ENV) {
+    if let Some(file) = std::env::var_os(crate::prepare::RUN_FOLDER_FILE_ENV) {
         let _ = std::fs::write(file, folder.display().to_string());
     }
     // The run folder is this process's until the run ends.

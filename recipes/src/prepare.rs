@@ -175,6 +175,10 @@ pub fn seeded<T>(device: &burn::tensor::Device, seed: u64, f: impl FnOnce() -> T
 
 pub use crate::data::{MAX_VOCAB, checked_vocab, vocab_of};
 
+/// Where a run started by `recipes run --max-restarts` writes its run folder's path, once it
+/// has one (environment variable naming a file).
+pub const RUN_FOLDER_FILE_ENV: &str = "COPUS_RUN_FOLDER_FILE";
+
 /// Options from the command line.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {

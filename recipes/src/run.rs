@@ -98,9 +98,7 @@ impl RunArgs {
     }
 }
 
-/// Where a run started by `recipes run --max-restarts` writes its run folder's path, once it has one
-/// (environment variable naming a file).
-pub const RUN_FOLDER_FILE_ENV: &str = "COPUS_RUN_FOLDER_FILE";
+pub use crate::prepare::RUN_FOLDER_FILE_ENV;
 
 /// Runs `args`'s run in a child process and starts it again from its newest checkpoint when it
 /// ends abnormally, up to `args.max_restarts` times, with backoff, saying so each time. A stop

@@ -90,11 +90,10 @@ fn loader_rate(d: &PackedDataset, batch: usize, count: u64) -> f64 {
     (count * batch as u64) as f64 / t.elapsed().as_secs_f64()
 }
 
-/// Runs the bench and prints its tables.
-pub fn run(opts: &Options) -> anyhow::Result<()> {
-    let cache = data::cache_dir();
+/// The built-in corpora's text files, each sorted by name.
+fn builtin_files(cache: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = Vec::new();
-    for dir in [data::builtin::shakespeare_dir(&cache)?, data::builtin::sotu_dir(&cache)?] {
+    for dir in [data::builtin::shakespeare_dir(cache)?, data::builtin::sotu_dir(cache)?] {
         let mut f: Vec<PathBuf> = std::fs::read_dir(&dir)?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "txt"))
@@ -102,6 +101,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         f.sort();
         files.extend(f);
     }
+    Ok(files)
+}
+
+/// Runs the bench and prints its tables.
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    let cache = data::cache_dir();
+    let files = builtin_files(&cache)?;
     let texts: Vec<String> = files.iter().map(std::fs::read_to_string).collect::<Result<_, _>>()?;
     let bytes: usize = texts.iter().map(String::len).sum();
     let main_job = crate::load_recipe(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/shakespeare-tiny.ron")))?;
