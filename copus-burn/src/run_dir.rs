@@ -217,9 +217,12 @@ impl RunDir {
         }
         let mut extra = extra.clone();
         extra.insert(PARENT_KEY.into(), lineage.last().cloned().unwrap_or_else(|| "start".into()));
-        driver.save_checkpoint(&path, source, &extra)?;
+        // The list names the checkpoint before it exists: a process killed in between leaves a
+        // name without a file (passed over), never a checkpoint the list does not name (which a
+        // resume would set aside).
         lineage.push(name);
         self.write_lineage(&lineage)?;
+        driver.save_checkpoint(&path, source, &extra)?;
         // Temporaries of any checkpoint's save cut short by a killed process.
         remove_dead_temporaries(&dir, None);
         let all = self.checkpoints();
