@@ -178,9 +178,8 @@ const CORPUS_FILE: &str = "corpus.sha256";
 
 /// The lines of [`CORPUS_FILE`]: `corpus SHA` and `tokenizer SHA`.
 fn corpus_record(checksum: &str, tokenizer: &tokenizers::Tokenizer) -> String {
-    use sha2::{Digest, Sha256};
     let json = tokenizer.to_string(false).unwrap_or_default();
-    format!("corpus {checksum}\ntokenizer {}\n", crate::data::hex(&Sha256::digest(json.as_bytes())))
+    format!("corpus {checksum}\ntokenizer {}\n", crate::data::sha256_hex(json.as_bytes()))
 }
 
 /// A resumed run must read the data it started on: when the corpus's files or the tokenizer

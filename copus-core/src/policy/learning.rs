@@ -234,12 +234,8 @@ impl Learning {
     /// The candidate that beats staying on `cur` (whose `y` is `y_cur`) by the threshold over
     /// the horizon at every point of `band` (or on throughput, `band` empty), each candidate's
     /// `y` given by `relative(i)`; the one with the largest smallest margin.
-    fn best_change(&self, cur: usize, y_cur: f64, eligible: &[usize], band: &[f64], relative: &dyn Fn(usize) -> f64) -> Option<usize> {
-        self.best_change_costed(cur, y_cur, eligible, band, relative, 1.0)
-    }
-
-    /// [`Self::best_change`] with each change's cost counted `trips` times.
-    fn best_change_costed(
+    /// Each change's cost is counted `trips` times (2 for a trial: there and back).
+    fn best_change(
         &self,
         cur: usize,
         y_cur: f64,
@@ -359,7 +355,7 @@ impl Policy for Learning {
         let differences = self.belief.differences_from(&cur).unwrap_or_default();
         let lower = |i: usize| differences.get(i).map_or(f64::NEG_INFINITY, |(m, s)| m - z * s);
         let y_cur = self.belief.predict(&cur).map_or(0.0, |p| p.0);
-        let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur);
+        let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur, 1.0);
         let decided = self.confirmed(decided, &cur, obs.step);
         let explored = decided.is_none();
         let target = decided.or_else(|| {
@@ -370,7 +366,7 @@ impl Policy for Learning {
             let relative = |i: usize| draw[i] - draw[ci] + y_cur;
             let same_batch: Vec<usize> =
                 eligible.iter().copied().filter(|&i| self.belief.candidates()[i].global_batch == cur.global_batch).collect();
-            self.best_change_costed(ci, y_cur, &same_batch, &band, &relative, 2.0)
+            self.best_change(ci, y_cur, &same_batch, &band, &relative, 2.0)
         });
         let Some(i) = target else { return Decision::Keep };
         let decision = Decision::to(&cur, self.belief.candidates()[i]);

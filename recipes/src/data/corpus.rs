@@ -28,7 +28,7 @@ use tokenizers::Tokenizer;
 use super::bpe::{BPE_SETTINGS, bpe_tokenizer, id_bound, vocab_of};
 use super::builtin::load_plays;
 use super::documents::{self, Document, FileStamp, Naming};
-use super::error::{DataError, hex, io};
+use super::error::{DataError, hex, io, sha256_hex};
 use super::spec::{Heldout, Source, TextSplit, TokenDtype, TokenizerRecipe, same_file};
 use super::tokens::{self, Shard, ShardWriter, Span, TokenStore, Width};
 use crate::report::progress::Progress;
@@ -203,10 +203,6 @@ fn listing(names: &[String], total: u64, what: &str) -> String {
     } else {
         format!("the corpus has {total} {what}, the first: {}, ...", names[..names.len().min(12)].join(", "))
     }
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
 }
 
 /// The tokenizer's identity in a cache key: the BPE's settings, or the file's hash.

@@ -96,3 +96,9 @@ pub fn hex(digest: &[u8]) -> String {
         s
     })
 }
+
+/// Lower-case hex of the sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex(&Sha256::digest(bytes))
+}

@@ -24,5 +24,5 @@ pub mod tokens;
 
 pub use bpe::{MAX_VOCAB, bpe_key, bpe_tokenizer, checked_vocab, encode, vocab_of};
 pub use builtin::{Play, load_plays, strip_markdown};
-pub use error::{DataError, cache_dir, hex};
+pub use error::{DataError, cache_dir, hex, sha256_hex};
 pub use packed::{Order, PackedDataset};
