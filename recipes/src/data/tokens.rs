@@ -270,9 +270,14 @@ pub fn read_megatron_index(idx: &Path) -> Result<MegatronIndex, DataError> {
         None => return Err(bad("no dtype".into())),
     };
     let count = usize::try_from(u64_at(18)?).map_err(|_| bad("sequence count too large".into()))?;
-    let (lengths, pointers) = (34usize, 34 + 4 * count);
-    if bytes.len() < pointers + 8 * count {
-        return Err(bad(format!("{count} sequences need {} bytes, the file has {}", pointers + 8 * count, bytes.len())));
+    // Checked: a damaged count must not overflow the arithmetic.
+    let (lengths, pointers) = (34usize, count.checked_mul(4).and_then(|n| n.checked_add(34)));
+    let need = pointers.and_then(|p| count.checked_mul(8).and_then(|n| n.checked_add(p)));
+    let (Some(pointers), Some(need)) = (pointers, need) else {
+        return Err(bad(format!("a sequence count of {count} cannot be right")));
+    };
+    if bytes.len() < need {
+        return Err(bad(format!("{count} sequences need {need} bytes, the file has {}", bytes.len())));
     }
     let sequences = (0..count)
         .map(|i| {
@@ -429,5 +434,13 @@ mod tests {
         assert!(e.contains("dtype code 6"), "{e}");
         std::fs::write(&idx, b"hello").unwrap();
         assert!(read_megatron_index(&idx).unwrap_err().to_string().contains("no MMIDIDX header"));
+        // A count that would overflow the sizes is an error, not a panic.
+        let mut huge = b"MMIDIDX\x00\x00".to_vec();
+        huge.extend(1u64.to_le_bytes());
+        huge.push(8);
+        huge.extend(u64::MAX.to_le_bytes());
+        huge.extend(0u64.to_le_bytes());
+        std::fs::write(&idx, huge).unwrap();
+        assert!(read_megatron_index(&idx).unwrap_err().to_string().contains("cannot be right"));
     }
 }
