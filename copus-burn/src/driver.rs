@@ -16,6 +16,14 @@
 //! halves the learning rate and goes on; when that has happened [`Divergence::max_restores`]
 //! times it stops with [`DriverError::Diverged`].
 //!
+//! Recovery: a step that fails because a rank failed (a panic, a collective that timed out, a
+//! process gone) leaves the engine dead. With [`Driver::with_recoveries`] the driver then
+//! rebuilds the engine from its last snapshot, in the snapshot's layout or, when that cannot
+//! start (a device gone), in a layout of fewer ranks ([`Driver::with_smaller_worlds`]), redoes
+//! the lost steps from the snapshot's data position and reports a [`RecoveryRecord`]. Training
+//! that keeps diverging past its restores is recovered the same way, at a halved learning rate.
+//! The recoveries are bounded; past the bound the failure is the step's error.
+//!
 //! Whole-run checkpoints ([`Driver::save_checkpoint`], [`Driver::resume`]) hold the training
 //! state in its layout, the engine configuration (with the learning rate reached), the run's
 //! [`Position`] (data, clock, divergence counters) and what the decision source learned, so a
@@ -87,6 +95,9 @@ pub struct Position {
     pub clock_secs: f64,
     /// Divergence restores done.
     pub restores: u32,
+    /// Recoveries from failed ranks or past-bound divergence done.
+    #[serde(default)]
+    pub recoveries: u32,
     /// Non-finite steps in a row at the time of saving.
     pub bad_in_row: u32,
 }
@@ -115,6 +126,60 @@ pub struct DecisionRecord {
     pub applied: bool,
     /// Why not, when it was refused or failed.
     pub refused: Option<String>,
+}
+
+/// Why the driver rebuilt the engine from its snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RecoveryCause {
+    /// A rank failed: it panicked, reported an error, timed out or vanished.
+    Rank {
+        /// The first failing rank (`usize::MAX` when not known).
+        rank: usize,
+        /// What it reported.
+        message: String,
+    },
+    /// The engine failed otherwise (it stopped, or a rank's channel closed).
+    Engine(String),
+    /// Non-finite steps went on after every divergence restore.
+    Diverged,
+}
+
+impl std::fmt::Display for RecoveryCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Rank { rank, message } => write!(f, "rank {rank} failed: {message}"),
+            Self::Engine(message) => write!(f, "the engine failed: {message}"),
+            Self::Diverged => write!(f, "non-finite steps past every divergence restore"),
+        }
+    }
+}
+
+/// A recovery: the engine rebuilt from the last snapshot. One line of `decisions.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryRecord {
+    /// The step that failed (steps done then, plus one).
+    pub failed_step: u64,
+    /// Why.
+    pub cause: RecoveryCause,
+    /// The snapshot's step: training goes on from the step after it.
+    pub back_to_step: u64,
+    /// Steps trained since the snapshot, done again.
+    pub lost_steps: u64,
+    /// The configuration that failed.
+    pub from: Candidate,
+    /// The configuration the engine was rebuilt in (the snapshot's, or one of fewer ranks).
+    pub to: Candidate,
+    /// Seconds the rebuild took on this machine.
+    pub measured_secs: f64,
+    /// Seconds the rebuild charged to the run's clock (the lost steps' time is on it already).
+    pub clock_secs: f64,
+    /// Seconds the failed step charged to the run's clock before it failed (a timeout's wait).
+    #[serde(default)]
+    pub failed_step_secs: f64,
+    /// The learning rate after it (halved after divergence).
+    pub lr: f64,
+    /// Recoveries done in the run, this one included.
+    pub recovery: u32,
 }
 
 /// A carried-out switch; one line of `reconfigurations.csv`.
@@ -158,6 +223,10 @@ pub struct DriverStep {
     /// After too many non-finite steps in a row: the step of the snapshot the run went back
     /// to, with the learning rate halved.
     pub restored: Option<u64>,
+    /// The recoveries of this step, in order: the engine rebuilt from its snapshot after a
+    /// failed attempt (the step is then the first one trained after them), or after this
+    /// skipped step when the divergence restores were used up.
+    pub recovered: Vec<RecoveryRecord>,
 }
 
 /// Why the loop stopped.
@@ -182,6 +251,14 @@ pub enum DriverError {
         /// Why not.
         reason: String,
     },
+    /// A rank failed again after every recovery the run allows.
+    #[error("{error} (after {recoveries} recoveries, the most the run allows; raise train.max_recoveries to allow more)")]
+    Unrecovered {
+        /// The last failure.
+        error: EngineError,
+        /// Recoveries done.
+        recoveries: u32,
+    },
     /// Training kept diverging after restores at halved learning rates.
     #[error(
         "training diverged: {bad} steps in a row with a non-finite loss or gradient, again after {restores} restores of the last snapshot at a halved learning rate (now {lr:e}); lower optim.lr or set optim.clip_norm"
@@ -196,6 +273,9 @@ pub enum DriverError {
     },
 }
 
+/// The run's candidate space over a given number of ranks (fewer than it started with).
+pub type SmallerWorlds = Box<dyn Fn(usize) -> Enumeration>;
+
 /// The loop's state: engine, candidate space, data position, clock.
 pub struct Driver<L: ParallelLm> {
     engine: Engine<L>,
@@ -208,6 +288,9 @@ pub struct Driver<L: ParallelLm> {
     snapshot: Option<Snapshot>,
     bad_in_row: u32,
     restores: u32,
+    recoveries: u32,
+    max_recoveries: u32,
+    smaller_worlds: Option<SmallerWorlds>,
     /// The next step is the first after a relaunch: its wall time includes warm-up, so its
     /// samples/s are not reported as a measurement.
     warming_up: bool,
@@ -232,6 +315,9 @@ impl<L: ParallelLm> Driver<L> {
             snapshot: None,
             bad_in_row: 0,
             restores: 0,
+            recoveries: 0,
+            max_recoveries: 0,
+            smaller_worlds: None,
             warming_up: false,
         };
         driver.check(&current).map_err(|Refusal(reason)| DriverError::Start { candidate: current, reason })?;
@@ -307,6 +393,7 @@ impl<L: ParallelLm> Driver<L> {
         driver.next_sample = position.next_sample;
         driver.clock_secs = position.clock_secs;
         driver.restores = position.restores;
+        driver.recoveries = position.recoveries;
         driver.bad_in_row = position.bad_in_row;
         driver.warming_up = true;
         driver.snapshot = Some(Snapshot { state, candidate: driver.current, next_sample: position.next_sample });
@@ -326,13 +413,39 @@ impl<L: ParallelLm> Driver<L> {
 
     /// Where the run stands: the next sample, the clock and the divergence counters.
     pub fn position(&self) -> Position {
-        Position { next_sample: self.next_sample, clock_secs: self.clock_secs, restores: self.restores, bad_in_row: self.bad_in_row }
+        Position {
+            next_sample: self.next_sample,
+            clock_secs: self.clock_secs,
+            restores: self.restores,
+            bad_in_row: self.bad_in_row,
+            recoveries: self.recoveries,
+        }
     }
 
     /// How non-finite steps are handled.
     pub fn with_divergence(mut self, divergence: Divergence) -> Self {
         self.divergence = divergence;
         self
+    }
+
+    /// How many times a failed engine may be rebuilt from the snapshot (none by default: a
+    /// failed rank is the step's error).
+    pub fn with_recoveries(mut self, max_recoveries: u32) -> Self {
+        self.max_recoveries = max_recoveries;
+        self
+    }
+
+    /// The run's candidate space over fewer ranks, for a recovery whose layout cannot start
+    /// again (a device gone): the engine is rebuilt in a layout of the largest smaller world
+    /// with the same B_g that starts, and the run goes on in that space.
+    pub fn with_smaller_worlds(mut self, smaller: SmallerWorlds) -> Self {
+        self.smaller_worlds = Some(smaller);
+        self
+    }
+
+    /// Recoveries done.
+    pub fn recoveries(&self) -> u32 {
+        self.recoveries
     }
 
     /// Stages the state as the point to go back to; its time counts on the wall clock.
@@ -346,35 +459,156 @@ impl<L: ParallelLm> Driver<L> {
         Ok(())
     }
 
-    /// Goes back to the last snapshot with the learning rate halved; returns its step.
-    fn restore(&mut self) -> Result<u64, DriverError> {
+    /// Goes back to the last snapshot with the learning rate halved; returns its step. Past
+    /// the restores allowed, a recovery (while any is left) does the same.
+    fn restore(&mut self, recovered: &mut Vec<RecoveryRecord>) -> Result<u64, DriverError> {
         let lr = self.engine.config().optim.lr;
         if self.restores >= self.divergence.max_restores {
-            return Err(DriverError::Diverged { bad: self.bad_in_row, restores: self.restores, lr });
+            if self.recoveries >= self.max_recoveries {
+                return Err(DriverError::Diverged { bad: self.bad_in_row, restores: self.restores, lr });
+            }
+            let record = self.recover(RecoveryCause::Diverged, 0.5, None)?;
+            let back = record.back_to_step;
+            recovered.push(record);
+            return Ok(back);
         }
-        let snap = self.snapshot.as_ref().expect("a snapshot is taken at the start");
+        let (c, _, _) = self.back_to_snapshot(lr / 2.0, None)?;
+        self.restores += 1;
+        let step = self.snapshot_step();
+        tracing::warn!("training diverged; back to step {step} in {c} at learning rate {:e} (restore {})", lr / 2.0, self.restores);
+        Ok(step)
+    }
+
+    /// The step of the last snapshot.
+    fn snapshot_step(&self) -> u64 {
+        self.snapshot.as_ref().map_or(0, |s| s.state.step)
+    }
+
+    /// Rebuilds the engine from the last snapshot at learning rate `lr`: in the snapshot's
+    /// configuration, or, when that cannot start and smaller worlds are known, in one of fewer
+    /// ranks without `failed_rank`'s device. Sets the data position and the clock; returns the
+    /// configuration it runs and the seconds measured and charged.
+    fn back_to_snapshot(&mut self, lr: f64, failed_rank: Option<usize>) -> Result<(Candidate, f64, f64), DriverError> {
+        let snap = self.snapshot.take().expect("a snapshot is taken at the start");
+        let started = Instant::now();
+        let result = self.relaunch_from(&snap, lr, failed_rank);
+        let measured = started.elapsed().as_secs_f64();
+        let next_sample = snap.next_sample;
+        self.snapshot = Some(snap);
+        let c = result?;
+        let charged = match &self.clock {
+            Clock::Wall => measured,
+            Clock::Modelled { layout_switch_secs, .. } => *layout_switch_secs,
+        };
+        self.clock_secs += charged;
+        self.current = c;
+        self.warming_up = true;
+        self.next_sample = next_sample;
+        self.bad_in_row = 0;
+        Ok((c, measured, charged))
+    }
+
+    /// The relaunch of [`Driver::back_to_snapshot`]; returns the configuration that runs.
+    fn relaunch_from(&mut self, snap: &Snapshot, lr: f64, failed_rank: Option<usize>) -> Result<Candidate, DriverError> {
         let c = snap.candidate;
         let mut cfg = self.engine.config().clone();
         (cfg.dims, cfg.global_batch, cfg.micro_batch) = (c.dims, c.global_batch, c.micro_batch);
-        cfg.optim.lr = lr / 2.0;
-        let started = Instant::now();
-        self.engine.relaunch(&snap.state, &cfg, Fault::none())?;
-        self.clock_secs += match &self.clock {
-            Clock::Wall => started.elapsed().as_secs_f64(),
-            Clock::Modelled { layout_switch_secs, .. } => *layout_switch_secs,
+        cfg.optim.lr = lr;
+        let first = match self.engine.relaunch(&snap.state, &cfg, Fault::none()) {
+            Ok(()) => return Ok(c),
+            Err(e) => e,
         };
-        self.current = c;
-        self.warming_up = true;
-        self.next_sample = snap.next_sample;
-        self.restores += 1;
-        self.bad_in_row = 0;
+        let Some(smaller) = &self.smaller_worlds else { return Err(first.into()) };
+        let world = c.dims.world_size();
+        let mut devices = cfg.devices.clone();
+        if devices.len() == world {
+            devices.remove(failed_rank.filter(|&r| r < world).unwrap_or(world - 1));
+        }
+        for w in (1..world).rev() {
+            let space = smaller(w);
+            let Some(t) = nearest_layout(&space, &c) else { continue };
+            (cfg.dims, cfg.micro_batch) = (t.dims, t.micro_batch);
+            cfg.devices = devices.iter().take(w).cloned().collect();
+            match self.engine.relaunch(&snap.state, &cfg, Fault::none()) {
+                Ok(()) => {
+                    tracing::warn!("{c} cannot start again ({first}); the run goes on in {t}, {w} of {world} ranks");
+                    self.space = space;
+                    return Ok(t);
+                }
+                Err(e) => tracing::warn!("recovery in {t} failed: {e}"),
+            }
+        }
+        Err(first.into())
+    }
+
+    /// After a failed step or a divergence past its restores: the engine rebuilt from the
+    /// snapshot at the learning rate times `lr_factor`, counted and reported.
+    fn recover(&mut self, cause: RecoveryCause, lr_factor: f64, failed_rank: Option<usize>) -> Result<RecoveryRecord, DriverError> {
+        let from = self.current;
+        let failed_step = self.engine.steps_done() + 1;
+        let lr = self.engine.config().optim.lr * lr_factor;
+        let (to, measured_secs, clock_secs) = self.back_to_snapshot(lr, failed_rank)?;
+        self.recoveries += 1;
+        let back_to_step = self.snapshot_step();
+        let record = RecoveryRecord {
+            failed_step,
+            cause,
+            back_to_step,
+            lost_steps: failed_step - 1 - back_to_step,
+            from,
+            to,
+            measured_secs,
+            clock_secs,
+            failed_step_secs: 0.0,
+            lr,
+            recovery: self.recoveries,
+        };
         tracing::warn!(
-            "training diverged; back to step {} at learning rate {:e} (restore {})",
-            snap.state.step,
-            cfg.optim.lr,
-            self.restores
+            "step {failed_step}: {}; rebuilt from step {back_to_step} in {to} in {measured_secs:.2} s, {} steps to redo (recovery {} of {})",
+            record.cause,
+            record.lost_steps,
+            self.recoveries,
+            self.max_recoveries
         );
-        Ok(snap.state.step)
+        Ok(record)
+    }
+
+    /// Trains the next step, recovering from failed ranks while recoveries are left: the
+    /// step's configuration, the step and its samples/s.
+    fn train_recovering(
+        &mut self,
+        data: &dyn DataSource,
+        recovered: &mut Vec<RecoveryRecord>,
+    ) -> Result<(Candidate, EngineStep, f64), DriverError> {
+        loop {
+            let candidate = self.current;
+            let started = Instant::now();
+            let error = match self.train_step(data) {
+                Ok((step, samples_per_sec)) => return Ok((candidate, step, samples_per_sec)),
+                Err(DriverError::Engine(e)) if self.engine.is_dead() => e,
+                Err(e) => return Err(e),
+            };
+            // The failed step's time is lost; on the wall clock it counts.
+            let failed_secs = match &self.clock {
+                Clock::Wall => started.elapsed().as_secs_f64(),
+                Clock::Modelled { step_secs, .. } => step_secs(&candidate),
+            };
+            self.clock_secs += failed_secs;
+            if self.recoveries >= self.max_recoveries {
+                return Err(if self.max_recoveries == 0 {
+                    error.into()
+                } else {
+                    DriverError::Unrecovered { error, recoveries: self.recoveries }
+                });
+            }
+            let (cause, rank) = match error {
+                EngineError::Rank { rank, message } => (RecoveryCause::Rank { rank, message }, Some(rank)),
+                other => (RecoveryCause::Engine(other.to_string()), None),
+            };
+            let mut record = self.recover(cause, 1.0, rank)?;
+            record.failed_step_secs = failed_secs;
+            recovered.push(record);
+        }
     }
 
     /// The engine.
@@ -445,8 +679,8 @@ impl<L: ParallelLm> Driver<L> {
 
     /// One step on the next B_g sequences, then the decision and, if valid, the switch.
     pub fn step(&mut self, data: &dyn DataSource, source: &mut dyn DecisionSource) -> Result<DriverStep, DriverError> {
-        let candidate = self.current;
-        let (step, samples_per_sec) = self.train_step(data)?;
+        let mut recovered = Vec::new();
+        let (candidate, step, samples_per_sec) = self.train_recovering(data, &mut recovered)?;
         let mut out = DriverStep {
             step,
             candidate,
@@ -456,12 +690,13 @@ impl<L: ParallelLm> Driver<L> {
             decision: None,
             switch: None,
             restored: None,
+            recovered,
         };
         if out.step.skipped {
             self.bad_in_row += 1;
             if self.bad_in_row >= self.divergence.max_bad_steps {
                 // The restore is charged to the clock: the step ends after it.
-                out.restored = Some(self.restore()?);
+                out.restored = Some(self.restore(&mut out.recovered)?);
                 (out.step_clock_secs, out.clock_secs) = (self.clock_secs, self.clock_secs);
             }
             return Ok(out);
@@ -563,4 +798,15 @@ impl<L: ParallelLm> Driver<L> {
             live: report.live,
         }))
     }
+}
+
+/// The candidate of `space` closest to `c`: the same B_g, then the same tp and pp, then the
+/// same B_m.
+fn nearest_layout(space: &Enumeration, c: &Candidate) -> Option<Candidate> {
+    space
+        .feasible
+        .iter()
+        .filter(|t| t.global_batch == c.global_batch)
+        .min_by_key(|t| (t.dims.tp != c.dims.tp, t.dims.pp != c.dims.pp, t.micro_batch != c.micro_batch, t.dims.pp, t.dims.tp))
+        .copied()
 }

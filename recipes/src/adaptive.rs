@@ -150,7 +150,7 @@ fn run_with(recipe: &Recipe, opts: &RunOptions, stop: &AtomicBool) -> anyhow::Re
         None => crate::prepare::seeded(&device, recipe.train.seed, || full_params(&s.cfg.init(&device))),
     };
     let job = fresh_job(recipe, &s)?.build(&full)?;
-    let mut driver = job.driver;
+    let mut driver = recovering(job.driver, recipe, &s)?;
     tracing::info!("starting at {}", job.start);
 
     let folder = run_folder(Path::new(&recipe.output_dir), &recipe.name)?;
@@ -198,6 +198,19 @@ fn check_same_corpus(run_dir: &Path, now: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The driver with the recipe's recoveries (`train.max_recoveries`); an adaptive run that
+/// loses a device goes on in its candidate space over fewer ranks.
+fn recovering(driver: Driver<LlamaConfig>, recipe: &Recipe, s: &Setup) -> anyhow::Result<Driver<LlamaConfig>> {
+    let driver = driver.with_recoveries(recipe.train.max_recoveries);
+    let Some(par) = recipe.parallel.as_ref().filter(|_| !s.fixed) else { return Ok(driver) };
+    let (space, spec) = (par.space()?, s.spec.clone());
+    Ok(driver.with_smaller_worlds(Box::new(move |world| {
+        let mut smaller = space.clone();
+        smaller.world_size = world;
+        smaller.enumerate(&spec)
+    })))
+}
+
 /// Continues the run in `run_dir` from its newest readable checkpoint. `recipe` must be the
 /// recipe the run was started with, except for when it stops (`train.max_steps`,
 /// `train.time_budget_secs`) and how often it saves (`train.checkpoint_every`).
@@ -221,7 +234,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
         let precision_hint =
             if differs.contains(&"parallel.precision") { "; --allow-precision-change accepts another parallel.precision" } else { "" };
         return Err(anyhow!(
-            "{} was trained with a different recipe: {} differ{} (only train.max_steps, train.time_budget_secs and train.checkpoint_every may change on resume{precision_hint})",
+            "{} was trained with a different recipe: {} differ{} (only train.max_steps, train.time_budget_secs, train.checkpoint_every and train.max_recoveries may change on resume{precision_hint})",
             run_dir.display(),
             differs.join(", "),
             if differs.len() == 1 { "s" } else { "" },
@@ -235,7 +248,7 @@ pub fn resume(recipe: &Recipe, run_dir: &Path, opts: &RunOptions) -> anyhow::Res
     check_same_corpus(run_dir, &corpus_record(&s.checksum, &s.tokenizer))?;
     let job = crate::prepare::job(&saved, &s.cfg, s.space.clone())
         .resume(&dir, Some(s.data_and_source().1), || copus_burn::driver::Clock::Wall)?;
-    let (mut driver, path) = (job.driver, job.resumed_from.unwrap_or_default());
+    let (mut driver, path) = (recovering(job.driver, recipe, &s)?, job.resumed_from.unwrap_or_default());
     if precision_changed {
         let text = ron::ser::to_string_pretty(&saved, ron::ser::PrettyConfig::default())?;
         copus_burn::checkpoint::write_atomically(&saved_path, text.as_bytes())?;
@@ -379,6 +392,12 @@ impl Run<'_> {
 
     /// Writes one step's lines (metrics, decision, switch) and its point, and updates the bar.
     fn log_step(&mut self, st: &DriverStep, bar: &Progress) -> anyhow::Result<()> {
+        for r in &st.recovered {
+            // The steps after the snapshot are trained again; the plots keep the new ones.
+            writeln!(self.logs.decisions, "{}", serde_json::json!({"recovery": r, "why": r.cause.to_string()}))?;
+            self.logs.decisions.flush()?;
+            self.history.points.retain(|p| p.step <= r.back_to_step);
+        }
         let m = &st.step.metrics;
         let (phi, c) = (m.b_simple, st.candidate);
         // The statistical efficiency of the objective the policy ranks by.

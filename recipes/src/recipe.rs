@@ -197,6 +197,16 @@ pub struct TrainRecipe {
     /// at the end and on Ctrl-C, keeping the newest two (0: only at the end and on Ctrl-C).
     #[serde(default = "default_checkpoint_every")]
     pub checkpoint_every: u64,
+    /// Runs on the engine: how many times a failed rank (a panic, a collective timeout) or
+    /// training that diverges past its restores is recovered in the process, from the last
+    /// in-memory snapshot (at most 50 steps back, or the last checkpoint), before the run stops
+    /// with the error (0: never).
+    #[serde(default = "default_max_recoveries")]
+    pub max_recoveries: u32,
+}
+
+fn default_max_recoveries() -> u32 {
+    3
 }
 
 fn default_checkpoint_every() -> u64 {

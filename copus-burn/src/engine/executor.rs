@@ -35,6 +35,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let n_total = self.cfg.global_batch / self.cfg.micro_batch;
         let tp_rank = self.plan.tp_rank;
         let Scheduled { loss, mut micro_sq, acc } = self.run_schedule(batch, n_total)?;
+        if fault.crashes(self.rank) {
+            panic!("a planted panic on rank {} in the middle of a step", self.rank);
+        }
         let mut acc = acc.unwrap_or_default();
         self.return_tied_sum(&mut acc)?;
         // Per-micro-batch norms and the loss, summed over every rank.

@@ -1,5 +1,6 @@
-//! Fault injection for the rollback, divergence and timeout tests: a failure planted at one
-//! phase of the next layout change, a NaN gradient, a hung rank. They can be planted only with
+//! Fault injection for the rollback, divergence, timeout and recovery tests: a failure planted
+//! at one phase of the next layout change, a NaN gradient, a hung rank, a panicking rank, a lost
+//! device. They can be planted only with
 //! the off-by-default feature `fault-injection`; without it the types hold nothing, every check
 //! is a constant `false`, and the hooks compile away.
 
@@ -80,6 +81,7 @@ impl Fault {
 pub(crate) struct StepFault {
     poison: bool,
     stall: Option<usize>,
+    crash: Option<usize>,
 }
 
 /// Faults planted in one step: none without `fault-injection`.
@@ -92,6 +94,18 @@ impl StepFault {
     #[cfg(feature = "fault-injection")]
     pub(crate) fn poison(self) -> bool {
         self.poison
+    }
+
+    /// Whether world rank `rank` panics in the middle of the step (after its backward passes,
+    /// before the reductions).
+    pub(crate) fn crashes(self, rank: usize) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.crash == Some(rank);
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = rank;
+            false
+        }
     }
 
     /// Whether world rank `rank` hangs instead of stepping.
@@ -107,12 +121,15 @@ impl StepFault {
 }
 
 /// The step faults planted on an engine: NaN gradients for `poison.1` steps from step
-/// `poison.0` on, and a rank that hangs in the next step.
+/// `poison.0` on, a rank that hangs in the next step, a rank that panics in the step after
+/// `crash.0` steps (`crash.1`), and the most ranks a launch may start once a device is gone.
 #[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct PlantedSteps {
     pub(crate) poison: (u64, u64),
     pub(crate) stall: Option<usize>,
+    pub(crate) crash: Option<(u64, usize)>,
+    pub(crate) max_world: Option<usize>,
 }
 
 #[cfg(feature = "fault-injection")]
@@ -123,6 +140,13 @@ impl PlantedSteps {
         if poison {
             self.poison.1 -= 1;
         }
-        StepFault { poison, stall: self.stall.take() }
+        let crash = match self.crash {
+            Some((at, rank)) if steps_done >= at => {
+                self.crash = None;
+                Some(rank)
+            }
+            _ => None,
+        };
+        StepFault { poison, stall: self.stall.take(), crash }
     }
 }

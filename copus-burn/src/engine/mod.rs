@@ -176,6 +176,21 @@ impl<L: ParallelLm> Engine<L> {
         self.planted.stall = Some(rank);
     }
 
+    /// Makes world rank `rank` panic in the middle of the step after `at_step` steps (the
+    /// recovery tests).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&mut self, at_step: u64, rank: usize) {
+        self.planted.crash = Some((at_step, rank));
+    }
+
+    /// Makes world rank `rank` panic in the step after `at_step` steps as its device is lost:
+    /// from then on no launch may start more ranks than the world has now, less one.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_device_loss(&mut self, at_step: u64, rank: usize) {
+        self.planted.crash = Some((at_step, rank));
+        self.planted.max_world = Some(self.cfg.dims.world_size().saturating_sub(1));
+    }
+
     /// The folder for an emergency checkpoint: written only when a failed layout change cannot
     /// roll back, as the one intact copy of the state (default: the system's temporary folder).
     pub fn set_emergency_dir(&mut self, dir: impl Into<std::path::PathBuf>) {
@@ -364,6 +379,10 @@ impl<L: ParallelLm> Engine<L> {
     /// the engine runs `cfg`; on failure no rank runs.
     pub(crate) fn relaunch(&mut self, state: &TrainingState, cfg: &EngineConfig, fault: Fault) -> Result<(), EngineError> {
         self.stop_ranks();
+        #[cfg(feature = "fault-injection")]
+        if let Some(max) = self.planted.max_world.filter(|&m| cfg.dims.world_size() > m) {
+            return Err(EngineError::Device(format!("{} ranks asked for, but only {max} devices are left", cfg.dims.world_size())));
+        }
         let cluster = Cluster::launch(&self.model, &self.specs, state, cfg, fault)?;
         self.cluster = Some(cluster);
         self.cfg = cfg.clone();
