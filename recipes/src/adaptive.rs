@@ -201,7 +201,16 @@ fn check_same_corpus(run_dir: &Path, now: &str) -> anyhow::Result<()> {
 /// The driver with the recipe's recoveries (`train.max_recoveries`); an adaptive run that
 /// loses a device goes on in its candidate space over fewer ranks.
 fn recovering(driver: Driver<LlamaConfig>, recipe: &Recipe, s: &Setup) -> anyhow::Result<Driver<LlamaConfig>> {
-    let driver = driver.with_recoveries(recipe.train.max_recoveries);
+    #[allow(unused_mut)]
+    let mut driver = driver.with_recoveries(recipe.train.max_recoveries);
+    // The recovery test's hook: `STEP:RANK` panics that rank in the step after STEP steps.
+    #[cfg(feature = "fault-injection")]
+    if let Some((at, rank)) = std::env::var("COPUS_TEST_PANIC_AT").ok().and_then(|v| {
+        let (a, r) = v.split_once(':')?;
+        Some((a.parse().ok()?, r.parse().ok()?))
+    }) {
+        driver.engine_mut().inject_panic(at, rank);
+    }
     let Some(par) = recipe.parallel.as_ref().filter(|_| !s.fixed) else { return Ok(driver) };
     let (space, spec) = (par.space()?, s.spec.clone());
     Ok(driver.with_smaller_worlds(Box::new(move |world| {

@@ -115,6 +115,23 @@ enum BenchMode {
         #[arg(long)]
         micro_batch: usize,
     },
+    /// In-process recovery of a failed rank (a panic mid-step, a hung rank's timeout) on two
+    /// ranks of tiny-5m: the failed attempt, the rebuild and the lost steps, in steady steps.
+    /// Needs the build feature `fault-injection`.
+    Recovery {
+        /// Trials per row, each on a fresh engine.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
+        trials: u64,
+        /// Steps between the driver's snapshots.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+        snapshot_every: u64,
+        /// Steps trained before the failing one.
+        #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+        fail_after: u64,
+        /// The engine's wait limit in the timeout row, seconds.
+        #[arg(long, default_value_t = 2.0)]
+        timeout_secs: f64,
+    },
     /// The learner add-on's noise probe against the same step without it.
     Probe {
         /// Timed steps.
@@ -211,6 +228,21 @@ impl BenchArgs {
                 super::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?
             }
             BenchMode::Probe { steps } => super::probe::run(steps.max(1)),
+            BenchMode::Recovery { trials, snapshot_every, fail_after, timeout_secs } => {
+                if !(timeout_secs.is_finite() && timeout_secs > 0.0) {
+                    return Err(Usage(format!("--timeout-secs {timeout_secs}: a positive number of seconds")).into());
+                }
+                #[cfg(feature = "fault-injection")]
+                super::recovery::run(&super::recovery::Options { trials: trials as usize, snapshot_every, fail_after, timeout_secs })?;
+                #[cfg(not(feature = "fault-injection"))]
+                {
+                    let _ = (trials, snapshot_every, fail_after);
+                    return Err(Usage(
+                        "`bench recovery` plants failures: build with `--features fault-injection` (cargo run --release -p recipes --features fault-injection -- bench recovery)".into(),
+                    )
+                    .into());
+                }
+            }
             BenchMode::Memory { presets, zero1, bf16, backend, csv } => {
                 let group = match (zero1, bf16) {
                     (true, _) => super::memory::Group::Zero1,

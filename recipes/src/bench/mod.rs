@@ -1,4 +1,4 @@
-//! The benchmarks (`recipes bench step|engine|reconfig|probe|memory|device|data`), each printing a table, and what
+//! The benchmarks (`recipes bench step|engine|reconfig|recovery|probe|memory|device|data`), each printing a table, and what
 //! they share: the reference shapes, the synthetic tokens every side of a comparison sees, and
 //! medians.
 
@@ -9,6 +9,8 @@ pub mod engine;
 pub mod memory;
 pub mod probe;
 pub mod reconfig;
+#[cfg(feature = "fault-injection")]
+pub mod recovery;
 pub mod step;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
