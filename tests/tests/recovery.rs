@@ -177,7 +177,7 @@ fn a_lost_device_without_smaller_worlds_stops_with_the_devices_error() {
     faulted.engine_mut().inject_device_loss(1, 1);
     let mut keep = Scripted::new([]);
     faulted.step(&data(), &mut keep).unwrap();
-    let e = faulted.step(&data(), &mut keep).err().expect("no layout can start");
+    let e = faulted.step(&data(), &mut keep).expect_err("no layout can start");
     assert!(e.to_string().contains("devices are left"), "{e}");
 }
 
@@ -189,7 +189,7 @@ fn past_its_recoveries_a_failing_rank_stops_the_run_naming_the_bound() {
     assert_eq!(recovered.len(), 1);
     faulted.engine_mut().inject_panic(3, 1);
     let mut keep = Scripted::new([]);
-    let e = faulted.step(&data(), &mut keep).err().expect("no recovery left");
+    let e = faulted.step(&data(), &mut keep).expect_err("no recovery left");
     assert!(matches!(&e, DriverError::Unrecovered { recoveries: 1, .. }), "{e}");
     let text = e.to_string();
     assert!(text.contains("rank 1") && text.contains("train.max_recoveries"), "{text}");
