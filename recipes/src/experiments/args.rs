@@ -19,6 +19,10 @@ pub struct CompareArgs {
     /// An evidence file (RON), e.g. recipes/evidence-structured.ron.
     #[arg(long)]
     evidence: Option<PathBuf>,
+    /// With `--evidence`: the structured truth on the development seeds alone, baselines
+    /// chosen and Copus judged there (for developing a rule; the test seeds stay fresh).
+    #[arg(long, requires = "evidence")]
+    development: bool,
 }
 
 impl CompareArgs {
@@ -34,7 +38,7 @@ impl CompareArgs {
             }
             (None, Some(path), _) => {
                 let (e, s) = evidence::Evidence::load(&path).map_err(|e| Usage(format!("{e:#}")))?;
-                let (folder, report) = evidence::run(&e, &s)?;
+                let (folder, report) = evidence::run(&e, &s, self.development)?;
                 println!("{report}");
                 println!("report: {}", folder.display());
             }

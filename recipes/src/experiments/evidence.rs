@@ -384,13 +384,18 @@ fn check_goals(goals: &Goals, profile: &[Judged], prior: &[Judged]) -> String {
     out
 }
 
-/// Every (truth, scenario, seed, information) run of the file, on two threads.
-fn run_all(ev: &Evidence, suite: &Suite) -> anyhow::Result<BTreeMap<(Truth, usize, u64, Information), SeedArms>> {
-    let seeds: Vec<u64> = ev.dev_seeds.iter().chain(&ev.test_seeds).copied().collect();
+/// Every (truth, scenario, seed, information) run of the file over `truths` and `seeds`, on two
+/// threads.
+fn run_all(
+    ev: &Evidence,
+    suite: &Suite,
+    truths: &[Truth],
+    seeds: &[u64],
+) -> anyhow::Result<BTreeMap<(Truth, usize, u64, Information), SeedArms>> {
     let mut jobs = Vec::new();
-    for truth in [Truth::Structured, Truth::Stress] {
+    for &truth in truths {
         for i in 0..suite.scenarios.len() {
-            for &seed in &seeds {
+            for &seed in seeds {
                 for info in [Information::Profile, Information::Prior] {
                     jobs.push((truth, i, seed, info));
                 }
@@ -424,21 +429,27 @@ fn run_all(ev: &Evidence, suite: &Suite) -> anyhow::Result<BTreeMap<(Truth, usiz
 }
 
 /// Runs the file; writes `evidence.md` and `evidence.json` into a new run folder; returns the
-/// folder and the report.
-pub fn run(ev: &Evidence, suite: &Suite) -> anyhow::Result<(std::path::PathBuf, String)> {
+/// folder and the report. `development`: the structured truth on the development seeds alone,
+/// each baseline chosen and Copus judged on them (for developing a rule; never a judgement,
+/// and the test seeds stay fresh).
+pub fn run(ev: &Evidence, suite: &Suite, development: bool) -> anyhow::Result<(std::path::PathBuf, String)> {
     let folder = crate::prepare::run_folder(Path::new(&ev.output_dir), &ev.name)?;
-    let all = run_all(ev, suite)?;
+    let (truths, judged_on): (&[Truth], &[u64]) =
+        if development { (&[Truth::Structured], &ev.dev_seeds) } else { (&[Truth::Structured, Truth::Stress], &ev.test_seeds) };
+    let seeds: Vec<u64> = ev.dev_seeds.iter().chain(if development { &[][..] } else { &ev.test_seeds[..] }).copied().collect();
+    let all = run_all(ev, suite, truths, &seeds)?;
     let mut report = format!(
-        "# {}\n\nScenarios: {} ({}). Development seeds {:?}, test seeds {:?}. Copus: {:?}. Profile: {:?}.\n",
+        "# {}{}\n\nScenarios: {} ({}). Development seeds {:?}, judged on {:?}. Copus: {:?}. Profile: {:?}.\n",
         ev.name,
+        if development { " (development run: judged on the development seeds)" } else { "" },
         ev.scenarios_from,
         suite.scenarios.len(),
         ev.dev_seeds,
-        ev.test_seeds,
+        judged_on,
         ev.rule,
         ev.profile
     );
-    for truth in [Truth::Structured, Truth::Stress] {
+    for &truth in truths {
         let mut judged: BTreeMap<Information, Vec<Judged>> = BTreeMap::new();
         for (i, sc) in suite.scenarios.iter().enumerate() {
             let arms = |seeds: &[u64], info: Information| -> Vec<SeedArms> {
@@ -450,13 +461,13 @@ pub fn run(ev: &Evidence, suite: &Suite) -> anyhow::Result<(std::path::PathBuf, 
             let t = &sc.scenario.trajectory;
             let rising = t.last().map_or(0.0, |p| p.1) > 1.5 * t.first().map_or(0.0, |p| p.1);
             for info in [Information::Profile, Information::Prior] {
-                judged.entry(info).or_default().push(judge(&sc.name, rising, &arms(&ev.dev_seeds, info), &arms(&ev.test_seeds, info)));
+                judged.entry(info).or_default().push(judge(&sc.name, rising, &arms(&ev.dev_seeds, info), &arms(judged_on, info)));
             }
             judged.entry(Information::Online).or_default().push(judge(
                 &sc.name,
                 rising,
                 &online_of(&ev.dev_seeds),
-                &online_of(&ev.test_seeds),
+                &online_of(judged_on),
             ));
         }
         let _ = writeln!(report, "\n## {truth:?} truth\n");
