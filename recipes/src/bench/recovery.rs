@@ -77,13 +77,21 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     device.seed(0);
     let full = full_params(&cfg.init(&device));
     let mean_lost = (RUN_SNAPSHOT_EVERY - 1) as f64 / 2.0;
-    println!("In-process recovery of a failed rank: tiny-5m (seq {}), B_g {} B_m {}, two ranks, this machine.", spec.seq_len, BATCH.0, BATCH.1);
-    println!("A trial trains {} steps (a snapshot every {}), then the next step fails; recovery: from", opts.fail_after, opts.snapshot_every);
+    println!(
+        "In-process recovery of a failed rank: tiny-5m (seq {}), B_g {} B_m {}, two ranks, this machine.",
+        spec.seq_len, BATCH.0, BATCH.1
+    );
+    println!(
+        "A trial trains {} steps (a snapshot every {}), then the next step fails; recovery: from",
+        opts.fail_after, opts.snapshot_every
+    );
     println!("the start of that step until the run has trained it again, less one steady step, in");
     println!("steady steps. It is the failed attempt + the rebuild + the lost steps trained again. At a");
     println!("run's default snapshot cadence ({RUN_SNAPSHOT_EVERY} steps) a failure loses {mean_lost} steps in the mean: the");
     println!("last column is failed attempt + rebuild + {mean_lost} steps. Medians of {} trial(s).", opts.trials);
-    println!("| failure | layout | step s | failed attempt s | rebuild s | lost steps | recovery s | recovery steps | at cadence {RUN_SNAPSHOT_EVERY}, steps |");
+    println!(
+        "| failure | layout | step s | failed attempt s | rebuild s | lost steps | recovery s | recovery steps | at cadence {RUN_SNAPSHOT_EVERY}, steps |"
+    );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let rows = [
         (Failure::Panic, ParallelDims { dp: 2, tp: 1, pp: 1 }),

@@ -463,12 +463,7 @@ pub fn run(ev: &Evidence, suite: &Suite, development: bool) -> anyhow::Result<(s
             for info in [Information::Profile, Information::Prior] {
                 judged.entry(info).or_default().push(judge(&sc.name, rising, &arms(&ev.dev_seeds, info), &arms(judged_on, info)));
             }
-            judged.entry(Information::Online).or_default().push(judge(
-                &sc.name,
-                rising,
-                &online_of(&ev.dev_seeds),
-                &online_of(judged_on),
-            ));
+            judged.entry(Information::Online).or_default().push(judge(&sc.name, rising, &online_of(&ev.dev_seeds), &online_of(judged_on)));
         }
         let _ = writeln!(report, "\n## {truth:?} truth\n");
         if truth == Truth::Structured {
@@ -557,6 +552,64 @@ mod tests {
             assert_eq!(a.prior.throughput(c), prior.throughput(c));
         }
         assert!(a.profiling > 0.0 && a.profiling.is_finite());
+    }
+
+    /// A development aid, not a check: Copus's switches on one scenario, seed and information
+    /// (`COPUS_TRACE="NAME;SEED;Prior"`), each marked when it returns to the configuration the
+    /// previous switch left, with the oracle's schedule.
+    #[test]
+    #[ignore = "prints a trace for developing the rule"]
+    fn trace_one_run() {
+        let spec = std::env::var("COPUS_TRACE").unwrap_or_else(|_| "7b-4x8mi210 quiet;301;Prior".into());
+        let parts: Vec<&str> = spec.split(';').collect();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        // The file names its suite from the repository's root.
+        std::env::set_current_dir(&root).unwrap();
+        let (ev, suite) = Evidence::load(&root.join("recipes/evidence-structured.ron")).unwrap();
+        let sc = suite.scenarios.iter().find(|s| s.name == parts[0]).expect("a scenario of the suite");
+        let seed: u64 = parts[1].parse().unwrap();
+        let info = if parts[2] == "Prior" { Information::Prior } else { Information::Profile };
+        let objective = sc.objective.unwrap_or(suite.objective);
+        let sco = scorers(&ev, sc, objective, Truth::Structured, seed).unwrap();
+        let (plan, belief) = match info {
+            Information::Profile => (&sco.profile, FamilyPriors { own: ev.profile.error, ..FamilyPriors::none() }),
+            _ => (&sco.prior, ev.belief),
+        };
+        let s = &sc.scenario;
+        let trajectory = copus_core::policy::Trajectory::new(s.trajectory.clone(), s.end).unwrap();
+        let cfg = copus_core::sim::SimConfig { record_steps: false, ..s.sim_config(sc.costs, seed) };
+        let line = lineup(plan, suite.rule.unwrap_or(default_rule()), suite.cbs_c).unwrap();
+        let mut copus = Learning::new(plan.clone(), ev.rule, &belief, s.cluster.spec().unwrap().gpus_per_node, seed).unwrap();
+        let run = simulate(&mut copus, &sco.truth, &trajectory, line.copus_start, &cfg).unwrap();
+        let truth = |c: &copus_core::candidates::Candidate| sco.truth.throughput(c).unwrap_or(f64::NAN);
+        let best = |b: usize| sco.truth.candidates().filter(|(c, _)| c.global_batch == b).map(|(_, t)| *t).fold(0.0, f64::max);
+        println!(
+            "start {} truth {:.3} (best at its B_g {:.3})",
+            line.copus_start,
+            truth(&line.copus_start),
+            best(line.copus_start.global_batch)
+        );
+        let mut before = None;
+        for w in &run.switches {
+            let back = before == Some(w.to);
+            println!(
+                "step {:>6} t {:>8.0} {} -> {} truth {:.3} -> {:.3} (best at B_g {:.3}){}",
+                w.step,
+                w.time,
+                w.from,
+                w.to,
+                truth(&w.from),
+                truth(&w.to),
+                best(w.to.global_batch),
+                if back { "  [back]" } else { "" }
+            );
+            before = Some(w.from);
+        }
+        println!("time {:?}, layouts (decided, explored) {:?}", run.time_to_target, copus.layout_changes());
+        let oracle = hindsight_oracle(&trajectory, &sco.truth_objective, sc.costs, Some(line.copus_start));
+        for c in &oracle.per_segment {
+            println!("oracle {c} truth {:.3}", truth(c));
+        }
     }
 
     #[test]
