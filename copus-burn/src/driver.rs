@@ -291,6 +291,8 @@ pub struct Driver<L: ParallelLm> {
     recoveries: u32,
     max_recoveries: u32,
     smaller_worlds: Option<SmallerWorlds>,
+    /// The last rebuild moved to a smaller world: the snapshot is retaken there.
+    fell_back: bool,
     /// The next step is the first after a relaunch: its wall time includes warm-up, so its
     /// samples/s are not reported as a measurement.
     warming_up: bool,
@@ -318,6 +320,7 @@ impl<L: ParallelLm> Driver<L> {
             recoveries: 0,
             max_recoveries: 0,
             smaller_worlds: None,
+            fell_back: false,
             warming_up: false,
         };
         driver.check(&current).map_err(|Refusal(reason)| DriverError::Start { candidate: current, reason })?;
@@ -505,6 +508,11 @@ impl<L: ParallelLm> Driver<L> {
         self.warming_up = true;
         self.next_sample = next_sample;
         self.bad_in_row = 0;
+        if std::mem::take(&mut self.fell_back) {
+            // The old snapshot's layout no longer fits the devices: the point to go back to is
+            // the same state in the new layout.
+            self.take_snapshot()?;
+        }
         Ok((c, measured, charged))
     }
 
@@ -533,6 +541,7 @@ impl<L: ParallelLm> Driver<L> {
                 Ok(()) => {
                     tracing::warn!("{c} cannot start again ({first}); the run goes on in {t}, {w} of {world} ranks");
                     self.space = space;
+                    self.fell_back = true;
                     return Ok(t);
                 }
                 Err(e) => tracing::warn!("recovery in {t} failed: {e}"),
@@ -582,10 +591,13 @@ impl<L: ParallelLm> Driver<L> {
     ) -> Result<(Candidate, EngineStep, f64), DriverError> {
         loop {
             let candidate = self.current;
+            // Ranks in other processes cannot be rebuilt from here: under mpirun a failed rank
+            // ends the job (`MPI_Abort`), and the supervisor (`--max-restarts`) takes over.
+            let local = self.engine.runs_locally();
             let started = Instant::now();
             let error = match self.train_step(data) {
                 Ok((step, samples_per_sec)) => return Ok((candidate, step, samples_per_sec)),
-                Err(DriverError::Engine(e)) if self.engine.is_dead() => e,
+                Err(DriverError::Engine(e)) if self.engine.is_dead() && local => e,
                 Err(e) => return Err(e),
             };
             // The failed step's time is lost; on the wall clock it counts.

@@ -403,9 +403,14 @@ impl Run<'_> {
     fn log_step(&mut self, st: &DriverStep, bar: &Progress) -> anyhow::Result<()> {
         for r in &st.recovered {
             // The steps after the snapshot are trained again; the plots keep the new ones.
-            writeln!(self.logs.decisions, "{}", serde_json::json!({"recovery": r, "why": r.cause.to_string()}))?;
+            // Its step is the first one trained again: a resume from a checkpoint taken before
+            // the recovery drops the line with the steps it undid.
+            let line = serde_json::json!({"step": r.back_to_step + 1, "recovery": r, "why": r.cause.to_string()});
+            writeln!(self.logs.decisions, "{line}")?;
             self.logs.decisions.flush()?;
-            self.history.points.retain(|p| p.step <= r.back_to_step);
+            while self.history.points.last().is_some_and(|p| p.step > r.back_to_step) {
+                self.history.points.pop();
+            }
         }
         let m = &st.step.metrics;
         let (phi, c) = (m.b_simple, st.candidate);

@@ -130,9 +130,13 @@ pub(crate) fn history_of(folder: &Path, step: u64) -> anyhow::Result<History> {
         let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
         Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
     };
-    let mut points = Vec::new();
+    let mut points: Vec<Point> = Vec::new();
     for v in read("metrics.jsonl")? {
         if let Ok(p) = serde_json::from_value::<Point>(v["point"].clone()) {
+            // Steps trained again after a recovery: the later ones count.
+            while points.last().is_some_and(|q| q.step >= p.step) {
+                points.pop();
+            }
             points.push(p);
         }
     }

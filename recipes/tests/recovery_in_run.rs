@@ -52,4 +52,12 @@ fn a_rank_panic_mid_run_is_recovered_and_the_run_matches_the_uninterrupted_one()
     assert_eq!(got[3..], want[..], "losses after the recovery");
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["steps"].as_u64(), Some(6));
+
+    // A resume from the final checkpoint (after the recovery) keeps its line.
+    let (code, out) = Run::start(&["run", faulted.to_str().unwrap(), "--resume", folder.to_str().unwrap(), "--max-steps", "7"], &[])
+        .finish(Duration::from_secs(600));
+    assert_eq!(code, Some(0), "{out}");
+    let decisions = std::fs::read_to_string(folder.join("decisions.jsonl")).unwrap();
+    assert_eq!(decisions.lines().filter(|l| l.contains("\"recovery\"")).count(), 1, "{decisions}");
+    assert_eq!(losses(&folder).last().map(|x| x.0), Some(7));
 }

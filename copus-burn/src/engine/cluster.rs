@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 pub(super) struct RankFailure {
     origin: bool,
     message: String,
+    /// The rank to blame when it is not the one reporting: the first rank a timed-out wait
+    /// was waiting for.
+    culprit: Option<usize>,
 }
 
 struct WorkerHandle {
@@ -174,6 +177,7 @@ impl Cluster {
                                     "no answer within {:.1} s from rank(s) {missing:?} (hung)",
                                     2.0 * self.timeout.as_secs_f64()
                                 ),
+                                culprit: None,
                             },
                         ));
                     }
@@ -192,12 +196,13 @@ impl Cluster {
                         Some((_, old)) => f.origin && !old.origin,
                     };
                     if better {
-                        failure = Some((r, f));
+                        failure = Some((f.culprit.unwrap_or(r), f));
                     }
                     deadline = deadline.min(Instant::now() + GRACE.min(self.timeout));
                 }
                 Err(_) => {
-                    failure.get_or_insert((usize::MAX, RankFailure { origin: true, message: "a rank thread vanished".into() }));
+                    failure
+                        .get_or_insert((usize::MAX, RankFailure { origin: true, message: "a rank thread vanished".into(), culprit: None }));
                     break;
                 }
             }
@@ -473,17 +478,21 @@ fn worker_loop<L: ParallelLm, C: Collective>(
         let out = match result {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(RankError::Comm(CommError::Aborted { rank, message }))) if rank != r => {
-                Err(RankFailure { origin: false, message: format!("rank {rank} failed: {message}") })
+                Err(RankFailure { origin: false, message: format!("rank {rank} failed: {message}"), culprit: None })
             }
             Ok(Err(e)) => {
                 let message = e.to_string();
                 state.world.abort(&message);
-                Err(RankFailure { origin: true, message })
+                let culprit = match &e {
+                    RankError::Comm(CommError::Timeout { missing, .. }) => missing.first().copied(),
+                    _ => None,
+                };
+                Err(RankFailure { origin: true, message, culprit })
             }
             Err(p) => {
                 let message = panic_message(&p);
                 state.world.abort(&message);
-                Err(RankFailure { origin: true, message })
+                Err(RankFailure { origin: true, message, culprit: None })
             }
         };
         let failed = out.is_err();
