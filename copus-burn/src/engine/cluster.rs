@@ -29,6 +29,27 @@ pub(super) struct RankFailure {
     culprit: Option<usize>,
 }
 
+impl RankFailure {
+    /// This rank's own failure, the world aborted with its message so the others stop waiting.
+    fn origin<C: Collective>(world: &C, message: String, culprit: Option<usize>) -> Self {
+        world.abort(&message);
+        Self { origin: true, message, culprit }
+    }
+
+    /// A hung rank's, found by the engine's wait (no rank reported it).
+    fn hung(missing: &[usize], waited_secs: f64) -> Self {
+        Self { origin: true, message: format!("no answer within {waited_secs:.1} s from rank(s) {missing:?} (hung)"), culprit: None }
+    }
+}
+
+/// The rank a failed wait was waiting for, to blame instead of the rank that waited.
+fn culprit_of(e: &RankError) -> Option<usize> {
+    match e {
+        RankError::Comm(CommError::Timeout { missing, .. }) => missing.first().copied(),
+        _ => None,
+    }
+}
+
 struct WorkerHandle {
     commands: Sender<Command>,
     thread: Option<JoinHandle<()>>,
@@ -169,17 +190,7 @@ impl Cluster {
                         abort.abort(&format!("rank(s) {missing:?} did not answer"));
                     }
                     if failure.is_none() {
-                        failure = Some((
-                            missing[0],
-                            RankFailure {
-                                origin: true,
-                                message: format!(
-                                    "no answer within {:.1} s from rank(s) {missing:?} (hung)",
-                                    2.0 * self.timeout.as_secs_f64()
-                                ),
-                                culprit: None,
-                            },
-                        ));
+                        failure = Some((missing[0], RankFailure::hung(&missing, 2.0 * self.timeout.as_secs_f64())));
                     }
                     break;
                 }
@@ -480,20 +491,8 @@ fn worker_loop<L: ParallelLm, C: Collective>(
             Ok(Err(RankError::Comm(CommError::Aborted { rank, message }))) if rank != r => {
                 Err(RankFailure { origin: false, message: format!("rank {rank} failed: {message}"), culprit: None })
             }
-            Ok(Err(e)) => {
-                let message = e.to_string();
-                state.world.abort(&message);
-                let culprit = match &e {
-                    RankError::Comm(CommError::Timeout { missing, .. }) => missing.first().copied(),
-                    _ => None,
-                };
-                Err(RankFailure { origin: true, message, culprit })
-            }
-            Err(p) => {
-                let message = panic_message(&p);
-                state.world.abort(&message);
-                Err(RankFailure { origin: true, message, culprit: None })
-            }
+            Ok(Err(e)) => Err(RankFailure::origin(&state.world, e.to_string(), culprit_of(&e))),
+            Err(p) => Err(RankFailure::origin(&state.world, panic_message(&p), None)),
         };
         let failed = out.is_err();
         if tx.send((r, out)).is_err() || failed || retire {
