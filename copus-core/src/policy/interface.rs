@@ -149,7 +149,8 @@ pub struct PolicyState {
     #[serde(default)]
     pub left_layout: Option<ParallelDims>,
     /// The change wanted at every judgement since a step: layout, batch direction (-1, 0, 1)
-    /// and that step.
+    /// and that step ([`Learning`](super::Learning) confirms a batch direction only: its
+    /// layout is the running one's).
     #[serde(default)]
     pub winning: Option<(ParallelDims, i8, u64)>,
     /// The candidate on trial and the step its trial was decided at (exploration).

@@ -412,6 +412,8 @@ impl Policy for Learning {
         state.layout_cost = (self.costs[0].1 > 0.0).then(|| self.costs[0].0 / self.costs[0].1);
         state.seen = self.seen;
         state.batch_seen = self.batch_seen;
+        // A change of B_g being confirmed goes on being confirmed after a resume.
+        state.winning = self.wanted.zip(self.seen).map(|((up, since), (c, _))| (c.dims, if up { 1 } else { -1 }, since));
         let cands = self.belief.candidates().iter().zip(&self.measured);
         state.belief = cands.filter(|(_, m)| m.n > 0.0).map(|(c, m)| (*c, m.n, m.mean, m.m2)).collect();
         state
@@ -423,6 +425,7 @@ impl Policy for Learning {
             self.costs[0] = (c, 1.0);
         }
         (self.seen, self.batch_seen) = (state.seen, state.batch_seen);
+        self.wanted = state.winning.filter(|w| w.1 != 0).map(|(_, dir, since)| (dir > 0, since));
         self.measured = vec![Measured::default(); self.measured.len()];
         for (c, n, mean, m2) in &state.belief {
             if let Some(i) = self.belief.candidates().iter().position(|d| d == c)
@@ -650,5 +653,12 @@ mod tests {
             assert!((a.0 - b.0).abs() < 1e-12 && (a.1 - b.1).abs() < 1e-12);
         }
         assert_eq!(q.cost(&c, &Candidate::new(d(2, 2, 1), 4, 1).unwrap()), 3.0);
+        // A change of B_g half confirmed stays half confirmed.
+        p.seen = Some((c, 7));
+        p.wanted = Some((true, 12));
+        let mut r = Learning::new(s.clone(), Rule::default(), &FamilyPriors::default(), 4, 0).unwrap();
+        r.restore_learned(&p.learned());
+        assert_eq!(r.wanted, Some((true, 12)));
+        assert_eq!(q.wanted, None, "nothing was being confirmed");
     }
 }
