@@ -391,7 +391,7 @@ impl<L: ParallelLm> Driver<L> {
             }
             None => {}
         }
-        let engine = Engine::from_state(model, &state, adjust(cfg))?;
+        let engine = Engine::from_state(model, &state, adjust(regrown(cfg, &space)))?;
         let mut driver = Self::new(engine, space, clock)?;
         driver.next_sample = position.next_sample;
         driver.clock_secs = position.clock_secs;
@@ -810,6 +810,22 @@ impl<L: ParallelLm> Driver<L> {
             live: report.live,
         }))
     }
+}
+
+/// A saved configuration of fewer ranks than `space`'s layouts (a run that went on in a
+/// smaller world after losing a device) moved to the layout of `space` nearest it: a resume
+/// starts the run's whole world again. Any other configuration is left as saved.
+fn regrown(mut cfg: EngineConfig, space: &Enumeration) -> EngineConfig {
+    let Ok(saved) = Candidate::new(cfg.dims, cfg.global_batch, cfg.micro_batch) else { return cfg };
+    let world = space.feasible.first().map_or(0, |c| c.dims.world_size());
+    if saved.dims.world_size() >= world || space.feasible.contains(&saved) {
+        return cfg;
+    }
+    if let Some(t) = nearest_layout(space, &saved) {
+        tracing::warn!("the run went on in {saved} after losing a device; it resumes in {t}, on all {world} ranks");
+        (cfg.dims, cfg.micro_batch) = (t.dims, t.micro_batch);
+    }
+    cfg
 }
 
 /// The candidate of `space` closest to `c`: the same B_g, then the same tp and pp, then the

@@ -115,9 +115,12 @@ impl EngineOptions {
 
     /// What a resumed run takes from the options: the saved configuration holds the rest, and
     /// only the precision may change on a resume (the checkpoint's master weights and moments
-    /// are f32 under either).
+    /// are f32 under either), and the devices of a run that grows back to its whole world.
     pub fn on_resume(&self, saved: EngineConfig) -> EngineConfig {
-        saved.with_precision(self.precision)
+        // A run resumed in more ranks than it saved (after losing a device) gets a device each.
+        let world = saved.dims.world_size();
+        let devices = if saved.devices.is_empty() || saved.devices.len() == world { saved.devices.clone() } else { self.devices(world) };
+        saved.with_precision(self.precision).with_devices(devices)
     }
 }
 

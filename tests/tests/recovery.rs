@@ -171,6 +171,15 @@ fn a_lost_device_moves_the_run_to_a_layout_of_fewer_ranks_from_the_snapshot() {
     assert_same(&serial.stage_state().unwrap(), &faulted.engine_mut().stage_state().unwrap(), "after 6 steps");
     // Decisions are checked against the smaller world's space from now on.
     assert!(faulted.check(&r.to).is_ok() && faulted.check(&r.from).is_err());
+    // Its checkpoint resumes in the whole world again (the device is back), with its state.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("after-fallback.bpk");
+    let mut keep = Scripted::new([]);
+    faulted.save_checkpoint(&path, &keep, &Default::default()).unwrap();
+    let (mut resumed, _) = Driver::resume(faulted.engine().model().clone(), &path, space(2), Clock::Wall, &mut keep).unwrap();
+    assert_eq!(resumed.current().dims, dims(2, 1, 1));
+    assert_same(&faulted.engine_mut().stage_state().unwrap(), &resumed.engine_mut().stage_state().unwrap(), "resumed in dp2");
+    assert!(!resumed.step(&data(), &mut keep).unwrap().step.skipped);
 }
 
 #[test]
