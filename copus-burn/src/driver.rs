@@ -291,8 +291,6 @@ pub struct Driver<L: ParallelLm> {
     recoveries: u32,
     max_recoveries: u32,
     smaller_worlds: Option<SmallerWorlds>,
-    /// The last rebuild moved to a smaller world: the snapshot is retaken there.
-    fell_back: bool,
     /// The next step is the first after a relaunch: its wall time includes warm-up, so its
     /// samples/s are not reported as a measurement.
     warming_up: bool,
@@ -320,7 +318,6 @@ impl<L: ParallelLm> Driver<L> {
             recoveries: 0,
             max_recoveries: 0,
             smaller_worlds: None,
-            fell_back: false,
             warming_up: false,
         };
         driver.check(&current).map_err(|Refusal(reason)| DriverError::Start { candidate: current, reason })?;
@@ -470,7 +467,7 @@ impl<L: ParallelLm> Driver<L> {
             if self.recoveries >= self.max_recoveries {
                 return Err(DriverError::Diverged { bad: self.bad_in_row, restores: self.restores, lr });
             }
-            let record = self.recover(RecoveryCause::Diverged, 0.5, None)?;
+            let record = self.recover(RecoveryCause::Diverged, 0.5, None, 0.0)?;
             let back = record.back_to_step;
             recovered.push(record);
             return Ok(back);
@@ -493,6 +490,7 @@ impl<L: ParallelLm> Driver<L> {
     /// configuration it runs and the seconds measured and charged.
     fn back_to_snapshot(&mut self, lr: f64, failed_rank: Option<usize>) -> Result<(Candidate, f64, f64), DriverError> {
         let snap = self.snapshot.take().expect("a snapshot is taken at the start");
+        let snapshot_world = snap.candidate.dims.world_size();
         let started = Instant::now();
         let result = self.relaunch_from(&snap, lr, failed_rank);
         let measured = started.elapsed().as_secs_f64();
@@ -508,7 +506,7 @@ impl<L: ParallelLm> Driver<L> {
         self.warming_up = true;
         self.next_sample = next_sample;
         self.bad_in_row = 0;
-        if std::mem::take(&mut self.fell_back) {
+        if c.dims.world_size() != snapshot_world {
             // The old snapshot's layout no longer fits the devices: the point to go back to is
             // the same state in the new layout.
             self.take_snapshot()?;
@@ -541,7 +539,6 @@ impl<L: ParallelLm> Driver<L> {
                 Ok(()) => {
                     tracing::warn!("{c} cannot start again ({first}); the run goes on in {t}, {w} of {world} ranks");
                     self.space = space;
-                    self.fell_back = true;
                     return Ok(t);
                 }
                 Err(e) => tracing::warn!("recovery in {t} failed: {e}"),
@@ -550,9 +547,16 @@ impl<L: ParallelLm> Driver<L> {
         Err(first.into())
     }
 
-    /// After a failed step or a divergence past its restores: the engine rebuilt from the
-    /// snapshot at the learning rate times `lr_factor`, counted and reported.
-    fn recover(&mut self, cause: RecoveryCause, lr_factor: f64, failed_rank: Option<usize>) -> Result<RecoveryRecord, DriverError> {
+    /// After a failed step (which charged `failed_step_secs`) or a divergence past its
+    /// restores: the engine rebuilt from the snapshot at the learning rate times `lr_factor`,
+    /// counted and reported.
+    fn recover(
+        &mut self,
+        cause: RecoveryCause,
+        lr_factor: f64,
+        failed_rank: Option<usize>,
+        failed_step_secs: f64,
+    ) -> Result<RecoveryRecord, DriverError> {
         let from = self.current;
         let failed_step = self.engine.steps_done() + 1;
         let lr = self.engine.config().optim.lr * lr_factor;
@@ -568,7 +572,7 @@ impl<L: ParallelLm> Driver<L> {
             to,
             measured_secs,
             clock_secs,
-            failed_step_secs: 0.0,
+            failed_step_secs,
             lr,
             recovery: self.recoveries,
         };
@@ -617,9 +621,7 @@ impl<L: ParallelLm> Driver<L> {
                 EngineError::Rank { rank, message } => (RecoveryCause::Rank { rank, message }, Some(rank)),
                 other => (RecoveryCause::Engine(other.to_string()), None),
             };
-            let mut record = self.recover(cause, 1.0, rank)?;
-            record.failed_step_secs = failed_secs;
-            recovered.push(record);
+            recovered.push(self.recover(cause, 1.0, rank, failed_secs)?);
         }
     }
 

@@ -89,9 +89,9 @@ pub(crate) struct StepFault {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct StepFault;
 
+#[cfg(feature = "fault-injection")]
 impl StepFault {
     /// Whether the step's gradient gets a NaN.
-    #[cfg(feature = "fault-injection")]
     pub(crate) fn poison(self) -> bool {
         self.poison
     }
@@ -99,24 +99,25 @@ impl StepFault {
     /// Whether world rank `rank` panics in the middle of the step (after its backward passes,
     /// before the reductions).
     pub(crate) fn crashes(self, rank: usize) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.crash == Some(rank);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = rank;
-            false
-        }
+        self.crash == Some(rank)
     }
 
     /// Whether world rank `rank` hangs instead of stepping.
     pub(crate) fn stalls(self, rank: usize) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.stall == Some(rank);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = rank;
-            false
-        }
+        self.stall == Some(rank)
+    }
+}
+
+#[cfg(not(feature = "fault-injection"))]
+impl StepFault {
+    /// Never.
+    pub(crate) fn crashes(self, _rank: usize) -> bool {
+        false
+    }
+
+    /// Never.
+    pub(crate) fn stalls(self, _rank: usize) -> bool {
+        false
     }
 }
 
