@@ -505,6 +505,27 @@ impl Backend {
     }
 }
 
+/// A value of the wrong type or out of range (`max_recoveries: -1`) is named by its field: RON
+/// gives the position, and the field is the last `name:` before it on that line.
+fn parse_message(text: &str, e: &ron::error::SpannedError) -> String {
+    use ron::Error::{DuplicateStructField, MissingStructField, NoSuchEnumVariant, NoSuchStructField};
+    // These name the field or variant themselves.
+    if matches!(e.code, NoSuchStructField { .. } | MissingStructField { .. } | DuplicateStructField { .. } | NoSuchEnumVariant { .. }) {
+        return e.to_string();
+    }
+    let start = e.span.start;
+    let before: String = text.lines().nth(start.line.saturating_sub(1)).unwrap_or("").chars().take(start.col.saturating_sub(1)).collect();
+    let field = before.rfind(':').and_then(|i| {
+        let name = before[..i].trim_end();
+        let from = name.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |j| j + 1);
+        Some(&name[from..]).filter(|n| !n.is_empty())
+    });
+    match field {
+        Some(f) => format!("{e} (the value of `{f}`)"),
+        None => e.to_string(),
+    }
+}
+
 /// The recipe's `optim` section: any subset of [`OptimConfig`]'s fields, the others at their
 /// defaults; an unknown field is an error that lists the allowed ones.
 #[derive(Deserialize)]
@@ -588,7 +609,7 @@ impl Recipe {
         let mut r: Recipe = ron::Options::default()
             .with_default_extension(ron::extensions::Extensions::IMPLICIT_SOME)
             .from_str(text)
-            .map_err(|e| RecipeError::Parse { path: origin.into(), message: e.to_string() })?;
+            .map_err(|e| RecipeError::Parse { path: origin.into(), message: parse_message(text, &e) })?;
         if let Some(par) = r.parallel.as_mut() {
             par.backend = r.backend;
         }
@@ -900,7 +921,12 @@ mod tests {
     fn errors_name_the_field_and_what_is_allowed() {
         let unknown = GOOD.replace("max_steps: 3", "max_steps: 3, max_stepz: 4");
         let e = Recipe::parse(&unknown, "r").unwrap_err().to_string();
-        assert!(e.contains("max_stepz") && e.contains("max_steps"), "{e}");
+        assert!(e.contains("max_stepz") && e.contains("max_steps") && !e.contains("the value of"), "{e}");
+        // A value of the wrong type or out of range names its field.
+        let e = Recipe::parse(&GOOD.replace("max_steps: 3", "max_steps: 3, max_recoveries: -1"), "r").unwrap_err().to_string();
+        assert!(e.contains("`max_recoveries`") && e.contains("out of bounds"), "{e}");
+        let e = Recipe::parse(&GOOD.replace("max_steps: 3", "max_steps: \"three\""), "r").unwrap_err().to_string();
+        assert!(e.contains("`max_steps`") && e.contains("integer"), "{e}");
         let e = Recipe::parse(&GOOD.replace("tiny-1m", "tiny-2m"), "r").unwrap_err().to_string();
         assert!(e.contains("model.preset") && e.contains("tiny-5m"), "{e}");
         let e = Recipe::parse(&GOOD.replace("global_batch: 8", "global_batch: 1099511627776"), "r").unwrap_err().to_string();
