@@ -517,7 +517,7 @@ fn parse_message(text: &str, e: &ron::error::SpannedError) -> String {
     let before: String = text.lines().nth(start.line.saturating_sub(1)).unwrap_or("").chars().take(start.col.saturating_sub(1)).collect();
     let field = before.rfind(':').and_then(|i| {
         let name = before[..i].trim_end();
-        let from = name.rfind(|c: char| !(c.is_alphanumeric() || c == '_')).map_or(0, |j| j + 1);
+        let from = name.char_indices().rev().find(|(_, c)| !(c.is_alphanumeric() || *c == '_')).map_or(0, |(j, c)| j + c.len_utf8());
         Some(&name[from..]).filter(|n| !n.is_empty())
     });
     match field {
@@ -927,6 +927,8 @@ mod tests {
         assert!(e.contains("`max_recoveries`") && e.contains("out of bounds"), "{e}");
         let e = Recipe::parse(&GOOD.replace("max_steps: 3", "max_steps: \"three\""), "r").unwrap_err().to_string();
         assert!(e.contains("`max_steps`") && e.contains("integer"), "{e}");
+        // A multi-byte character next to a field name is no panic (recipes/tests/fuzz.rs found one).
+        assert!(Recipe::parse(&GOOD.replace("preset:", "prese\u{FFFD}:"), "r").is_err());
         let e = Recipe::parse(&GOOD.replace("tiny-1m", "tiny-2m"), "r").unwrap_err().to_string();
         assert!(e.contains("model.preset") && e.contains("tiny-5m"), "{e}");
         let e = Recipe::parse(&GOOD.replace("global_batch: 8", "global_batch: 1099511627776"), "r").unwrap_err().to_string();
