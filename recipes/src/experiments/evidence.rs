@@ -208,7 +208,7 @@ fn seed_arms(ev: &Evidence, suite: &Suite, sc: &SuiteScenario, truth: Truth, inf
         arms.baselines.insert(name, time_of(&run));
     }
     let per_node = s.cluster.spec()?.gpus_per_node;
-    let mut copus = Learning::new(plan.clone(), ev.rule, &belief, per_node, seed)?;
+    let mut copus = Learning::new(plan.clone(), ev.rule, &belief, per_node)?;
     let run = simulate(&mut copus, &sco.truth, &trajectory, line.copus_start, &cfg)?;
     arms.copus = time_of(&run);
     arms.copus_layouts = copus.layout_changes();
@@ -579,7 +579,7 @@ mod tests {
         let trajectory = copus_core::policy::Trajectory::new(s.trajectory.clone(), s.end).unwrap();
         let cfg = copus_core::sim::SimConfig { record_steps: false, ..s.sim_config(sc.costs, seed) };
         let line = lineup(plan, suite.rule.unwrap_or(default_rule()), suite.cbs_c).unwrap();
-        let mut copus = Learning::new(plan.clone(), ev.rule, &belief, s.cluster.spec().unwrap().gpus_per_node, seed).unwrap();
+        let mut copus = Learning::new(plan.clone(), ev.rule, &belief, s.cluster.spec().unwrap().gpus_per_node).unwrap();
         let run = simulate(&mut copus, &sco.truth, &trajectory, line.copus_start, &cfg).unwrap();
         let truth = |c: &copus_core::candidates::Candidate| sco.truth.throughput(c).unwrap_or(f64::NAN);
         let best = |b: usize| sco.truth.candidates().filter(|(c, _)| c.global_batch == b).map(|(_, t)| *t).fold(0.0, f64::max);
