@@ -18,7 +18,7 @@
 //! as rank-one (Kalman) updates of the weights' mean and covariance, so one measurement informs
 //! every candidate that shares a family, and every candidate's prediction carries its own
 //! standard error. [`Belief::sample`] draws one joint realisation of every candidate's `y` from
-//! the posterior, for Thompson sampling.
+//! the posterior (from the prior, [`crate::sim::structured`] draws a simulated truth with it).
 
 use std::collections::BTreeMap;
 

@@ -28,10 +28,13 @@
 //!    of staying's progress, and so does its gain over the better of staying and going
 //!    outright (what the window can tell): where the belief is narrow, as under a measured
 //!    profile, nothing is tried; where it is wide, as under the analytic prior, candidates of
-//!    every B_g are tried, nearest ties and widest beliefs first. A trial of another B_g is
-//!    confirmed like a decided one. After its window a trial is kept or undone at the measured
-//!    mean, after the cost of going back; both moves count as the trial's, not as decisions.
-//!    A candidate may be tried again while its belief stays wide enough to pass the test.
+//!    every B_g are tried, nearest ties and widest beliefs first. A trial starts only once the
+//!    running configuration has run `dwell_steps`, and a trial of another B_g is confirmed like
+//!    a decided one. After its window, measured into the belief first, a trial is kept or
+//!    undone at the measured mean and the noise estimate's point, after the cost of going back
+//!    (a trial of another B_g goes back without an estimate). Both moves count as the trial's,
+//!    not as decisions. A candidate may be tried again while its belief stays wide enough to
+//!    pass the test.
 //!
 //! A change of B_g is judged only once the running B_g has run `dwell_steps` (its noise
 //! estimate has seen the batch); before that, and before there is a usable estimate, only
@@ -129,7 +132,7 @@ pub struct Learning {
     remaining: Option<f64>,
     /// Running means of the measured layout and batch changes' seconds: (sum, count).
     costs: [(f64, f64); 2],
-    /// Layout changes decided (at the lower bound) and explored (on a draw).
+    /// Layout changes decided (at the lower bound) and made for trials (there and back).
     layouts: (u64, u64),
     /// The configuration running and the step it was first seen at.
     seen: Option<(Candidate, u64)>,
@@ -220,7 +223,7 @@ impl Learning {
     }
 
     /// Layout changes decided so far (the decision at the belief's lower bound) and explored
-    /// (a Thompson draw's), apart: trials are not decisions.
+    /// (a trial's, there and back), apart: trials are not decisions.
     pub fn layout_changes(&self) -> (u64, u64) {
         self.layouts
     }
@@ -332,9 +335,11 @@ impl Learning {
         pick.map(|(i, _)| i)
     }
 
-    /// The end of a trial: back to where it came from when that is worth more at the measured
-    /// mean (at B_simple `p`) after the cost of going back; `None` keeps it.
-    fn trial_end(&mut self, ci: usize, y_cur: f64, p: Option<f64>) -> Option<usize> {
+    /// The end of a trial: back to where it came from unless staying is worth at least as
+    /// much at the measured mean, after the cost of going back. A trial of another B_g is
+    /// judged at the point of the noise `band` (without one it goes back); one of the same B_g
+    /// on throughput alone. `None` keeps it.
+    fn trial_end(&mut self, ci: usize, y_cur: f64, band: Option<[f64; 3]>) -> Option<usize> {
         let (from, to) = self.trial.take()?;
         let cur = self.belief.candidates()[ci];
         if to != cur {
@@ -342,9 +347,14 @@ impl Learning {
         }
         let fi = self.belief.candidates().iter().position(|c| *c == from)?;
         let y_from = self.belief.predict(&from)?.0;
+        let p = match band {
+            _ if from.global_batch == cur.global_batch => None,
+            Some(b) => Some(b[1]),
+            None => return Some(fi),
+        };
         let h = self.horizon();
-        let back = self.value(fi, y_from, p) * (h - self.cost(&cur, &from)).max(0.0);
-        (back > self.value(ci, y_cur, p) * h).then_some(fi)
+        let left = (h - self.cost(&cur, &from)).max(0.0);
+        (self.value(ci, y_cur, p) * h < self.value(fi, y_from, p) * left).then_some(fi)
     }
 
     /// The band of B_simple at which changes of B_g are judged, with the point estimate (or
@@ -424,6 +434,10 @@ impl Policy for Learning {
             return Decision::Keep;
         }
         let Some(ci) = self.belief.candidates().iter().position(|c| *c == cur) else { return Decision::Keep };
+        if self.trial.is_some_and(|(_, to)| to == cur) {
+            // The trial's window is in the belief before the trial is judged.
+            self.refit_at[ci] = 0.0;
+        }
         self.refit();
         let band = if dwelled >= r.dwell_steps { self.band(obs) } else { None };
         let band = band.map_or(Vec::new(), |b| b.to_vec());
@@ -434,18 +448,19 @@ impl Policy for Learning {
         let z = r.confidence;
         let y_cur = self.belief.predict(&cur).map_or(0.0, |p| p.0);
         // A trial measured for its window is kept or undone at the measured mean.
-        let point = band.get(1).copied().or_else(|| self.band(obs).map(|b| b[1]));
-        if let Some(back) = self.trial_end(ci, y_cur, point) {
+        if let Some(back) = self.trial_end(ci, y_cur, self.band(obs)) {
             return self.count(&cur, back, true);
         }
         // Decide: at the belief's lower bound of each candidate's throughput relative to cur.
         let differences = self.belief.differences_from(&cur).unwrap_or_default();
         let lower = |i: usize| differences.get(i).map_or(f64::NEG_INFINITY, |(m, s)| m - z * s);
         let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur, 1.0);
-        // Else a trial, where what one window can tell is worth its cost (knowledge gradient).
+        // Else a trial, where what one window can tell is worth its cost (knowledge gradient),
+        // once the running configuration has been measured for the dwell.
         let (target, trial) = match decided {
             Some(i) => (Some(i), false),
-            None => (self.best_trial(ci, y_cur, &eligible, band.get(1).copied(), &differences), true),
+            None if ran >= r.dwell_steps => (self.best_trial(ci, y_cur, &eligible, band.get(1).copied(), &differences), true),
+            None => (None, false),
         };
         let Some(i) = self.confirmed(target, &cur, obs.step) else { return Decision::Keep };
         if trial {
@@ -775,18 +790,35 @@ mod tests {
     /// narrow belief, or 30 s left, it is not tried.
     #[test]
     fn a_trial_is_made_where_a_window_can_change_the_choice() {
+        // Judged every 8 steps, a trial starts at the first judgement after the dwell (20): 24.
         let (mut p, c, o) = two_layouts(0.3, 0.2);
-        assert_eq!(run(&mut p, c, 100.0, 8), Decision::ChangeLayout(o));
+        assert_eq!(run(&mut p, c, 100.0, 24), Decision::ChangeLayout(o));
         assert_eq!(run(&mut p, o, 80.0, 8), Decision::ChangeLayout(c), "measured 20% slower: back");
         assert_eq!(p.layout_changes(), (0, 2));
+        let (mut p, c, _) = two_layouts(0.3, 0.2);
+        assert_eq!(run(&mut p, c, 100.0, 16), Decision::Keep, "not before the dwell");
         let (mut p, c, o) = two_layouts(0.3, 0.2);
-        assert_eq!(run(&mut p, c, 100.0, 8), Decision::ChangeLayout(o));
+        assert_eq!(run(&mut p, c, 100.0, 24), Decision::ChangeLayout(o));
         assert_eq!(run(&mut p, o, 120.0, 8), Decision::Keep, "measured 20% faster: kept");
         let (mut narrow, c, _) = two_layouts(0.005, 0.005);
-        assert_eq!(run(&mut narrow, c, 100.0, 8), Decision::Keep);
+        assert_eq!(run(&mut narrow, c, 100.0, 24), Decision::Keep);
         let (mut short, c, _) = two_layouts(0.3, 0.2);
         short.observe_horizon(30.0);
-        assert_eq!(run(&mut short, c, 100.0, 8), Decision::Keep);
+        assert_eq!(run(&mut short, c, 100.0, 24), Decision::Keep);
+    }
+
+    /// A trial of a candidate measured before is judged on its new window: measured 24 steps
+    /// at the running speed, then tried again and measured 40% slower for 8 steps, it is undone
+    /// (its 32 steps would not move the belief's refit on their own: that waits for 36).
+    #[test]
+    fn a_trial_is_judged_on_its_own_window() {
+        let (mut p, c, o) = two_layouts(0.3, 0.2);
+        for _ in 0..24 {
+            p.observe_throughput(&o, 100.0);
+        }
+        p.refit();
+        p.trial = Some((c, o));
+        assert_eq!(run(&mut p, o, 60.0, 8), Decision::ChangeLayout(c));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! - `copus.rs`: [`Copus`], best Goodput over all candidates, with switch thresholds and a payback
 //!   test for layout changes, and its [`SwitchRule`].
 //! - `learning.rs`: [`Learning`], Copus on a structured throughput belief
-//!   ([`crate::belief`]) with Thompson-sampled exploration and one decision rule of six
+//!   ([`crate::belief`]) with knowledge-gradient trials and one decision rule of six
 //!   settings, [`Rule`].
 //! - `oracle.rs`: [`hindsight_oracle`], the best [`Schedule`] for a known noise [`Trajectory`], by
 //!   dynamic programming, and [`schedule_time`] to cost any schedule on the same terms (regret).

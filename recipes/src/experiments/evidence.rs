@@ -339,7 +339,10 @@ fn table(rows: &[Judged]) -> String {
 
 /// The goals of `goals` checked on the structured truth's tables; one line each.
 fn check_goals(goals: &Goals, profile: &[Judged], prior: &[Judged]) -> String {
-    let ratio = |j: &Judged| j.vs.get("static").and_then(|r| *r).map_or(f64::NAN, |r| r.ratio);
+    // A Copus run that never reached the target has no ratio: it counts as infinitely slow.
+    let ratio = |j: &Judged| {
+        if j.copus.is_finite() { j.vs.get("static").and_then(|r| *r).map_or(f64::NAN, |r| r.ratio) } else { f64::INFINITY }
+    };
     let rising: Vec<f64> = profile.iter().filter(|j| j.rising).map(ratio).collect();
     let ahead = if rising.is_empty() { f64::NAN } else { 1.0 - (rising.iter().map(|r| r.ln()).sum::<f64>() / rising.len() as f64).exp() };
     let worst = profile.iter().map(ratio).fold(f64::NEG_INFINITY, f64::max);
@@ -520,6 +523,24 @@ mod tests {
         // The luck bound is the per-seed minimum over every arm: B_g 16's 80 s.
         assert!((j.luck.unwrap().ratio - 90.0 / 80.0).abs() < 1e-12);
         assert!((j.regret - 0.1).abs() < 1e-12);
+    }
+
+    /// A scenario where a Copus run never reached the target fails the goal of being ahead on
+    /// every scenario's mean, though its ratio is missing; the others alone would meet it.
+    #[test]
+    fn a_run_that_never_finishes_fails_the_goals() {
+        let finished = [arms(&[("static B_g=8", 100.0)], 90.0), arms(&[("static B_g=8", 100.0)], 90.0)];
+        let mut stuck = finished.clone();
+        stuck[1].copus = f64::INFINITY;
+        let goals = Goals { ahead_on_rising: 0.039, most_behind: 0.02, regret: 0.05, switches_over_oracle: 2.0 };
+        let fine = [judge("a", true, &finished, &finished), judge("b", true, &finished, &finished)];
+        let broken = [judge("a", true, &finished, &finished), judge("b", true, &finished, &stuck)];
+        assert!(broken[1].vs["static"].is_none(), "no ratio for the stuck scenario");
+        let prior_line = |text: &str| text.lines().find(|l| l.starts_with("- Prior")).unwrap().to_string();
+        assert!(prior_line(&check_goals(&goals, &fine, &fine)).ends_with(": met."));
+        assert!(prior_line(&check_goals(&goals, &fine, &broken)).ends_with("NOT met."), "{}", check_goals(&goals, &fine, &broken));
+        let profile_line = check_goals(&goals, &broken, &fine);
+        assert!(profile_line.lines().nth(1).unwrap().ends_with("NOT met."), "{profile_line}");
     }
 
     /// `Online` charges the profiling pass to every baseline and runs Copus from the prior.
