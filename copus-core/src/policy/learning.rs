@@ -324,7 +324,7 @@ impl Learning {
         let mut pick = None::<(usize, f64)>;
         for &i in eligible {
             let Some(&d) = differences.get(i) else { continue };
-            if i == cur || !(d.1 > 0.0) {
+            if i == cur || d.1.is_nan() || d.1 <= 0.0 {
                 continue;
             }
             let (trial, outright) = self.trial_gain(cur, i, y_cur, d, p, v);
