@@ -729,11 +729,16 @@ mod tests {
     /// A running layout measured, another unmeasured behind a wide belief, a layout change of
     /// 10 s and 600 s left.
     fn two_layouts(global: f64, own: f64) -> (Learning, Candidate, Candidate) {
+        two_layouts_with(global, own, 0.05)
+    }
+
+    /// [`two_layouts`] with the running layout's steps `scatter` apart (relative).
+    fn two_layouts_with(global: f64, own: f64, scatter: f64) -> (Learning, Candidate, Candidate) {
         let (c, o) = (Candidate::new(d(2, 1, 1), 8, 4).unwrap(), Candidate::new(d(1, 2, 1), 8, 8).unwrap());
         let s = scorer_of(&[(d(2, 1, 1), 8, 4, 100.0), (d(1, 2, 1), 8, 8, 100.0)]);
         let mut p = Learning::new(s, Rule { layout_cost: 10.0, ..Rule::default() }, &flat(global, own), 8).unwrap();
         for k in 0..32 {
-            p.observe_throughput(&c, 100.0 * (1.0 + 0.05 * ((k % 4) as f64 - 1.5)));
+            p.observe_throughput(&c, 100.0 * (1.0 + scatter * ((k % 4) as f64 - 1.5)));
         }
         p.observe_horizon(600.0);
         p.refit();
@@ -743,11 +748,19 @@ mod tests {
     /// The trial's gain in closed form against a simulation of the trial itself: the true
     /// difference drawn from the belief, a window's mean measured with the jitter, the belief
     /// updated by hand, kept when the updated mean is worth more than going back, and the
-    /// progress of the way there, the window and the rest counted against staying.
+    /// progress of the way there, the window and the rest counted against staying. Twice: a
+    /// wide belief and a quiet measurement, then a narrow belief and a noisy one (where the
+    /// window tells about half of what is unknown).
     #[test]
     fn a_trials_gain_is_what_simulating_the_trial_gives() {
+        for (global, own, scatter) in [(0.3, 0.2, 0.05), (0.05, 0.04, 0.4)] {
+            the_trials_gain_is_simulated(global, own, scatter);
+        }
+    }
+
+    fn the_trials_gain_is_simulated(global: f64, own: f64, scatter: f64) {
         use rand_distr::{Distribution, StandardNormal};
-        let (p, c, o) = two_layouts(0.3, 0.2);
+        let (p, c, o) = two_layouts_with(global, own, scatter);
         let (ci, oi) = (0, 1);
         assert_eq!((p.belief.candidates()[ci], p.belief.candidates()[oi]), (c, o));
         let (m, s) = p.belief.predict_difference(&o, &c).unwrap();
@@ -781,7 +794,8 @@ mod tests {
         // Going outright has no way back: its gain is the mean's, and the trial is worth more.
         let by_hand = g_o * (m + s * s / 2.0).exp() * (h - go) - g_cur * h;
         assert!((outright - by_hand).abs() < 1e-9 * by_hand.abs().max(1.0));
-        assert!(gain > outright && gain > 0.0, "{gain} {outright}");
+        assert!(gain > outright, "{gain} {outright}");
+        assert!(v > 0.2 * s * s || gain > 0.0, "the quiet case is worth a trial: {gain}");
     }
 
     /// The knowledge-gradient choice on two candidates: with a wide belief about the other
