@@ -153,7 +153,8 @@ pub struct PolicyState {
     /// layout is the running one's).
     #[serde(default)]
     pub winning: Option<(ParallelDims, i8, u64)>,
-    /// The candidate on trial and the step its trial was decided at (exploration).
+    /// The candidate on trial and the step its trial was decided at (exploration;
+    /// [`Learning`](super::Learning) keeps the candidate its trial left in `left`).
     #[serde(default)]
     pub trial: Option<(Candidate, u64)>,
     /// The hysteresis state (`left`, `left_layout`) from before the trial running.

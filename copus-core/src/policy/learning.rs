@@ -507,6 +507,10 @@ impl Policy for Learning {
         state.batch_seen = self.batch_seen;
         // A change of B_g being confirmed goes on being confirmed after a resume.
         state.winning = self.wanted.zip(self.seen).map(|((up, since), (c, _))| (c.dims, if up { 1 } else { -1 }, since));
+        // A trial under way is kept or undone after its window also across a resume.
+        if let Some((from, to)) = self.trial {
+            (state.trial, state.left) = (Some((to, self.seen.map_or(0, |s| s.1))), Some(from));
+        }
         let cands = self.belief.candidates().iter().zip(&self.measured);
         state.belief = cands.filter(|(_, m)| m.n > 0.0).map(|(c, m)| (*c, m.n, m.mean, m.m2)).collect();
         state
@@ -518,6 +522,7 @@ impl Policy for Learning {
             self.costs[0] = (c, 1.0);
         }
         (self.seen, self.batch_seen) = (state.seen, state.batch_seen);
+        self.trial = state.trial.zip(state.left).map(|((to, _), from)| (from, to));
         self.wanted = state.winning.filter(|w| w.1 != 0).map(|(_, dir, since)| (dir > 0, since));
         self.measured = vec![Measured::default(); self.measured.len()];
         for (c, n, mean, m2) in &state.belief {
@@ -862,12 +867,15 @@ mod tests {
             assert!((a.0 - b.0).abs() < 1e-12 && (a.1 - b.1).abs() < 1e-12);
         }
         assert_eq!(q.cost(&c, &Candidate::new(d(2, 2, 1), 4, 1).unwrap()), 3.0);
-        // A change of B_g half confirmed stays half confirmed.
+        // A change of B_g half confirmed stays half confirmed, and a trial stays a trial.
+        let o = *s.candidates().nth(1).map(|(c, _)| c).unwrap();
         p.seen = Some((c, 7));
         p.wanted = Some((true, 12));
+        p.trial = Some((o, c));
         let mut r = Learning::new(s.clone(), Rule::default(), &FamilyPriors::default(), 4).unwrap();
         r.restore_learned(&p.learned());
         assert_eq!(r.wanted, Some((true, 12)));
-        assert_eq!(q.wanted, None, "nothing was being confirmed");
+        assert_eq!(r.trial, Some((o, c)));
+        assert_eq!((q.wanted, q.trial), (None, None), "nothing was being confirmed or tried");
     }
 }
