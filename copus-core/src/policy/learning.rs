@@ -243,16 +243,7 @@ impl Learning {
     /// The candidate that beats staying on `cur` (whose `y` is `y_cur`) by the threshold over
     /// the horizon at every point of `band` (or on throughput, `band` empty), each candidate's
     /// `y` given by `relative(i)`; the one with the largest smallest margin.
-    /// Each change's cost is counted `trips` times (2 for a trial: there and back).
-    fn best_change(
-        &self,
-        cur: usize,
-        y_cur: f64,
-        eligible: &[usize],
-        band: &[f64],
-        relative: &dyn Fn(usize) -> f64,
-        trips: f64,
-    ) -> Option<usize> {
+    fn best_change(&self, cur: usize, y_cur: f64, eligible: &[usize], band: &[f64], relative: &dyn Fn(usize) -> f64) -> Option<usize> {
         let h = self.horizon();
         let c0 = self.belief.candidates()[cur];
         let points: Vec<Option<f64>> = if band.is_empty() { vec![None] } else { band.iter().map(|p| Some(*p)).collect() };
@@ -262,7 +253,7 @@ impl Learning {
                 continue;
             }
             let c = self.belief.candidates()[i];
-            let left = (h - trips * self.cost(&c0, &c)).max(0.0);
+            let left = (h - self.cost(&c0, &c)).max(0.0);
             let rel = relative(i);
             let margin = points
                 .iter()
@@ -439,8 +430,8 @@ impl Policy for Learning {
             self.refit_at[ci] = 0.0;
         }
         self.refit();
-        let band = if dwelled >= r.dwell_steps { self.band(obs) } else { None };
-        let band = band.map_or(Vec::new(), |b| b.to_vec());
+        let estimate = self.band(obs);
+        let band = estimate.filter(|_| dwelled >= r.dwell_steps).map_or(Vec::new(), |b| b.to_vec());
         let eligible: Vec<usize> = (0..self.belief.candidates().len())
             .filter(|&i| !band.is_empty() || self.belief.candidates()[i].global_batch == cur.global_batch)
             .filter(|&i| self.prior[i].is_finite())
@@ -448,13 +439,13 @@ impl Policy for Learning {
         let z = r.confidence;
         let y_cur = self.belief.predict(&cur).map_or(0.0, |p| p.0);
         // A trial measured for its window is kept or undone at the measured mean.
-        if let Some(back) = self.trial_end(ci, y_cur, self.band(obs)) {
+        if let Some(back) = self.trial_end(ci, y_cur, estimate) {
             return self.count(&cur, back, true);
         }
         // Decide: at the belief's lower bound of each candidate's throughput relative to cur.
         let differences = self.belief.differences_from(&cur).unwrap_or_default();
         let lower = |i: usize| differences.get(i).map_or(f64::NEG_INFINITY, |(m, s)| m - z * s);
-        let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur, 1.0);
+        let decided = self.best_change(ci, y_cur, &eligible, &band, &|i| lower(i) + y_cur);
         // Else a trial, where what one window can tell is worth its cost (knowledge gradient),
         // once the running configuration has been measured for the dwell.
         let (target, trial) = match decided {
