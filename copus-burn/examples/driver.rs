@@ -16,8 +16,9 @@ use std::sync::Arc;
 use copus_burn::{DataSource, JobBuilder, OptimConfig};
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
+use copus_core::policy::Rule;
 use copus_core::schedule::ScheduleKind;
-use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, SwitchRule};
+use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, CopusRule};
 use copus_models::{LlamaConfig, full_params};
 
 /// Tokens per sequence the model reads.
@@ -67,7 +68,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         JobBuilder::new(Arc::new(cfg), space, OptimConfig::new().with_lr(3e-3).with_b0(8).with_warmup_steps(0).with_total_steps(steps))
             .prior(&prior)?
             .start_batch(8, 4, None)
-            .copus(SwitchRule { min_dwell_steps: 5, confirm_steps: 3, ..SwitchRule::default() })
+            // A short run: judged every 4 steps, a change of B_g after 8 steps of it.
+            .copus(CopusRule::Learning {
+                rule: Rule { window: 4, dwell_steps: 8, horizon: 60.0, layout_cost: 1.0, ..Rule::default() },
+                belief: copus_core::belief::FamilyPriors::measured(),
+            })
             .build(&full)?;
     let (mut driver, mut source) = (job.driver, job.orchestrator.ok_or("the Copus orchestrator")?);
     println!("policy {} from {}", source.policy_name(), job.start);

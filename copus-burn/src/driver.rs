@@ -294,6 +294,8 @@ pub struct Driver<L: ParallelLm> {
     /// The next step is the first after a relaunch: its wall time includes warm-up, so its
     /// samples/s are not reported as a measurement.
     warming_up: bool,
+    /// The run's time budget on its clock, told to the decision source as the seconds left.
+    time_budget_secs: Option<f64>,
 }
 
 impl<L: ParallelLm> Driver<L> {
@@ -319,6 +321,7 @@ impl<L: ParallelLm> Driver<L> {
             max_recoveries: 0,
             smaller_worlds: None,
             warming_up: false,
+            time_budget_secs: None,
         };
         driver.check(&current).map_err(|Refusal(reason)| DriverError::Start { candidate: current, reason })?;
         driver.take_snapshot()?;
@@ -650,6 +653,13 @@ impl<L: ParallelLm> Driver<L> {
         self.clock_secs
     }
 
+    /// The run's time budget on its clock: each step's observation then tells the decision
+    /// source the seconds left ([`StepObservation::remaining_secs`]), the horizon over which a
+    /// change must repay its cost. `None` (the default): the source keeps its own horizon.
+    pub fn set_time_budget(&mut self, secs: Option<f64>) {
+        self.time_budget_secs = secs.filter(|s| s.is_finite() && *s > 0.0);
+    }
+
     /// Continues from a saved position (sample index and clock) after a resume.
     pub fn set_position(&mut self, next_sample: u64, clock_secs: f64) -> Result<(), DriverError> {
         self.next_sample = next_sample;
@@ -719,7 +729,8 @@ impl<L: ParallelLm> Driver<L> {
         if out.step.metrics.step.is_multiple_of(self.divergence.snapshot_every.max(1)) {
             self.take_snapshot()?;
         }
-        let obs = StepObservation { step: out.step.metrics.step, current: candidate, noise: self.engine.gns().estimate() };
+        let remaining_secs = self.time_budget_secs.map(|b| (b - self.clock_secs).max(0.0));
+        let obs = StepObservation { step: out.step.metrics.step, current: candidate, noise: self.engine.gns().estimate(), remaining_secs };
         // 0: not measured (the first step after a relaunch pays for warm-up on the wall clock).
         let warm_up = std::mem::take(&mut self.warming_up) && matches!(self.clock, Clock::Wall);
         let proposed = source.on_step(&obs, if warm_up { 0.0 } else { samples_per_sec }).target(candidate);

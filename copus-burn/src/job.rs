@@ -15,12 +15,12 @@
 //! #         space: copus_core::candidates::Enumeration,
 //! #         prior: &dyn copus_core::throughput::ThroughputModel) -> Result<(), Box<dyn std::error::Error>> {
 //! use copus_burn::{JobBuilder, OptimConfig};
-//! use copus_core::policy::SwitchRule;
+//! use copus_core::policy::CopusRule;
 //!
 //! let job = JobBuilder::new(Arc::new(model), space, OptimConfig::new().with_b0(8))
 //!     .prior(prior)?
 //!     .start_batch(8, 4, None)
-//!     .copus(SwitchRule::default())
+//!     .copus(CopusRule::default())
 //!     .build(full)?;
 //! let (mut driver, mut source) = (job.driver, job.orchestrator.expect("asked for"));
 //! # let _ = (&mut driver, &mut source);
@@ -35,7 +35,7 @@ use copus_core::decision::DecisionSource;
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{Checkpointing, Precision};
 use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{Copus, PolicyError, Scorer, SwitchRule};
+use copus_core::policy::{CopusRule, PolicyError, Scorer};
 use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::ThroughputModel;
 use thiserror::Error;
@@ -176,7 +176,7 @@ pub struct JobBuilder<L: ParallelLm> {
     clock: Option<Clock>,
     scorer: Option<Scorer>,
     start: Option<Start>,
-    rule: Option<SwitchRule>,
+    rule: Option<CopusRule>,
 }
 
 impl<L: ParallelLm> JobBuilder<L> {
@@ -224,8 +224,10 @@ impl<L: ParallelLm> JobBuilder<L> {
         self
     }
 
-    /// Decides by the Copus policy with `rule`, over the scorer's candidates.
-    pub fn copus(mut self, rule: SwitchRule) -> Self {
+    /// Decides by the Copus policy with `rule` ([`CopusRule::default`]: the rule on the
+    /// structured belief), over the scorer's candidates; the engine's ranks are taken as one
+    /// machine's.
+    pub fn copus(mut self, rule: CopusRule) -> Self {
         self.rule = Some(rule);
         self
     }
@@ -292,6 +294,7 @@ impl<L: ParallelLm> JobBuilder<L> {
     fn orchestrator(&self) -> Result<Option<Orchestrator>, JobError> {
         let Some(rule) = self.rule else { return Ok(None) };
         let scorer = self.scorer.clone().ok_or_else(|| JobError::Start("the Copus policy needs a throughput prior or profile".into()))?;
-        Ok(Some(Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer)))
+        let ranks = self.space.feasible.first().map_or(1, |c| c.dims.dp * c.dims.tp * c.dims.pp);
+        Ok(Some(Orchestrator::new(rule.policy(&scorer, ranks)?, scorer)))
     }
 }

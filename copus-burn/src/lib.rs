@@ -21,7 +21,7 @@
 //! use copus_core::memory::{GIB, MemoryModel};
 //! use copus_core::model::ModelSpec;
 //! use copus_core::schedule::ScheduleKind;
-//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, SwitchRule};
+//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, CopusRule};
 //! use copus_models::{LlamaConfig, full_params};
 //!
 //! /// Sequences that count up by 3 from a start that varies: something to learn.
@@ -42,7 +42,7 @@
 //! let job = JobBuilder::new(Arc::new(cfg), space, OptimConfig::new().with_b0(2))
 //!     .prior(&prior)?
 //!     .start_batch(2, 1, None)
-//!     .copus(SwitchRule::default())
+//!     .copus(CopusRule::default())
 //!     .build(&full)?;
 //! let (mut driver, mut copus) = (job.driver, job.orchestrator.expect("asked for"));
 //! for _ in 0..2 {

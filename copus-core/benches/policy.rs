@@ -31,6 +31,7 @@ fn observation(current: Candidate) -> StepObservation {
         step: 100,
         current,
         noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 300.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+        remaining_secs: None,
     }
 }
 

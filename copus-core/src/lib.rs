@@ -71,5 +71,5 @@ pub use candidates::{Candidate, CandidateSpace, Enumeration};
 pub use decision::{DecisionSource, Scripted};
 pub use layout::ParallelDims;
 pub use orchestrator::Orchestrator;
-pub use policy::{Copus, Decision, Policy, Scorer, StepObservation, SwitchRule};
+pub use policy::{Copus, CopusRule, Decision, Policy, Scorer, StepObservation, SwitchRule};
 pub use throughput::{ClusterModel, ClusterSpec, ThroughputModel, ThroughputProfile};

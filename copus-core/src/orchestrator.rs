@@ -598,7 +598,7 @@ mod tests {
     #[test]
     fn messages_round_trip_and_rejected_decisions_are_not_passed_on() {
         let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
-        let obs = StepObservation { step: 3, current: cur, noise: None };
+        let obs = StepObservation { step: 3, current: cur, noise: None, remaining_secs: None };
         for req in [
             Request::Hello { version: PROTOCOL_VERSION, run: "r".into(), fingerprint: fp(), nonce: nonce() },
             Request::Step { observation: obs, samples_per_sec: 5.0 },
@@ -631,8 +631,8 @@ mod tests {
         let noise = |phi: f64| Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
         let small = Candidate::new(d(2, 1), 2, 1).unwrap();
         // Measurements that differ from the profile, and a measured switch cost.
-        a.on_step_measured(&StepObservation { step: 1, current: small, noise: noise(1.0) }, 3.0);
-        a.on_step_measured(&StepObservation { step: 2, current: small, noise: noise(1.0) }, 5.0);
+        a.on_step_measured(&StepObservation { step: 1, current: small, noise: noise(1.0), remaining_secs: None }, 3.0);
+        a.on_step_measured(&StepObservation { step: 2, current: small, noise: noise(1.0), remaining_secs: None }, 5.0);
         a.on_reconfigured(20.0, true);
         let saved = a.state();
         assert_eq!(saved.learned.layout_cost, Some(12.5));
@@ -644,7 +644,7 @@ mod tests {
             assert_eq!(b.scorer().throughput(c), Some(*t), "{c}");
         }
         for (step, phi) in [(3, 0.5), (4, 2.0), (5, 8.0), (6, 30.0)] {
-            let obs = StepObservation { step, current: small, noise: noise(phi) };
+            let obs = StepObservation { step, current: small, noise: noise(phi), remaining_secs: None };
             assert_eq!(a.on_step_measured(&obs, 4.5), b.on_step_measured(&obs, 4.5));
             // The orchestrator's own scorer goes on averaging as the original's does.
             assert_eq!(b.scorer().throughput(&small), a.scorer().throughput(&small), "step {step}");
@@ -704,11 +704,12 @@ mod tests {
     #[test]
     fn non_finite_numbers_never_reach_the_wire() {
         let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
-        let obs = StepObservation { step: 1, current: cur, noise: None };
+        let obs = StepObservation { step: 1, current: cur, noise: None, remaining_secs: None };
         let e = encode(&Request::Step { observation: obs, samples_per_sec: f64::INFINITY }).unwrap_err();
         assert_eq!(e.to_string(), "`Step.samples_per_sec` is not a finite number");
         let noisy = StepObservation {
             noise: Some(crate::gns::NoiseEstimate { grad_sq: 1.0, trace: f64::NAN, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+            remaining_secs: None,
             ..obs
         };
         let e = encode(&Request::Step { observation: noisy, samples_per_sec: 1.0 }).unwrap_err();
@@ -737,7 +738,7 @@ mod tests {
         fn mutated_frames_never_panic(flip in 0usize..200, val in any::<u8>()) {
             let cur = Candidate::new(ParallelDims { dp: 2, tp: 1, pp: 1 }, 2, 1).unwrap();
             let frame =
-                encode(&Request::Step { observation: StepObservation { step: 1, current: cur, noise: None }, samples_per_sec: 2.0 }).unwrap();
+                encode(&Request::Step { observation: StepObservation { step: 1, current: cur, noise: None, remaining_secs: None }, samples_per_sec: 2.0 }).unwrap();
             let mut body = frame[4..].to_vec();
             let i = flip % body.len();
             body[i] = val;

@@ -318,10 +318,10 @@ pub fn simulate(
             run.steps[0] = s;
         }
         let noise = noise_source.observe(cfg, trajectory, &cur, phi, step, progress);
-        let obs = crate::policy::StepObservation { step, current: cur, noise };
-        policy.observe_throughput(&cur, t);
         // The run's time to go at its current pace: what a run with a sample budget knows.
-        policy.observe_horizon((trajectory.end - progress) / gain * b / mean);
+        let remaining_secs = Some((trajectory.end - progress) / gain * b / mean);
+        let obs = crate::policy::StepObservation { step, current: cur, noise, remaining_secs };
+        policy.observe_throughput(&cur, t);
         let decision = policy.decide(&obs);
         let target = decision.target(cur);
         if target == cur {

@@ -1,12 +1,14 @@
 //! The policies a service can run, by name: `copus`, `dp-only`, `merrill` or `static`.
 
-use copus_core::policy::{Copus, DpOnlyGoodput, MerrillWarmup, Policy, PolicyError, Scorer, Static, SwitchRule};
+use copus_core::policy::{CopusRule, DpOnlyGoodput, MerrillWarmup, Policy, PolicyError, Scorer, Static};
 
-/// Builds a named policy over a scorer: `copus`, `dp-only`, `merrill` or `static`.
-pub fn policy_by_name(name: PolicyName, scorer: &Scorer, rule: SwitchRule) -> Result<Box<dyn Policy>, PolicyError> {
+/// Builds a named policy over a scorer: `copus` (under `rule`, on nodes of `ranks_per_node`
+/// ranks), `dp-only` (under `rule`'s switch rule, [`CopusRule::switch_rule`]), `merrill` or
+/// `static`.
+pub fn policy_by_name(name: PolicyName, scorer: &Scorer, rule: CopusRule, ranks_per_node: usize) -> Result<Box<dyn Policy>, PolicyError> {
     Ok(match name {
-        PolicyName::Copus => Box::new(Copus::new(scorer.clone(), rule)?),
-        PolicyName::DpOnly => Box::new(DpOnlyGoodput::new(scorer.clone(), rule)?),
+        PolicyName::Copus => rule.policy(scorer, ranks_per_node)?,
+        PolicyName::DpOnly => Box::new(DpOnlyGoodput::new(scorer.clone(), rule.switch_rule())?),
         PolicyName::Merrill => Box::new(MerrillWarmup::new(scorer.clone())),
         PolicyName::Static => Box::new(Static),
     })

@@ -9,7 +9,7 @@ use copus_core::orchestrator::{
     MAX_FRAME, MAX_HELLO, Orchestrator, OrchestratorState, PROTOCOL_VERSION, Request, Response, RunFingerprint, SessionMac, Side,
     client_proof, decode, encode, frame_len_within, nonce, proof_matches, service_proof,
 };
-use copus_core::policy::{Decision, Scorer, StepObservation, SwitchRule};
+use copus_core::policy::{CopusRule, Decision, Scorer, StepObservation, SwitchRule};
 
 use crate::client::{Client, RemoteSource, exchange};
 use crate::error::ServiceError;
@@ -54,7 +54,7 @@ fn make() -> MakeOrchestrator {
     Arc::new(|| {
         let s = scorer();
         let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
-        Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s)
+        Orchestrator::new(policy_by_name(PolicyName::Copus, &s, CopusRule::Switch(rule), 2).unwrap(), s)
     })
 }
 
@@ -68,6 +68,7 @@ fn obs(step: u64, phi: f64) -> StepObservation {
         step,
         current: cur,
         noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+        remaining_secs: None,
     }
 }
 

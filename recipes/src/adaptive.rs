@@ -31,7 +31,7 @@ use copus_core::decision::{DecisionSource, Scripted};
 use copus_core::layout::ParallelDims;
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::Orchestrator;
-use copus_core::policy::{Copus, Scorer};
+use copus_core::policy::Scorer;
 use copus_core::throughput::{ClusterModel, ClusterSpec};
 use copus_models::{LlamaConfig, full_params};
 
@@ -109,8 +109,9 @@ pub(crate) fn setup(recipe: &Recipe) -> anyhow::Result<Setup> {
     };
     let b0 = recipe.optim.b0 as f64;
     let scorer = Scorer::new(&space.feasible, &prior, b0, Arc::from(par.objective(&recipe.optim).build()))?;
-    let rule = par.switch_rule(recipe.train.time_budget_secs);
-    let orch = Orchestrator::new(Box::new(Copus::new(scorer.clone(), rule)?), scorer.clone());
+    // In-process ranks: one node.
+    let policy = par.copus_rule(recipe.train.time_budget_secs).policy(&scorer, par.world_size)?;
+    let orch = Orchestrator::new(policy, scorer.clone());
     let script = (!par.script.is_empty()).then(|| par.scripted(&spec).map(Scripted::new)).transpose()?;
     let world_size = par.world_size;
     Ok(Setup { spec, train, heldout, checksum, tokenizer, cfg, space, b0, scorer, orch, script, world_size, fixed: false })
@@ -198,11 +199,12 @@ fn check_same_corpus(run_dir: &Path, now: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The driver with the recipe's recoveries (`train.max_recoveries`); an adaptive run that
-/// loses a device goes on in its candidate space over fewer ranks.
+/// The driver with the recipe's recoveries (`train.max_recoveries`) and time budget (told to
+/// the policy as the seconds left); an adaptive run that loses a device goes on in its
+/// candidate space over fewer ranks.
 fn recovering(driver: Driver<LlamaConfig>, recipe: &Recipe, s: &Setup) -> anyhow::Result<Driver<LlamaConfig>> {
-    #[allow(unused_mut)]
     let mut driver = driver.with_recoveries(recipe.train.max_recoveries);
+    driver.set_time_budget(recipe.train.time_budget_secs);
     // The recovery test's hook: `STEP:RANK` panics that rank in the step after STEP steps.
     #[cfg(feature = "fault-injection")]
     if let Some((at, rank)) = std::env::var("COPUS_TEST_PANIC_AT").ok().and_then(|v| {

@@ -29,10 +29,12 @@ pub fn serve(recipe_path: &Path, profile: &Path, policy: PolicyName, listen: Soc
     let fingerprint = RunFingerprint::new(&spec, &space);
     let feasible = space.enumerate(&spec).feasible;
     let scorer = Scorer::new(&feasible, &profile, recipe.optim.b0 as f64, std::sync::Arc::from(par.objective(&recipe.optim).build()))?;
-    let rule = par.switch_rule(recipe.train.time_budget_secs);
-    policy_by_name(policy, &scorer, rule)?;
+    let rule = par.copus_rule(recipe.train.time_budget_secs);
+    // The recipe's ranks are one machine's.
+    let ranks_per_node = par.world_size;
+    policy_by_name(policy, &scorer, rule, ranks_per_node)?;
     let make: MakeOrchestrator = Arc::new(move || {
-        let p = policy_by_name(policy, &scorer, rule).expect("checked above");
+        let p = policy_by_name(policy, &scorer, rule, ranks_per_node).expect("checked above");
         Orchestrator::new(p, scorer.clone())
     });
     let handle = spawn(listen, ServiceConfig::new(token, fingerprint.clone()), make)?;

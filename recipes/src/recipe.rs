@@ -9,7 +9,7 @@ use copus_core::goodput::ObjectiveKind;
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{Checkpointing, GIB, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
-use copus_core::policy::SwitchRule;
+use copus_core::policy::CopusRule;
 use copus_core::schedule::ScheduleKind;
 use serde::{Deserialize, Serialize};
 
@@ -265,10 +265,13 @@ pub struct ParallelRecipe {
     /// sqrt rule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub objective: Option<ObjectiveKind>,
-    /// Copus's switch rule (thresholds, dwell, confirmation, exploration), fixed before the
-    /// run. Default: the shipped rule, its payback horizon a quarter of the time budget.
+    /// Copus's rule, fixed before the run: `Learning(rule: (...), belief: (...))`, the rule on
+    /// the structured belief (six settings, copus-core `policy::Rule`; `belief` optional), or
+    /// `Switch((...))`, the switch rule of earlier waves. Default: `Learning` with the default
+    /// settings, a payback horizon of a quarter of the time budget (replaced by the seconds
+    /// left once the run runs) and a 1 s first guess of a layout change's cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rule: Option<SwitchRule>,
+    pub rule: Option<CopusRule>,
     /// Under mpirun: reductions over MPI bit-equal to in-process ranks (gathered and added in
     /// rank order; `true`), or MPI's own all-reduce (`false`, the default: faster, equal to
     /// rounding).
@@ -337,14 +340,11 @@ impl ParallelRecipe {
         self.objective.unwrap_or(ObjectiveKind::for_rule(optim.lr_rule))
     }
 
-    /// Copus's switch rule: the recipe's, else the shipped rule with a payback horizon of a
+    /// Copus's rule: the recipe's, else [`CopusRule::for_run`] with a payback horizon of a
     /// quarter of the time budget (10 s to 10 min; 2 min without a budget) and a 1 s first
     /// guess of a layout change's cost (in-process ranks reshard in a fraction of a step).
-    pub fn switch_rule(&self, time_budget_secs: Option<f64>) -> SwitchRule {
-        self.rule.unwrap_or_else(|| {
-            let horizon = time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0));
-            SwitchRule { horizon, layout_cost: 1.0, ..SwitchRule::default() }
-        })
+    pub fn copus_rule(&self, time_budget_secs: Option<f64>) -> CopusRule {
+        self.rule.unwrap_or_else(|| CopusRule::for_run(time_budget_secs.map_or(120.0, |b| (b / 4.0).clamp(10.0, 600.0)), 1.0))
     }
 
     /// The memory model of this recipe's ranks: the engine's as measured in its precision, on
@@ -521,6 +521,10 @@ fn parse_message(text: &str, e: &ron::error::SpannedError) -> String {
         Some(&name[from..]).filter(|n| !n.is_empty())
     });
     match field {
+        Some("rule") if matches!(e.code, ron::Error::ExpectedIdentifier) => format!(
+            "{e} (the value of `rule`: `Learning(rule: (...))`, the rule on the structured belief, or \
+             `Switch((...))`, the switch rule recipes wrote as `rule: Some((...))` before 2026-12-07)"
+        ),
         Some(f) => format!("{e} (the value of `{f}`)"),
         None => e.to_string(),
     }
@@ -957,15 +961,16 @@ mod tests {
         assert!(e.contains("micro_batches"), "{e}");
         let e = Recipe::parse(&par(&ok.replace("world_size: 8", "world_size: 0")), "r").unwrap_err().to_string();
         assert!(e.contains("parallel.world_size"), "{e}");
-        let e = Recipe::parse(
-            &par(&format!(
-                "{ok}, rule: Some((batch_threshold: 0.02, layout_threshold: 0.05, horizon: 0.0, layout_cost: 1.0, cost_smoothing: 0.5))"
-            )),
-            "r",
-        )
-        .unwrap_err()
-        .to_string();
-        assert_eq!(e, "recipe section `parallel.rule`: `horizon` must be > 0 seconds, got 0");
+        for rule in [
+            "Switch((batch_threshold: 0.02, layout_threshold: 0.05, horizon: 0.0, layout_cost: 1.0, cost_smoothing: 0.5))",
+            "Learning(rule: (confidence: 1.0, threshold: 0.02, horizon: 0.0, layout_cost: 1.0, dwell_steps: 20, window: 8))",
+        ] {
+            let e = Recipe::parse(&par(&format!("{ok}, rule: Some({rule})")), "r").unwrap_err().to_string();
+            assert_eq!(e, "recipe section `parallel.rule`: `horizon` must be > 0 seconds, got 0");
+        }
+        // The switch rule as recipes wrote it before the choice existed: the error says what to write.
+        let e = Recipe::parse(&par(&format!("{ok}, rule: Some((batch_threshold: 0.02, horizon: 60.0))")), "r").unwrap_err().to_string();
+        assert!(e.contains("rule") && e.contains("Learning") && e.contains("Switch"), "{e}");
     }
 
     /// The `data` section: the issue's syntax parses, every field defaults, and each mistake

@@ -182,7 +182,7 @@ fn decision(feasible: &[Candidate], start: Candidate) -> Candidate {
     let rule = SwitchRule { min_dwell_steps: 1, confirm_steps: 1, explore: 0.0, ..SwitchRule::default() };
     let mut copus = Copus::new(scorer, rule).unwrap();
     let noise = NoiseEstimate { grad_sq: 1.0, trace: 64.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 };
-    let obs = StepObservation { step: 10, current: start, noise: Some(noise) };
+    let obs = StepObservation { step: 10, current: start, noise: Some(noise), remaining_secs: None };
     copus.decide(&obs).target(start)
 }
 

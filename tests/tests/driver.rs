@@ -113,3 +113,46 @@ fn decisions_outside_the_candidate_space_are_refused_and_training_goes_on() {
         assert_eq!(got.to_bits(), want.to_bits(), "step {i}");
     }
 }
+
+/// Records what each step's observation told it.
+#[derive(Default)]
+struct Seen(Vec<Option<f64>>);
+
+impl copus_core::decision::DecisionSource for Seen {
+    fn name(&self) -> String {
+        "seen".into()
+    }
+    fn on_step(&mut self, obs: &copus_core::policy::StepObservation, _samples_per_sec: f64) -> copus_core::policy::Decision {
+        self.0.push(obs.remaining_secs);
+        copus_core::policy::Decision::Keep
+    }
+    fn on_reconfigured(&mut self, _seconds: f64, _layout_changed: bool) {}
+}
+
+/// The time budget reaches the decision source as the seconds left on the run's clock after
+/// each step (the horizon a change must repay its cost over); without one, nothing is said.
+#[test]
+fn the_decision_source_is_told_the_seconds_left_of_the_budget() {
+    let data = IndexedSequences { vocab: config().shape.vocab_size };
+    let start = cand(2, 2, 1, 8, 2);
+    let mut silent = Driver::new(engine_at(start), space(), Clock::Wall).unwrap();
+    let mut seen = Seen::default();
+    silent.step(&data, &mut seen).unwrap();
+    assert_eq!(seen.0, vec![None]);
+    let mut driver = Driver::new(engine_at(start), space(), Clock::Wall).unwrap();
+    driver.set_time_budget(Some(1000.0));
+    let mut seen = Seen::default();
+    let mut clocks = Vec::new();
+    for _ in 0..3 {
+        driver.step(&data, &mut seen).unwrap();
+        clocks.push(driver.clock_secs());
+    }
+    for (told, clock) in seen.0.iter().zip(&clocks) {
+        assert!(*clock > 0.0);
+        assert_eq!(*told, Some(1000.0 - clock), "clock {clock}");
+    }
+    // Past the budget the source hears zero, never a negative time.
+    driver.set_time_budget(Some(clocks[2] / 2.0));
+    driver.step(&data, &mut seen).unwrap();
+    assert_eq!(seen.0[3], Some(0.0));
+}

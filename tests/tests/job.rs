@@ -9,7 +9,7 @@ use copus_core::candidates::{Candidate, CandidateSpace, Enumeration};
 use copus_core::layout::ParallelDims;
 use copus_core::memory::{Checkpointing, GIB, MemoryModel, Precision};
 use copus_core::model::ModelSpec;
-use copus_core::policy::SwitchRule;
+use copus_core::policy::CopusRule;
 use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
@@ -90,9 +90,9 @@ fn the_builder_picks_the_start_and_builds_a_driver_that_trains() {
     assert!(e.contains("B_g 3") && e.contains("not a feasible candidate"), "{e}");
     assert!(job().start_candidate().unwrap_err().to_string().contains("no start"));
     // Copus needs the throughput model.
-    assert!(job().start_batch(4, 2, None).copus(SwitchRule::default()).build(&full).is_err());
+    assert!(job().start_batch(4, 2, None).copus(CopusRule::default()).build(&full).is_err());
 
-    let built = fastest.copus(SwitchRule::default()).build(&full).unwrap();
+    let built = fastest.copus(CopusRule::default()).build(&full).unwrap();
     let ec = built.driver.engine().config().clone();
     assert_eq!(
         (ec.schedule, ec.checkpointing, ec.precision, ec.zero1, ec.exact_reductions),

@@ -12,7 +12,7 @@ use copus_core::layout::ParallelDims;
 use copus_core::memory::{GIB, MemoryModel};
 use copus_core::model::ModelSpec;
 use copus_core::orchestrator::{Orchestrator, RunFingerprint};
-use copus_core::policy::{Scorer, SwitchRule};
+use copus_core::policy::{CopusRule, Scorer, SwitchRule};
 use copus_core::schedule::ScheduleKind;
 use copus_core::throughput::{ProfileEntry, ThroughputProfile};
 use copus_models::{LlamaConfig, full_params};
@@ -55,7 +55,7 @@ fn a_run_decided_by_the_service_equals_one_decided_in_process_also_across_a_kill
     let rule = SwitchRule { layout_cost: 0.0, min_dwell_steps: 1, confirm_steps: 1, ..SwitchRule::default() };
     let orchestrator = {
         let s = scorer.clone();
-        move || Orchestrator::new(policy_by_name(PolicyName::Copus, &s, rule).unwrap(), s.clone())
+        move || Orchestrator::new(policy_by_name(PolicyName::Copus, &s, CopusRule::Switch(rule), 2).unwrap(), s.clone())
     };
     const STEPS: usize = 8;
     let run = |source: &mut dyn DecisionSource, between: &mut dyn FnMut(usize)| {

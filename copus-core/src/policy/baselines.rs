@@ -169,7 +169,7 @@ mod tests {
         assert_eq!(dec.target(small).global_batch, 4);
         assert_eq!(Static.decide(&obs(cur, 1e6)), Decision::Keep);
         // No noise estimate yet: everyone keeps.
-        let none = StepObservation { step: 0, current: cur, noise: None };
+        let none = StepObservation { step: 0, current: cur, noise: None, remaining_secs: None };
         assert_eq!(Copus::new(s, SwitchRule::default()).unwrap().decide(&none), Decision::Keep);
         assert!(CbsFixedLayout::new(toy().0, d(1, 4, 1), 1.0, true).is_err());
     }

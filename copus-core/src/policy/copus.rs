@@ -749,6 +749,7 @@ mod tests {
             step,
             current,
             noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: g_se, trace_se: 0.0 }),
+            remaining_secs: None,
         }
     }
 
@@ -850,7 +851,7 @@ mod tests {
         let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
         let rule = SwitchRule { layout_cost: 0.0, ..no_dwell() };
         let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 1.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
-        let obs = |current| StepObservation { step: 10, current, noise };
+        let obs = |current| StepObservation { step: 10, current, noise, remaining_secs: None };
         let mut prior_only = Copus::new(s.clone(), rule).unwrap();
         assert_eq!(prior_only.decide(&obs(dp4)), Decision::ChangeLayout(tp2), "the prior alone moves to tp2");
         let mut learning = Copus::new(s, rule).unwrap();
@@ -859,7 +860,7 @@ mod tests {
         assert_eq!(learning.decide(&obs(dp4)), Decision::Keep, "measured, dp4 is faster");
         // From tp2 the way back to dp4 (the layout it came from) needs two judgements.
         assert_eq!(learning.decide(&obs(tp2)), Decision::Keep);
-        assert_eq!(learning.decide(&StepObservation { step: 11, current: tp2, noise }), Decision::ChangeLayout(dp4));
+        assert_eq!(learning.decide(&StepObservation { step: 11, current: tp2, noise, remaining_secs: None }), Decision::ChangeLayout(dp4));
     }
 
     #[test]
@@ -941,7 +942,7 @@ mod tests {
         let tp2 = Candidate::new(d(2, 2, 1), 4, 1).unwrap();
         let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 0.0, ..no_dwell() };
         let mut p = Copus::new(s.clone(), rule).unwrap();
-        let at = |step, current| StepObservation { step, current, noise: None };
+        let at = |step, current| StepObservation { step, current, noise: None, remaining_secs: None };
         let prior_dp4 = s.throughput(&dp4).unwrap();
         for step in 1..=2 {
             p.observe_throughput(&dp4, prior_dp4);
@@ -980,6 +981,7 @@ mod tests {
             step: 10,
             current: cur,
             noise: Some(NoiseEstimate { grad_sq, trace: 100.0, biased: false, grad_sq_se: se, trace_se: 0.0 }),
+            remaining_secs: None,
         };
         let point = Copus::new(s.clone(), no_dwell()).unwrap();
         let signif = Copus::new(s, SwitchRule { explore_noise: ExploreNoise::Significant, ..no_dwell() }).unwrap();
@@ -1008,7 +1010,7 @@ mod tests {
             (1..=3)
                 .map(|step| {
                     p.observe_throughput(&b(4), s.throughput(&b(4)).unwrap());
-                    p.decide(&StepObservation { step, current: b(4), noise })
+                    p.decide(&StepObservation { step, current: b(4), noise, remaining_secs: None })
                 })
                 .collect::<Vec<_>>()
         };
@@ -1061,7 +1063,7 @@ mod tests {
             let decisions: Vec<Decision> = (1..=3)
                 .map(|step| {
                     p.observe_throughput(&dp4, t_dp4);
-                    p.decide(&StepObservation { step, current: dp4, noise: None })
+                    p.decide(&StepObservation { step, current: dp4, noise: None, remaining_secs: None })
                 })
                 .collect();
             let want = if tried { Decision::ChangeLayout(tp2) } else { Decision::Keep };
@@ -1087,6 +1089,7 @@ mod tests {
             step: 10,
             current: tp2(16),
             noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 8.0, biased: false, grad_sq_se: se, trace_se: 0.0 }),
+            remaining_secs: None,
         };
         let decide = |choice, se| Copus::new(s.clone(), rule(choice)).unwrap().decide(&at(se));
         assert_eq!(decide(Choice::Point, 0.7), Decision::Keep);
@@ -1115,6 +1118,7 @@ mod tests {
             step: 10,
             current: cur,
             noise: Some(NoiseEstimate { grad_sq: 1.0, trace: 4.0, biased: false, grad_sq_se: 0.5, trace_se: 0.0 }),
+            remaining_secs: None,
         };
         for choice in [Choice::Point, Choice::Robust] {
             let rule = SwitchRule { layout_cost: 1.0, horizon: 1e4, choice, ..no_dwell() };
@@ -1142,7 +1146,7 @@ mod tests {
         let dp4 = Candidate::new(d(4, 1, 1), 4, 1).unwrap();
         let rule = SwitchRule { explore: 0.3, trial_steps: 2, layout_cost: 0.0, ..no_dwell() };
         let mut p = Copus::new(s.clone(), rule).unwrap();
-        let at = |step| StepObservation { step, current: dp4, noise: None };
+        let at = |step| StepObservation { step, current: dp4, noise: None, remaining_secs: None };
         let t = s.throughput(&dp4).unwrap();
         let mut trials = 0;
         for step in 1..30 {
@@ -1218,7 +1222,7 @@ mod tests {
             let mut decisions = Vec::new();
             for step in 1..=3 {
                 p.observe_throughput(&dp4, t_dp4);
-                decisions.push(p.decide(&StepObservation { step, current: dp4, noise: None }));
+                decisions.push(p.decide(&StepObservation { step, current: dp4, noise: None, remaining_secs: None }));
             }
             let want = if tried { Decision::ChangeLayout(tp2) } else { Decision::Keep };
             assert_eq!(decisions, vec![Decision::Keep, Decision::Keep, want], "layout cost {cost:.1} s (break-even {break_even:.1} s)");

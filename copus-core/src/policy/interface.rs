@@ -18,6 +18,11 @@ pub struct StepObservation {
     pub current: Candidate,
     /// Smoothed noise estimate, once there is one.
     pub noise: Option<NoiseEstimate>,
+    /// Seconds the run has left, where the run knows: its time budget less the time spent, or
+    /// its remaining samples at the current rate. The horizon over which a change must repay
+    /// its cost; policies that do not weigh costs ignore it. Absent in older observations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remaining_secs: Option<f64>,
 }
 
 impl StepObservation {
@@ -90,10 +95,6 @@ pub trait Policy: Send {
             scorer.observe_throughput(candidate, samples_per_sec);
         }
     }
-    /// Tells the policy how many seconds the run has left (its time budget less the time spent,
-    /// or its remaining samples at the current rate): the horizon over which a change must
-    /// repay its cost. Policies that do not weigh costs ignore it.
-    fn observe_horizon(&mut self, _remaining_secs: f64) {}
     /// What the policy has learned during the run (measured throughput, switch costs), for a
     /// whole-run checkpoint. Settings given at construction are not part of it. By default the
     /// scorer's measurements, if the policy has a scorer.

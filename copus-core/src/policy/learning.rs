@@ -4,7 +4,7 @@
 //! tell is worth its cost), and one decision rule, [`Rule`], of six settings.
 //!
 //! Every `window` steps (and whenever the configuration changed a window ago) the policy
-//! judges, with `H` the seconds the run has left ([`Policy::observe_horizon`], else
+//! judges, with `H` the seconds the run has left ([`StepObservation::remaining_secs`], else
 //! `rule.horizon`) and `cost(c)` the measured seconds of the change to `c` (a layout change's
 //! and a batch change's estimates, each a running mean of the changes made):
 //!
@@ -60,7 +60,8 @@ pub struct Rule {
     /// The relative Goodput gain over the horizon, after the change's cost, a change must
     /// reach: what the models' error below that is not worth acting on. `>= 0`.
     pub threshold: f64,
-    /// Seconds the run has left, used until the run says ([`Policy::observe_horizon`]). `> 0`.
+    /// Seconds the run has left, used until the run says ([`StepObservation::remaining_secs`]).
+    /// `> 0`.
     pub horizon: f64,
     /// The first estimate of a layout change's seconds, replaced by the measured changes'
     /// running mean. `>= 0`.
@@ -228,6 +229,15 @@ impl Learning {
         self.layouts
     }
 
+    /// Takes the seconds the run has left. Where that is not positive and finite (a run past
+    /// its budget, or one whose time to go at the running configuration's pace is unbounded
+    /// because it makes no progress there), the rule's `horizon` stands in: keeping the last
+    /// value instead froze a run that had reached a configuration without progress a moment
+    /// before its end at a horizon of a fraction of a second, where no change repays its cost.
+    fn set_remaining(&mut self, remaining_secs: f64) {
+        self.remaining = (remaining_secs.is_finite() && remaining_secs > 0.0).then_some(remaining_secs);
+    }
+
     /// The seconds the run has left.
     pub fn horizon(&self) -> f64 {
         self.remaining.unwrap_or(self.rule.horizon)
@@ -288,7 +298,9 @@ impl Learning {
         let (go, back) = (self.cost(&c0, &c), self.cost(&c, &c0));
         let (g_cur, g_i) = (self.value(cur, y_cur, p), self.value(i, y_cur, p));
         let step = c.global_batch as f64 / (self.prior[i] * (y_cur + m).exp());
-        let t_w = self.rule.window as f64 * step;
+        // The window ends with the run at the latest: a window valued past the run's end made a
+        // trial look worth its trip a moment before the end, whatever it went to.
+        let t_w = (self.rule.window as f64 * step).min((h - go).max(0.0));
         // The window's mean of y(i) has variance v: the belief of the difference narrows from
         // s^2 to s1^2, and its mean moves by a normal of variance s^2 - s1^2 before the window.
         let s2 = s * s;
@@ -419,6 +431,9 @@ impl Policy for Learning {
 
     fn decide(&mut self, obs: &StepObservation) -> Decision {
         let cur = obs.current;
+        if let Some(r) = obs.remaining_secs {
+            self.set_remaining(r);
+        }
         let (ran, dwelled) = self.track(obs);
         let r = self.rule;
         if ran < r.window || ran % r.window != 0 {
@@ -482,12 +497,6 @@ impl Policy for Learning {
         if seconds.is_finite() && seconds >= 0.0 {
             let k = usize::from(!layout_changed);
             self.costs[k] = (self.costs[k].0 + seconds, self.costs[k].1 + 1.0);
-        }
-    }
-
-    fn observe_horizon(&mut self, remaining_secs: f64) {
-        if remaining_secs.is_finite() && remaining_secs > 0.0 {
-            self.remaining = Some(remaining_secs);
         }
     }
 
@@ -566,7 +575,7 @@ mod tests {
     }
 
     fn at(step: u64, current: Candidate) -> StepObservation {
-        StepObservation { step, current, noise: None }
+        StepObservation { step, current, noise: None, remaining_secs: None }
     }
 
     /// Runs `cur` for `steps` steps at `sps`, deciding at each; the first change, if any.
@@ -608,7 +617,7 @@ mod tests {
             for _ in 0..64 {
                 p.observe_throughput(&o, 110.0);
             }
-            p.observe_horizon(left);
+            p.set_remaining(left);
             assert_eq!(run(&mut p, c, 100.0, 8), wanted, "{left} s left");
         }
     }
@@ -627,7 +636,7 @@ mod tests {
             for step in 1..=80 {
                 p.observe_throughput(&c, 100.0);
                 let seen = (24 < step && step <= estimate_until).then_some(noise).flatten();
-                let decision = p.decide(&StepObservation { step, current: c, noise: seen });
+                let decision = p.decide(&StepObservation { step, current: c, noise: seen, remaining_secs: None });
                 if decision != Decision::Keep {
                     assert_eq!(decision, Decision::ChangeBatch(o));
                     return Some(step);
@@ -653,10 +662,10 @@ mod tests {
         let noise = Some(NoiseEstimate { grad_sq: 1.0, trace: 8.0, biased: false, grad_sq_se: 0.0, trace_se: 0.0 });
         let rule = Rule { dwell_steps: 16, window: 4, ..Rule::default() };
         let mut p = Learning::new(s.clone(), rule, &flat(0.3, 0.3), 8).unwrap();
-        p.observe_horizon(3600.0);
+        p.set_remaining(3600.0);
         let first = (1..=64).find_map(|step| {
             p.observe_throughput(&c, 100.0);
-            let decision = p.decide(&StepObservation { step, current: c, noise });
+            let decision = p.decide(&StepObservation { step, current: c, noise, remaining_secs: None });
             (decision != Decision::Keep).then_some((step, decision))
         });
         assert_eq!(first, Some((32, Decision::ChangeBatch(o))));
@@ -736,7 +745,7 @@ mod tests {
         for k in 0..32 {
             p.observe_throughput(&c, 100.0 * (1.0 + scatter * ((k % 4) as f64 - 1.5)));
         }
-        p.observe_horizon(600.0);
+        p.set_remaining(600.0);
         p.refit();
         (p, c, o)
     }
@@ -813,8 +822,26 @@ mod tests {
         let (mut narrow, c, _) = two_layouts(0.005, 0.005);
         assert_eq!(run(&mut narrow, c, 100.0, 24), Decision::Keep);
         let (mut short, c, _) = two_layouts(0.3, 0.2);
-        short.observe_horizon(30.0);
+        short.set_remaining(30.0);
         assert_eq!(run(&mut short, c, 100.0, 24), Decision::Keep);
+        // A moment before the end (less than the trip there), nothing is worth trying: the
+        // window's progress counts only up to the run's end.
+        let (mut ending, c, _) = two_layouts(0.3, 0.2);
+        ending.set_remaining(0.05);
+        assert_eq!(run(&mut ending, c, 100.0, 24), Decision::Keep);
+    }
+
+    /// Without a usable time to go (past the budget, or unbounded at a configuration that
+    /// makes no progress) the rule's horizon stands in, not the last value seen.
+    #[test]
+    fn an_unusable_time_to_go_falls_back_to_the_rules_horizon() {
+        let (mut p, _, _) = two_layouts(0.3, 0.2);
+        assert_eq!(p.horizon(), 600.0);
+        for unusable in [f64::INFINITY, 0.0, -5.0, f64::NAN] {
+            p.set_remaining(0.05);
+            p.set_remaining(unusable);
+            assert_eq!(p.horizon(), p.rule.horizon, "{unusable}");
+        }
     }
 
     /// A trial of a candidate measured before is judged on its new window: measured 24 steps

@@ -44,9 +44,6 @@ impl Policy for Named {
     fn observe_throughput(&mut self, candidate: &Candidate, samples_per_sec: f64) {
         self.policy.observe_throughput(candidate, samples_per_sec);
     }
-    fn observe_horizon(&mut self, remaining_secs: f64) {
-        self.policy.observe_horizon(remaining_secs);
-    }
     fn learned(&self) -> PolicyState {
         self.policy.learned()
     }

@@ -19,12 +19,15 @@
 //! - `learning.rs`: [`Learning`], Copus on a structured throughput belief
 //!   ([`crate::belief`]) with knowledge-gradient trials and one decision rule of six
 //!   settings, [`Rule`].
+//! - `choice.rs`: [`CopusRule`], which of the two decides a run (a recipe's `rule`), and the
+//!   policy it builds.
 //! - `oracle.rs`: [`hindsight_oracle`], the best [`Schedule`] for a known noise [`Trajectory`], by
 //!   dynamic programming, and [`schedule_time`] to cost any schedule on the same terms (regret).
 //! - `lineup.rs`: [`lineup()`], the baselines and Copus with their starting configurations, as a
 //!   comparison runs them, and [`Named`] to run a policy under another name.
 
 mod baselines;
+mod choice;
 mod copus;
 mod error;
 mod interface;
@@ -36,6 +39,7 @@ mod scorer;
 mod test_util;
 
 pub use baselines::{CbsFixedLayout, DpOnlyGoodput, MerrillWarmup, Static};
+pub use choice::CopusRule;
 pub use copus::{Choice, Confirmation, Copus, ExploreNoise, SwitchRule};
 pub use error::PolicyError;
 pub use interface::{Decision, Policy, PolicyState, StepObservation};

@@ -25,6 +25,7 @@ pub(super) fn obs(current: Candidate, phi: f64) -> StepObservation {
         step: 10,
         current,
         noise: Some(NoiseEstimate { grad_sq: 1.0, trace: phi, biased: false, grad_sq_se: 0.0, trace_se: 0.0 }),
+        remaining_secs: None,
     }
 }
 

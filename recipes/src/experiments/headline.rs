@@ -400,6 +400,8 @@ fn one_run(
     label: &str,
 ) -> anyhow::Result<ArmRun> {
     let mut driver = arm_job(recipe, cfg, &p.spec, start)?.build(full)?.driver;
+    // As in the main job: Copus's horizon is what is left of the recipe's time budget.
+    driver.set_time_budget(recipe.train.time_budget_secs);
     let data = TrainSequences(&p.train);
     let t = &recipe.train;
     let eval = |driver: &mut Driver<LlamaConfig>| -> anyhow::Result<f64> {
@@ -482,7 +484,7 @@ fn report_header(name: &str, h: &Headline, recipe: &Recipe) -> String {
         if h.shuffle { "shuffled" } else { "fixed" },
         h.max_secs,
         par.map(|p| p.objective(&recipe.optim)),
-        par.map(|p| p.switch_rule(recipe.train.time_budget_secs)),
+        par.map(|p| p.copus_rule(recipe.train.time_budget_secs)),
     )
 }
 
@@ -574,10 +576,10 @@ fn goals(md: &mut String, h: &Headline, recipe: &Recipe, arms: &[Arm], copus: Op
             Some(r) => {
                 let r = geometric_mean(&r);
                 md.push_str(&format!(
-                    "- Copus no more than 2% behind the best fixed arm in hindsight, {} (ratio <= 1.02): {:.3}, {}.\n",
+                    "- Copus ahead of the best fixed arm in hindsight, {} (ratio <= 1.00; before 2026-12-07 the goal was <= 1.02): {:.3}, {}.\n",
                     b.name,
                     r,
-                    if r <= 1.02 { "met" } else { "missed" }
+                    if r <= 1.0 { "met" } else { "missed" }
                 ));
             }
             None => md.push_str("- Copus vs the best fixed arm: not every seed reached the target.\n"),
