@@ -27,11 +27,12 @@
 //!
 //! The root re-exports what a user starts from: the candidates and layouts of a space, the
 //! throughput models (a measured profile, the analytic cluster model), the scorer, the Copus
-//! policy and its switch rule, the orchestrator that turns observations into decisions, and the
-//! decision interface a training loop calls.
+//! rule ([`CopusRule`]: the rule on the structured belief by default, or the earlier switch
+//! rule), the orchestrator that turns observations into decisions, and the decision interface
+//! a training loop calls.
 //!
 //! ```
-//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, Copus, Orchestrator, Scorer, SwitchRule};
+//! use copus_core::{CandidateSpace, ClusterModel, ClusterSpec, CopusRule, Orchestrator, Scorer};
 //! use copus_core::memory::{GIB, MemoryModel};
 //! use copus_core::model::ModelSpec;
 //! use copus_core::schedule::ScheduleKind;
@@ -43,8 +44,10 @@
 //!     .enumerate(&spec);
 //! let prior = ClusterModel::new(ClusterSpec::cpu_ranks(8, 8), spec);
 //! let scorer = Scorer::plain(&space.feasible, &prior, 8.0).unwrap();
-//! let copus = Copus::new(scorer.clone(), SwitchRule::default()).unwrap();
-//! let orchestrator = Orchestrator::new(Box::new(copus), scorer);
+//! // A run of about an hour whose layout changes cost about 10 s at first (measured later);
+//! // eight ranks to a node.
+//! let copus = CopusRule::for_run(3600.0, 10.0).policy(&scorer, 8).unwrap();
+//! let orchestrator = Orchestrator::new(copus, scorer);
 //! assert!(!space.feasible.is_empty() && orchestrator.policy_name().contains("copus"));
 //! ```
 

@@ -198,6 +198,7 @@ impl Message for Request {
         match self {
             Request::Step { observation, samples_per_sec } => {
                 let mut fields = vec![("Step.samples_per_sec".to_string(), *samples_per_sec)];
+                fields.extend(observation.remaining_secs.map(|r| ("Step.observation.remaining_secs".to_string(), r)));
                 if let Some(n) = &observation.noise {
                     for (f, v) in [("grad_sq", n.grad_sq), ("trace", n.trace), ("grad_sq_se", n.grad_sq_se), ("trace_se", n.trace_se)] {
                         fields.push((format!("Step.observation.noise.{f}"), v));
@@ -341,9 +342,19 @@ impl Orchestrator {
     }
 
     /// Continues from [`Self::state`] of an orchestrator with the same policy and candidates.
+    /// Both Copus rules are named `copus`; the state's `rule` tells them apart (absent: the
+    /// switch rule), so a run started under one is not continued under the other.
     pub fn restore(&mut self, state: &OrchestratorState) -> Result<(), RestoreError> {
-        if state.policy != self.policy_name() {
-            return Err(RestoreError { saved: state.policy.clone(), running: self.policy_name() });
+        let named = |name: String, rule: &Option<String>| match rule {
+            Some(r) => format!("{name} ({r})"),
+            None => name,
+        };
+        let running_rule = self.policy.learned().rule;
+        if state.policy != self.policy_name() || state.learned.rule != running_rule {
+            return Err(RestoreError {
+                saved: named(state.policy.clone(), &state.learned.rule),
+                running: named(self.policy_name(), &running_rule),
+            });
         }
         self.policy.restore_learned(&state.learned);
         self.scorer.set_measured(&state.measured);
@@ -654,6 +665,17 @@ mod tests {
         assert!((mean - (3.0 + 5.0 + 4.0 * 4.5) / 6.0).abs() < 1e-12, "{mean}");
         let mut other = Orchestrator::new(Box::new(Static), scorer());
         assert!(other.restore(&saved).unwrap_err().to_string().contains("copus"));
+        // The rule on the structured belief is also named `copus`: a switch-rule state (which
+        // says no rule, as every state saved before did) is refused by it, and the other way.
+        let learning = || Orchestrator::new(crate::CopusRule::default().policy(&scorer(), 2).unwrap(), scorer());
+        let e = learning().restore(&saved).unwrap_err().to_string();
+        assert_eq!(e, "the saved state is of policy `copus`, this run's is `copus (learning)`");
+        let mut l = learning();
+        l.on_step_measured(&StepObservation { step: 1, current: small, noise: noise(1.0), remaining_secs: Some(50.0) }, 3.0);
+        let theirs = l.state();
+        assert_eq!(theirs.learned.rule.as_deref(), Some("learning"));
+        assert!(make().restore(&theirs).unwrap_err().to_string().contains("`copus (learning)`"));
+        learning().restore(&theirs).unwrap();
     }
 
     fn fp() -> RunFingerprint {
@@ -714,6 +736,9 @@ mod tests {
         };
         let e = encode(&Request::Step { observation: noisy, samples_per_sec: 1.0 }).unwrap_err();
         assert_eq!(e, ProtocolError::NonFinite("Step.observation.noise.trace".into()));
+        let late = StepObservation { remaining_secs: Some(f64::INFINITY), ..obs };
+        let e = encode(&Request::Step { observation: late, samples_per_sec: 1.0 }).unwrap_err();
+        assert_eq!(e, ProtocolError::NonFinite("Step.observation.remaining_secs".into()));
         let e = encode(&Request::Reconfigured { seconds: f64::NEG_INFINITY, layout_changed: true }).unwrap_err();
         assert!(e.to_string().contains("Reconfigured.seconds"));
         let mut state = OrchestratorState::default();

@@ -521,13 +521,21 @@ fn parse_message(text: &str, e: &ron::error::SpannedError) -> String {
         Some(&name[from..]).filter(|n| !n.is_empty())
     });
     match field {
-        Some("rule") if matches!(e.code, ron::Error::ExpectedIdentifier) => format!(
+        // Only the old form `rule: Some((...))`: an objective's `rule:` also ends in `rule`.
+        Some("rule") if matches!(e.code, ron::Error::ExpectedIdentifier) && old_rule_form(&before) => format!(
             "{e} (the value of `rule`: `Learning(rule: (...))`, the rule on the structured belief, or \
              `Switch((...))`, the switch rule recipes wrote as `rule: Some((...))` before 2026-12-07)"
         ),
         Some(f) => format!("{e} (the value of `{f}`)"),
         None => e.to_string(),
     }
+}
+
+/// Whether the text before a parse error ends in `rule: Some(`: where a recipe wrote the switch
+/// rule before the Copus rule became a choice (`rule: Some((...))`).
+fn old_rule_form(before: &str) -> bool {
+    let squeezed: String = before.chars().filter(|c| !c.is_whitespace()).collect();
+    squeezed.ends_with("rule:Some(")
 }
 
 /// The recipe's `optim` section: any subset of [`OptimConfig`]'s fields, the others at their
@@ -971,6 +979,9 @@ mod tests {
         // The switch rule as recipes wrote it before the choice existed: the error says what to write.
         let e = Recipe::parse(&par(&format!("{ok}, rule: Some((batch_threshold: 0.02, horizon: 60.0))")), "r").unwrap_err().to_string();
         assert!(e.contains("rule") && e.contains("Learning") && e.contains("Switch"), "{e}");
+        // An objective's `rule:` written wrongly is not taken for it.
+        let e = Recipe::parse(&par(&format!("{ok}, objective: Some(LrTuned(rule: (Sqrt)))")), "r").unwrap_err().to_string();
+        assert!(!e.contains("Switch"), "{e}");
     }
 
     /// The `data` section: the issue's syntax parses, every field defaults, and each mistake

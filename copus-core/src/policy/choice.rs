@@ -1,7 +1,8 @@
 //! Which Copus decides a run: [`CopusRule`], the rule on the structured belief ([`Learning`],
-//! the default everywhere a run is decided: the main job, the headline, the Learner add-on and
-//! the service) or the switch rule of earlier waves ([`Copus`]), kept so that what was judged
-//! under it can be run again.
+//! the default: a recipe without a `rule`, the service, the evidence comparison) or the switch
+//! rule of earlier waves ([`Copus`]), which the main recipes write explicitly (it won their
+//! headline; `Learning` has not yet) and the simulated suite's and the real comparison's
+//! line-ups run beside their baselines.
 
 use serde::{Deserialize, Serialize};
 

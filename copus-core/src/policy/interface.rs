@@ -171,4 +171,9 @@ pub struct PolicyState {
     /// candidate's step count, mean and sum of squared deviations of `ln(measured / prior)`.
     #[serde(default)]
     pub belief: Vec<(Candidate, f64, f64, f64)>,
+    /// The rule that learned it where the policy's name does not tell: `Some("learning")` for
+    /// [`Learning`](super::Learning), absent for the switch rule (and for every state saved
+    /// before the two shared the name `copus`). A resume refuses a state of the other rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }

@@ -146,6 +146,8 @@ pub struct Learning {
 }
 
 impl Learning {
+    /// Its mark in a saved [`PolicyState`] (`rule`): the switch rule shares the name `copus`.
+    pub const RULE: &'static str = "learning";
     /// B_simple taken as "very large" (statistical efficiency 1 at every batch that matters).
     const PHI_CAP: f64 = 1e9;
     /// The step scatter assumed before measurements pool it (log scale), and the weight of
@@ -331,7 +333,8 @@ impl Learning {
                 continue;
             }
             let (trial, outright) = self.trial_gain(cur, i, y_cur, d, p, v);
-            if trial >= bar && trial - outright.max(0.0) >= bar && pick.is_none_or(|(_, g)| trial > g) {
+            // Strictly positive: a trial whose trip alone outlasts the run is never worth it.
+            if trial > 0.0 && trial >= bar && trial - outright.max(0.0) >= bar && pick.is_none_or(|(_, g)| trial > g) {
                 pick = Some((i, trial));
             }
         }
@@ -513,6 +516,7 @@ impl Policy for Learning {
         }
         let cands = self.belief.candidates().iter().zip(&self.measured);
         state.belief = cands.filter(|(_, m)| m.n > 0.0).map(|(c, m)| (*c, m.n, m.mean, m.m2)).collect();
+        state.rule = Some(Self::RULE.into());
         state
     }
 

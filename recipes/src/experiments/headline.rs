@@ -400,7 +400,9 @@ fn one_run(
     label: &str,
 ) -> anyhow::Result<ArmRun> {
     let mut driver = arm_job(recipe, cfg, &p.spec, start)?.build(full)?.driver;
-    // As in the main job: Copus's horizon is what is left of the recipe's time budget.
+    // As in the main job: Copus's horizon is what is left of the recipe's time budget (240 s
+    // for the main recipe), not of the arm's cap (`max_secs`), which only ends the measurement:
+    // the run under test is the main job as a user runs it.
     driver.set_time_budget(recipe.train.time_budget_secs);
     let data = TrainSequences(&p.train);
     let t = &recipe.train;
