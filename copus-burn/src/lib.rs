@@ -112,6 +112,7 @@
 //! - `fused::gemm`: the `gemm` crate's raw-pointer products, behind bounds checks of every
 //!   operand;
 //! - `fused::attention`: its output buffer, which its tasks write at disjoint places;
+//! - `fused::torch` (feature `tch`): the operator counter's two C functions (cpp/);
 //! - `comm::placement` (feature `cuda`): asking whether the CUDA driver library is installed
 //!   before counting its devices.
 

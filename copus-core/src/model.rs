@@ -265,8 +265,8 @@ impl ModelSpec {
     }
 
     /// Names of the presets accepted by [`ModelSpec::preset`].
-    pub const PRESETS: [&'static str; 8] =
-        ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m", "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "qwen2.5-32b"];
+    pub const PRESETS: [&'static str; 9] =
+        ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m", "tinyllama-1.1b", "llama-3.2-3b", "llama-2-7b", "llama-2-13b", "qwen2.5-32b"];
 
     /// A preset by name.
     pub fn preset(name: &str) -> Result<Self, ModelError> {
@@ -275,6 +275,7 @@ impl ModelSpec {
             "tiny-5m" => Self::tiny_5m(),
             "tiny-20m" => Self::tiny_20m(),
             "small-100m" => Self::small_100m(),
+            "tinyllama-1.1b" => Self::tinyllama_1_1b(),
             "llama-3.2-3b" => Self::llama_3_2_3b(),
             "llama-2-7b" => Self::llama_2_7b(),
             "llama-2-13b" => Self::llama_2_13b(),
@@ -333,6 +334,12 @@ impl ModelSpec {
         Self::shape("small-100m", 12, 768, 12, 4, 2048, 8192, 512, false)
     }
 
+    /// TinyLlama-1.1B's shape: 1.10B parameters, 22 layers, width 2048, 32 heads, 4 kv heads,
+    /// SwiGLU 5632, vocab 32000, sequence 2048, untied.
+    pub fn tinyllama_1_1b() -> Self {
+        Self::shape("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32_000, 2048, false)
+    }
+
     /// Llama-3.2-3B: 3.21B parameters, tied embeddings.
     pub fn llama_3_2_3b() -> Self {
         Self::shape("llama-3.2-3b", 28, 3072, 24, 8, 8192, 128_256, 4096, true)
@@ -383,6 +390,18 @@ mod tests {
         let by_hand: u64 = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096;
         assert_eq!(ModelSpec::llama_2_7b().num_params(), by_hand);
         assert_eq!(by_hand, 6_738_415_616);
+    }
+
+    /// TinyLlama-1.1B's published count, 1,100,048,384, by hand: 22 layers of q and o
+    /// (2048^2 each), k and v (2048 x 256 each: 4 kv heads of 64), SwiGLU (3 x 2048 x 5632) and
+    /// two norms, the untied embedding and head, the final norm.
+    #[test]
+    fn tinyllama_count_by_hand() {
+        let layer: u64 = 2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048;
+        let by_hand = 22 * layer + 2 * 32_000 * 2048 + 2048;
+        assert_eq!(by_hand, 1_100_048_384);
+        assert_eq!(ModelSpec::tinyllama_1_1b().num_params(), by_hand);
+        ModelSpec::preset("tinyllama-1.1b").unwrap().validate().unwrap();
     }
 
     #[test]

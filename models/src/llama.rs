@@ -9,7 +9,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use copus_burn::fused::{causal_attention, linear, rms_norm, rope, swiglu};
+use copus_burn::fused::{grouped_causal_attention, linear, rms_norm, rope, swiglu};
 use copus_burn::{CausalLm, cross_entropy_sum, traffic};
 use copus_core::model::{ModelSpec, ParamSpec};
 
@@ -224,12 +224,9 @@ impl Attention {
                 kv
             }
         };
-        // Query head i reads kv head i / g (g = h / k). Fold the g query heads of each kv head
-        // into the row dim, [b, k, g*s, e], so each kv head's keys and values serve them
-        // without being copied g times; row r is query position start + r % s.
-        let g = h / k;
-        let q_bkre = q_bhse.reshape([b, k, g * s, e]);
-        project(&self.o_proj, causal_attention(q_bkre, k_bkte, v_bkte, 1.0 / (e as f64).sqrt(), s, start))
+        // Query head i reads kv head i / (h / k): each kv head's keys and values serve its query
+        // heads without being copied (see `grouped_causal_attention`).
+        project(&self.o_proj, grouped_causal_attention(q_bhse, k_bkte, v_bkte, 1.0 / (e as f64).sqrt(), start))
     }
 }
 

@@ -41,7 +41,8 @@ fn bf16_losses(devices: Vec<RankDevice>) -> Vec<f64> {
     (0..5).map(|s| engine.step(structured_batch(s, config().shape.vocab_size, 4)).unwrap().metrics.loss).collect()
 }
 
-/// bf16 mixed precision on LibTorch: the same products in bf16 as on Flex, each accumulated in
+/// bf16 mixed precision on LibTorch (its layers on LibTorch's own kernels, attention on
+/// `scaled_dot_product_attention`): the same products in bf16 as on Flex, each accumulated in
 /// f32 and rounded once to bf16 (a relative step of 2^-8), so the two differ where a sum in
 /// another order rounds to the neighbouring bf16 value, and the loss, a mean over every token,
 /// averages that out: measured here at most 5.7e-5 over five steps of dp2 x tp2; the bound,
@@ -49,7 +50,12 @@ fn bf16_losses(devices: Vec<RankDevice>) -> Vec<f64> {
 /// bf16 would move (bf16 against f32 on Flex: 0.5%, `bf16_mixed_precision_trains_like_f32`).
 #[test]
 fn bf16_mixed_precision_on_libtorch_trains_like_on_flex() {
-    let (flex, tch) = (bf16_losses(Vec::new()), bf16_losses(vec![RankDevice::TchCpu; 4]));
+    let flex = bf16_losses(Vec::new());
+    let before = copus_burn::fused::libtorch_operations();
+    let tch = bf16_losses(vec![RankDevice::TchCpu; 4]);
+    // The ranks' layers ran on LibTorch's own kernels (attention, norms, linear, loss), not on
+    // Burn's decomposed forms.
+    assert!(copus_burn::fused::libtorch_operations() > before, "no operation on LibTorch's kernels was built");
     for (s, (f, t)) in flex.iter().zip(&tch).enumerate() {
         eprintln!("bf16 step {s}: loss {t} on LibTorch, {f} on Flex, rel {:.2e}", rel(*t, *f));
         assert!(t.is_finite() && rel(*t, *f) <= 1e-3, "bf16 step {s}: loss {t} on LibTorch, {f} on Flex");
@@ -221,5 +227,176 @@ fn a_failed_change_on_libtorch_rolls_back_with_nothing_lost() {
         assert_eq!(loss(&mut e, 2).to_bits(), want[2].to_bits(), "{phase:?}: the next loss");
         e.reconfigure(dims(1, 2, 1), 4, 2).unwrap();
         assert!(loss(&mut e, 3).is_finite());
+    }
+}
+
+/// The fused operations on LibTorch's own kernels (`copus_burn::fused`: attention on
+/// `scaled_dot_product_attention`, RMSNorm, RoPE, SwiGLU, linear, the chunked cross entropy) against Burn's
+/// decomposed forms of the same functions on the same LibTorch CPU (what
+/// `gradient_checkpointing()` devices run), in value and in the gradient of every input.
+mod fused_on_libtorch {
+    use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+    use copus_burn::RankDevice;
+    use copus_burn::fused;
+
+    /// LibTorch under autodiff (the fused operations) and Burn's decomposed forms on it.
+    fn devices() -> (Device, Device) {
+        let d = RankDevice::TchCpu.device().unwrap();
+        (d.clone().autodiff(), d.autodiff().gradient_checkpointing())
+    }
+
+    fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+    }
+
+    /// The largest difference of `a` from `b`, relative to `b`'s largest magnitude.
+    fn worst(a: &[f32], b: &[f32]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs())).max(1e-30);
+        a.iter().zip(b).fold(0f64, |m, (&x, &y)| m.max(f64::from(x - y).abs())) / scale
+    }
+
+    /// `f` on fresh leaves holding `inputs` on `device` (cast to `dtype`): its values and the
+    /// gradient of `sum(f * w)` for each input, with a fixed weighting `w` so no gradient is
+    /// trivial.
+    fn run<const D: usize, const E: usize>(
+        inputs: &[Vec<f32>],
+        shapes: &[[usize; D]],
+        dtype: DType,
+        device: &Device,
+        f: impl Fn(&[Tensor<D>]) -> Tensor<E>,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let leaves: Vec<Tensor<D>> = inputs
+            .iter()
+            .zip(shapes)
+            .map(|(v, s)| Tensor::<D>::from_data(TensorData::new(v.clone(), *s), device).cast(dtype).require_grad())
+            .collect();
+        let y = f(&leaves);
+        let n = y.shape().num_elements();
+        let w =
+            Tensor::<1>::from_data(TensorData::new((0..n).map(|i| ((i * 7919) % 13) as f32 / 13.0 - 0.4).collect::<Vec<_>>(), [n]), device)
+                .reshape(y.dims())
+                .cast(y.dtype());
+        let grads = (y.clone() * w).sum().backward();
+        let gs = leaves.iter().map(|l| values(l.grad(&grads).expect("every input has a gradient"))).collect();
+        (values(y), gs)
+    }
+
+    /// `n` values in [-1.5, 1.5) from a seeded xorshift generator.
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
+            })
+            .collect()
+    }
+
+    /// Compares the fused and the decomposed form of `f` (values and every input's gradient)
+    /// within `tol`, and checks that the fused form built operations on LibTorch's kernels.
+    fn check<const D: usize, const E: usize>(
+        what: &str,
+        shapes: &[[usize; D]],
+        dtype: DType,
+        tol: f64,
+        f: impl Fn(&[Tensor<D>]) -> Tensor<E>,
+    ) {
+        let inputs: Vec<Vec<f32>> = shapes.iter().enumerate().map(|(i, s)| random(s.iter().product(), 17 + i as u64)).collect();
+        let (fused_dev, decomposed_dev) = devices();
+        let before = fused::libtorch_operations();
+        let (y, gs) = run(&inputs, shapes, dtype, &fused_dev, &f);
+        assert!(fused::libtorch_operations() > before, "{what}: no operation on LibTorch's kernels was built");
+        let (want, want_gs) = run(&inputs, shapes, dtype, &decomposed_dev, &f);
+        let d = worst(&y, &want);
+        eprintln!("{what}: values {d:.2e}");
+        assert!(d <= tol, "{what}: values differ by {d:.2e} (bound {tol:.0e})");
+        for (i, (g, w)) in gs.iter().zip(&want_gs).enumerate() {
+            let d = worst(g, w);
+            eprintln!("{what}: gradient of input {i} {d:.2e}");
+            assert!(d <= tol, "{what}: the gradient of input {i} differs by {d:.2e} (bound {tol:.0e})");
+        }
+    }
+
+    /// f32: LibTorch's kernels and Burn's decomposition add in different orders, a few ulps per
+    /// value; bf16: one rounding of 2^-8 on either side, a few times over.
+    const F32: f64 = 1e-5;
+    const BF16: f64 = 2e-2;
+
+    #[test]
+    fn attention_on_scaled_dot_product_attention_matches_the_decomposed_form() {
+        // Grouped-query heads (4 query heads on 2 kv heads), one kv head per query head, and an
+        // odd sequence length.
+        for (h, k) in [(4, 2), (2, 2)] {
+            for (dtype, tol) in [(DType::F32, F32), (DType::BF16, BF16)] {
+                let shapes = [[2, h, 7, 8], [2, k, 7, 8], [2, k, 7, 8]];
+                check(&format!("attention h{h} k{k} {dtype:?}"), &shapes, dtype, tol, |x| {
+                    fused::grouped_causal_attention(x[0].clone(), x[1].clone(), x[2].clone(), 0.35, 0)
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_rope_swiglu_and_linear_match_the_decomposed_forms() {
+        for (dtype, tol) in [(DType::F32, F32), (DType::BF16, BF16)] {
+            // RMSNorm's weight stays f32 (its gradient too) while x takes `dtype`.
+            check(&format!("rms_norm {dtype:?}"), &[[2, 5, 16], [1, 1, 16]], dtype, tol, |x| {
+                fused::rms_norm(x[0].clone(), x[1].clone().cast(DType::F32).reshape([16]), 1e-5)
+            });
+            check(&format!("linear {dtype:?}"), &[[2, 5, 16], [1, 16, 12]], dtype, tol, |x| {
+                fused::linear(x[0].clone(), x[1].clone().reshape([16, 12]), None)
+            });
+            check(&format!("linear with a bias {dtype:?}"), &[[2, 5, 16], [1, 16, 12], [1, 1, 12]], dtype, tol, |x| {
+                fused::linear(x[0].clone(), x[1].clone().reshape([16, 12]), Some(x[2].clone().reshape([12])))
+            });
+            check(&format!("swiglu {dtype:?}"), &[[3, 4, 10], [3, 4, 10]], dtype, tol, |x| fused::swiglu(x[0].clone(), x[1].clone()));
+            check(&format!("rope {dtype:?}"), &[[2, 3, 5, 8]], dtype, tol, |x| {
+                let (cos, sin) = rope_tables(5, 8, &x[0].device());
+                fused::rope(x[0].clone(), &cos, &sin)
+            });
+        }
+    }
+
+    /// Rotary tables `[s, e]` of the rotate-half form, f32.
+    fn rope_tables(s: usize, e: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let angle = |p: usize, i: usize| p as f32 / 10_000f32.powf((2 * (i % (e / 2))) as f32 / e as f32);
+        let table = |f: fn(f32) -> f32| {
+            let v: Vec<f32> = (0..s).flat_map(|p| (0..e).map(move |i| f(angle(p, i)))).collect();
+            Tensor::<2>::from_data(TensorData::new(v, [s, e]), device)
+        };
+        (table(f32::cos), table(f32::sin))
+    }
+
+    /// The cross entropy against the decomposed form, with one chunk of rows and with two (more
+    /// than 2^24 logits: the f32 copy exists a chunk at a time), in f32 and from bf16 logits.
+    #[test]
+    fn the_chunked_cross_entropy_matches_the_decomposed_form() {
+        for (b, s, v) in [(2, 5, 11), (2, 2100, 4099)] {
+            for (dtype, tol) in [(DType::F32, F32), (DType::BF16, BF16)] {
+                let targets: Vec<i64> = (0..b * s).map(|i| ((i * 2_654_435_761) % v) as i64).collect();
+                check(&format!("cross entropy {b}x{s}x{v} {dtype:?}"), &[[b, s, v]], dtype, tol, |x| {
+                    let targets = Tensor::<2, Int>::from_data(TensorData::new(targets.clone(), [b, s]), &x[0].device());
+                    fused::cross_entropy_sum(x[0].clone(), targets).cast(DType::F32)
+                });
+            }
+        }
+    }
+
+    /// Without autodiff (evaluation, a checkpointed segment's forward pass) the operations run
+    /// without recording and give the same values.
+    #[test]
+    fn without_autodiff_the_operations_give_the_same_values() {
+        let plain = RankDevice::TchCpu.device().unwrap();
+        let (tracked, _) = devices();
+        let q = random(2 * 4 * 6 * 8, 3);
+        let kv = random(2 * 2 * 6 * 8, 4);
+        let at = |d: &Device| {
+            let t = |v: &Vec<f32>, h: usize| Tensor::<4>::from_data(TensorData::new(v.clone(), [2, h, 6, 8]), d);
+            values(fused::grouped_causal_attention(t(&q, 4), t(&kv, 2), t(&kv, 2), 0.35, 0))
+        };
+        assert_eq!(at(&plain), at(&tracked));
     }
 }

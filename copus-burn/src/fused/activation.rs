@@ -61,6 +61,13 @@ pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
     let device = gate.device();
     let shape = gate.dims();
+    #[cfg(feature = "tch")]
+    if up.dims() == shape
+        && up.dtype() == gate.dtype()
+        && let Some(y) = super::torch::swiglu(&gate, &up)
+    {
+        return y;
+    }
     if !fusable(&gate) || up.dims() != shape || up.dtype() != gate.dtype() {
         return silu(gate) * up;
     }

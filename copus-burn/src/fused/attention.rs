@@ -77,6 +77,29 @@ pub fn causal_attention(q_bkre: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>,
     Tensor::from_primitive::<Ad>(out)
 }
 
+/// Causal grouped-query attention from query heads as the projection gives them, `[b, s, h * e]`:
+/// `q_bhse` is `[b, h, s, e]` (after RoPE), `k_bkte` and `v_bkte` are `[b, k, t, e]` as for
+/// [`causal_attention`], `h` a multiple of `k` (query head `i` reads kv head `i / (h / k)`). On
+/// LibTorch, without a KV cache, one operation on LibTorch's `scaled_dot_product_attention`
+/// (its flash or memory-efficient kernel on CUDA), which reads the heads in place; elsewhere the
+/// `h / k` query heads of each kv head are folded into the rows and [`causal_attention`] runs.
+pub fn grouped_causal_attention(q_bhse: Tensor<4>, k_bkte: Tensor<4>, v_bkte: Tensor<4>, scale: f64, start: usize) -> Tensor<3> {
+    let [b, h, s, e] = q_bhse.dims();
+    let k = k_bkte.dims()[1];
+    #[cfg(feature = "tch")]
+    if start == 0
+        && k > 0
+        && h % k == 0
+        && k_bkte.dims() == [b, k, s, e]
+        && v_bkte.dims() == [b, k, s, e]
+        && let Some(out) = super::torch::attention(&q_bhse, &k_bkte, &v_bkte, scale)
+    {
+        return out;
+    }
+    let g = h / k.max(1);
+    causal_attention(q_bhse.reshape([b, k, g * s, e]), k_bkte, v_bkte, scale, s, start)
+}
+
 /// The sizes of one attention call.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {

@@ -24,6 +24,10 @@ pub fn linear<const D: usize>(x: Tensor<D>, weight: Tensor<2>, bias: Option<Tens
     let [d_in, d_out] = weight.dims();
     let fits = D >= 2 && dims[D - 1] == d_in && bias.as_ref().is_none_or(|b| b.dims() == [d_out]);
     let rows: usize = dims[..D.saturating_sub(1)].iter().product();
+    #[cfg(feature = "tch")]
+    if fits && let Some(y) = super::torch::linear(&x, &weight, bias.as_ref()) {
+        return y;
+    }
     if fits && rows * d_in * d_out > 0 {
         let geo = Geometry { rows, d_in, d_out, x_dims: dims.to_vec() };
         if let Some(y) = tracked(&geo, &x, &weight, bias.as_ref()).or_else(|| plain(&geo, &x, &weight, bias.as_ref())) {

@@ -15,6 +15,10 @@ use super::rows::*;
 /// If a target id is outside the vocabulary, like the gather of the decomposed form.
 pub fn cross_entropy_sum(logits_bsv: Tensor<3>, targets_bs: Tensor<2, Int>) -> Tensor<1> {
     let device = logits_bsv.device();
+    #[cfg(feature = "tch")]
+    if let Some(loss) = super::torch::cross_entropy_sum(&logits_bsv, &targets_bs) {
+        return loss;
+    }
     if !fusable(&logits_bsv) {
         return cross_entropy_sum_decomposed(logits_bsv, targets_bs);
     }

@@ -21,9 +21,14 @@
 //!   where Flex's matmul zero-fills and copies every output first (see its module).
 //!
 //! The custom operations need Flex under autodiff without gradient checkpointing (what
-//! `Device::flex().autodiff()` gives) and f32 values. On other devices, with checkpointing, or
-//! for other element types, Burn's decomposed forms run instead; without autodiff, the host pass
-//! alone.
+//! `Device::flex().autodiff()` gives) and f32 values; without autodiff, the host pass alone.
+//!
+//! On LibTorch (feature `tch`) the same functions are each one operation on LibTorch's own
+//! kernels, in any element type: attention on `scaled_dot_product_attention` (flash or
+//! memory-efficient kernels on CUDA), RMSNorm, RoPE and SwiGLU with the backward pass LibTorch's
+//! autograd records, and the cross entropy chunked over rows with a backward pass of its own
+//! (see its module, `torch`). `count_operator_calls` counts LibTorch's operator calls. On
+//! other devices, or under Burn's gradient checkpointing, Burn's decomposed forms run.
 //!
 //! The engine's vocabulary-parallel loss runs the same row kernels around its all-reduces: each
 //! rank computes `(max, sum of exp)` of its vocabulary slice in one pass (`row_stats`), the
@@ -42,9 +47,11 @@ mod rows;
 mod softmax;
 #[cfg(test)]
 mod tests;
+#[cfg(feature = "tch")]
+mod torch;
 
 pub use activation::{silu, swiglu};
-pub use attention::causal_attention;
+pub use attention::{causal_attention, grouped_causal_attention};
 pub use linear::linear;
 pub use loss::cross_entropy_sum;
 pub use norm::rms_norm;
@@ -52,3 +59,7 @@ pub use rope::rope;
 pub(crate) use rows::{picked, rescale_sums, row_stats, softmax_grad_in_place};
 pub(crate) use softmax::index_range;
 pub use softmax::{causal_softmax, softmax};
+#[cfg(feature = "tch")]
+pub use torch::{
+    built as libtorch_operations, count_operator_calls, set_enabled as use_libtorch_operations, set_threads as set_libtorch_threads,
+};

@@ -25,6 +25,13 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64) -> Te
     let device = x.device();
     let shape = x.dims();
     let d = shape[D - 1];
+    #[cfg(feature = "tch")]
+    if d > 0
+        && weight.dims() == [d]
+        && let Some(y) = super::torch::rms_norm(&x, &weight, eps)
+    {
+        return y;
+    }
     if !fusable(&x) || d == 0 || shape.contains(&0) || weight.dims() != [d] {
         return decomposed(x, weight);
     }

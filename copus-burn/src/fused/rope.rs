@@ -24,6 +24,14 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
     let device = x.device();
     let shape = x.dims();
     let [_, _, s, e] = shape;
+    #[cfg(feature = "tch")]
+    if e % 2 == 0
+        && cos.dims() == [s, e]
+        && sin.dims() == [s, e]
+        && let Some(y) = super::torch::rope(&x, cos, sin)
+    {
+        return y;
+    }
     if !fusable(&x) || e % 2 != 0 || shape.contains(&0) || cos.dims() != [s, e] || sin.dims() != [s, e] {
         return decomposed(x);
     }

@@ -48,36 +48,24 @@ enum BenchMode {
         threads: usize,
     },
     /// A device backend against Flex (losses and gradient norms of six layouts over three
-    /// steps; fails on a difference above 1e-4 or a NaN), then its samples/s, model-FLOPs utilisation and host
-    /// bytes per step on one and several ranks, in f32 and bf16 (scripts/gpu-check.sh).
-    Device {
-        /// The backend under test (the build needs its feature).
-        #[arg(long, value_parser = backend_name())]
-        backend: Backend,
-        /// Presets of the throughput table (repeatable); tiny-20m and small-100m by default.
-        #[arg(long = "preset", value_parser = ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m"])]
-        presets: Vec<String>,
-        /// Ranks sharing the device in each preset's second row.
-        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
-        ranks: u64,
-        /// Sequences per step of the throughput rows (a multiple of `--ranks` x `--micro-batch`).
-        #[arg(long, default_value_t = 32)]
-        global_batch: usize,
-        /// Sequences per micro-batch of the throughput rows.
-        #[arg(long, default_value_t = 4)]
-        micro_batch: usize,
-        /// Sequence length of the throughput rows (default: the preset's).
-        #[arg(long)]
-        seq: Option<usize>,
-        /// Timed steps per throughput row, after one warm-up step.
-        #[arg(long, default_value_t = 5)]
+    /// steps; fails on a difference above 1e-4 or a NaN), then its samples/s, model-FLOPs utilisation, memory and host
+    /// bytes per step on one and several ranks, in f32 and bf16, and beside PyTorch on the same
+    /// device (eager, eager with SDPA and fused AdamW, torch.compile; scripts/gpu-check.sh).
+    Device(DeviceArgs),
+    /// copus on LibTorch's CPU against PyTorch eager on the reference shape: operator calls per
+    /// decoder layer per micro-batch (with copus's operations on LibTorch's kernels and with
+    /// Burn's decomposed forms), and the step time per phase, the two sides in turn. Needs the
+    /// build feature `tch` and PyTorch.
+    Libtorch {
+        /// Timed steps.
+        #[arg(long, default_value_t = 10)]
         steps: usize,
-        /// The device's peak dense TFLOP/s as `F32,BF16` (an H200: `67,989`), for utilisation.
-        #[arg(long, value_parser = parse_peaks)]
-        peak_tflops: Option<(f64, f64)>,
-        /// Only the parity table.
-        #[arg(long)]
-        parity_only: bool,
+        /// Untimed warm-up steps.
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Threads on both sides (LibTorch's intra-op pool, torch.set_num_threads).
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// The parallel engine: all-reduce bandwidth and the step time of every layout.
     Engine {
@@ -197,32 +185,123 @@ fn parse_peaks(s: &str) -> Result<(f64, f64), String> {
     if a > 0.0 && b > 0.0 && a.is_finite() && b.is_finite() { Ok((a, b)) } else { Err(bad()) }
 }
 
+/// `bench device`'s arguments.
+#[derive(clap::Args)]
+struct DeviceArgs {
+    /// The backend under test (the build needs its feature).
+    #[arg(long, value_parser = backend_name())]
+    backend: Backend,
+    /// Presets of the throughput table (repeatable); tiny-20m and small-100m by default.
+    #[arg(long = "preset", value_parser = ["tiny-1m", "tiny-5m", "tiny-20m", "small-100m", "tinyllama-1.1b"])]
+    presets: Vec<String>,
+    /// Ranks sharing the device in each preset's second row.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    ranks: u64,
+    /// Sequences per step of the throughput rows (a multiple of `--ranks` x `--micro-batch`).
+    #[arg(long, default_value_t = 32)]
+    global_batch: usize,
+    /// Sequences per micro-batch of the throughput rows.
+    #[arg(long, default_value_t = 4)]
+    micro_batch: usize,
+    /// Sequence length of the throughput rows (default: the preset's).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Timed steps per throughput row, after one warm-up step (and rounds per PyTorch
+    /// variant).
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// The precisions of the throughput rows (repeatable); both by default.
+    #[arg(long = "precision", value_parser = ["f32", "bf16"])]
+    precisions: Vec<String>,
+    /// Activation checkpointing of the throughput rows (each decoder layer a segment).
+    #[arg(long)]
+    checkpointing: bool,
+    /// Skip PyTorch beside copus.
+    #[arg(long)]
+    no_torch: bool,
+    /// The device's peak dense TFLOP/s as `F32,BF16` (an H200: `67,989`), for utilisation.
+    #[arg(long, value_parser = parse_peaks)]
+    peak_tflops: Option<(f64, f64)>,
+    /// Only the parity table.
+    #[arg(long, conflicts_with = "throughput_only")]
+    parity_only: bool,
+    /// Only the throughput table (and PyTorch beside it).
+    #[arg(long)]
+    throughput_only: bool,
+}
+
+/// `bench device`: the arguments checked, then the parts asked for.
+fn device_mode(args: DeviceArgs) -> anyhow::Result<()> {
+    let DeviceArgs {
+        backend,
+        presets,
+        ranks,
+        global_batch,
+        micro_batch,
+        seq,
+        steps,
+        precisions,
+        checkpointing,
+        no_torch,
+        peak_tflops,
+        parity_only,
+        throughput_only,
+    } = args;
+    let ranks = ranks as usize;
+    if global_batch == 0 || micro_batch == 0 || !global_batch.is_multiple_of(ranks * micro_batch) {
+        return Err(Usage(format!(
+            "--global-batch {global_batch} must be a positive multiple of --ranks {ranks} x --micro-batch {micro_batch}"
+        ))
+        .into());
+    }
+    if let Some(n) = seq
+        && !(1..=copus_core::model::MAX_SIZE).contains(&n)
+    {
+        return Err(Usage(format!("--seq {n}: 1..={} tokens", copus_core::model::MAX_SIZE)).into());
+    }
+    let presets = if presets.is_empty() { vec!["tiny-20m".to_string(), "small-100m".to_string()] } else { presets };
+    use copus_core::memory::{Checkpointing, Precision};
+    let precisions = match precisions.as_slice() {
+        [] => vec![Precision::F32, Precision::Bf16Mixed],
+        names => names.iter().map(|p| if p == "f32" { Precision::F32 } else { Precision::Bf16Mixed }).collect(),
+    };
+    let checkpointing = if checkpointing { Checkpointing::Layers } else { Checkpointing::None };
+    let opts = super::device::Options {
+        presets,
+        ranks,
+        global_batch,
+        micro_batch,
+        seq,
+        steps: steps.max(1),
+        peak_tflops,
+        precisions,
+        checkpointing,
+        torch: !no_torch,
+    };
+    match (parity_only, throughput_only) {
+        (true, _) => super::device::parity(backend)?,
+        (_, true) => super::device::throughput(backend, &opts)?,
+        _ => super::device::run(backend, &opts)?,
+    }
+    Ok(())
+}
+
 impl BenchArgs {
     /// Runs the named mode (`step` with its defaults when none is named).
     pub fn exec(self) -> anyhow::Result<()> {
         match self.mode.unwrap_or(BenchMode::Step { steps: 5, warmup: 2, no_torch: false, threads: 2 }) {
             BenchMode::Step { steps, warmup, no_torch, threads } => super::step::run(steps.max(1), warmup, !no_torch, threads.max(1)),
             BenchMode::Engine { steps } => super::engine::run(steps.max(1)),
+            #[cfg(feature = "tch")]
+            BenchMode::Libtorch { steps, warmup, threads } => super::libtorch::run(steps.max(1), warmup, threads.max(1))?,
+            #[cfg(not(feature = "tch"))]
+            BenchMode::Libtorch { .. } => {
+                return Err(Usage("bench libtorch needs recipes built with feature `tch` (see docs/gpu.md, \"LibTorch\")".into()).into());
+            }
             BenchMode::Data { threads, rounds, no_python } => {
                 super::data::run(&super::data::Options { threads: threads.max(1), rounds: rounds.max(1), no_python })?
             }
-            BenchMode::Device { backend, presets, ranks, global_batch, micro_batch, seq, steps, peak_tflops, parity_only } => {
-                let ranks = ranks as usize;
-                if global_batch == 0 || micro_batch == 0 || !global_batch.is_multiple_of(ranks * micro_batch) {
-                    return Err(Usage(format!(
-                        "--global-batch {global_batch} must be a positive multiple of --ranks {ranks} x --micro-batch {micro_batch}"
-                    ))
-                    .into());
-                }
-                if let Some(n) = seq
-                    && !(1..=copus_core::model::MAX_SIZE).contains(&n)
-                {
-                    return Err(Usage(format!("--seq {n}: 1..={} tokens", copus_core::model::MAX_SIZE)).into());
-                }
-                let presets = if presets.is_empty() { vec!["tiny-20m".to_string(), "small-100m".to_string()] } else { presets };
-                let opts = super::device::Options { presets, ranks, global_batch, micro_batch, seq, steps: steps.max(1), peak_tflops };
-                if parity_only { super::device::parity(backend)? } else { super::device::run(backend, &opts)? }
-            }
+            BenchMode::Device(args) => device_mode(args)?,
             BenchMode::Reconfig { presets, trials, changes } => super::reconfig::run_reconfig(&presets, trials as usize, &changes),
             BenchMode::RestartChild { checkpoint, preset, seq, layout, global_batch, micro_batch } => {
                 super::reconfig::restart_child(&checkpoint, &preset, seq, &layout, global_batch, micro_batch)?

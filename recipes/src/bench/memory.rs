@@ -429,7 +429,7 @@ pub fn on_gpu(backend: Backend) -> bool {
 /// Bytes in use on the GPU the ranks use (the first of `CUDA_VISIBLE_DEVICES`, else GPU 0), as
 /// `nvidia-smi` reports them (MiB resolution). nvidia-smi numbers GPUs in PCI order, as CUDA
 /// does with `CUDA_DEVICE_ORDER=PCI_BUS_ID`; a GPU's UUID names the same one either way.
-fn gpu_memory_used() -> anyhow::Result<u64> {
+pub(crate) fn gpu_memory_used() -> anyhow::Result<u64> {
     let index = std::env::var("CUDA_VISIBLE_DEVICES")
         .ok()
         .and_then(|l| l.split(',').next().map(|s| s.trim().to_string()))

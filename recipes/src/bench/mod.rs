@@ -1,4 +1,4 @@
-//! The benchmarks (`recipes bench step|engine|reconfig|recovery|probe|memory|device|data`), each printing a table, and what
+//! The benchmarks (`recipes bench step|engine|reconfig|recovery|probe|memory|device|data|libtorch`), each printing a table, and what
 //! they share: the reference shapes, the synthetic tokens every side of a comparison sees, and
 //! medians.
 
@@ -6,6 +6,8 @@ pub mod args;
 pub mod data;
 pub mod device;
 pub mod engine;
+#[cfg(feature = "tch")]
+pub mod libtorch;
 pub mod memory;
 pub mod probe;
 pub mod reconfig;
@@ -25,6 +27,7 @@ pub fn spec() -> ModelSpec {
 pub const MICRO_BATCH: usize = 8;
 
 /// A benchmarked shape: the model (its `seq_len` is the sequence) and the micro-batch.
+#[derive(Clone)]
 pub struct Shape {
     /// The model.
     pub spec: ModelSpec,

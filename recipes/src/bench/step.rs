@@ -5,7 +5,7 @@
 //! same micro-batch split with the probe on and off).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
@@ -57,7 +57,11 @@ pub struct CopusStep {
 impl CopusStep {
     /// A freshly initialised model of `shape` (seed 0) on Flex under autodiff.
     pub fn new(shape: &Shape) -> Self {
-        let device = Device::flex().autodiff();
+        Self::on(shape, Device::flex().autodiff())
+    }
+
+    /// A freshly initialised model of `shape` (seed 0) on `device` (under autodiff).
+    pub fn on(shape: &Shape, device: Device) -> Self {
         device.seed(0);
         let model = LlamaConfig::from_spec(&shape.spec).init(&device);
         let cfg = OptimConfig { warmup_steps: 0, clip_norm: None, ..OptimConfig::default() };
@@ -120,6 +124,16 @@ pub fn gemm_gflops((m, k, n): (usize, usize, usize), reps: usize) -> (f64, f64) 
     (gflops(&|| a.clone().matmul(b.clone())), gflops(&|| copus_burn::fused::linear(a.clone(), b.clone(), None)))
 }
 
+/// Where `bench/torch_step.py` is: `COPUS_TORCH_STEP`, else next to this executable (the GPU
+/// bundle), else in this crate's sources.
+fn torch_step_script() -> PathBuf {
+    if let Some(p) = std::env::var_os("COPUS_TORCH_STEP") {
+        return PathBuf::from(p);
+    }
+    let beside = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("torch_step.py")));
+    beside.filter(|p| p.is_file()).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py"))
+}
+
 /// PyTorch eager on one shape (`bench/torch_step.py`), a process that steps on request, so
 /// that the two sides can step in turn.
 pub struct Torch {
@@ -128,12 +142,20 @@ pub struct Torch {
     stdout: BufReader<ChildStdout>,
     /// Threads PyTorch runs on, as it reports them.
     pub threads: usize,
+    /// The last step's peak memory as PyTorch's caching allocator reserved it (CUDA; 0 on the
+    /// CPU).
+    pub peak_bytes: u64,
 }
 
 impl Torch {
     /// Starts PyTorch on `shape` with `threads` threads, or says why it could not.
     pub fn start(shape: &Shape, threads: usize) -> anyhow::Result<Self> {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/torch_step.py");
+        Self::start_with(shape, threads, &[])
+    }
+
+    /// [`Self::start`] with more of torch_step.py's options (`--attention sdpa`, ...).
+    pub fn start_with(shape: &Shape, threads: usize, options: &[&str]) -> anyhow::Result<Self> {
+        let script = torch_step_script();
         let s = &shape.spec;
         let dims = format!(
             "{},{},{},{},{},{},{},{}",
@@ -142,13 +164,14 @@ impl Torch {
         let mut child = Command::new("python3")
             .arg(&script)
             .args(["--threads", &threads.to_string(), "--shape", &dims])
+            .args(options)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| anyhow!("cannot run python3: {e}"))?;
         let (stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
-        let mut torch = Self { child, stdin, stdout: BufReader::new(stdout), threads: 0 };
+        let mut torch = Self { child, stdin, stdout: BufReader::new(stdout), threads: 0, peak_bytes: 0 };
         let ready = torch.answer();
         torch.threads = ready?["threads"].as_u64().unwrap_or(0) as usize;
         Ok(torch)
@@ -180,8 +203,15 @@ impl Torch {
     /// One training step: body, head and loss, backward, optimizer (no probe).
     pub fn step(&mut self) -> anyhow::Result<Phases> {
         let v = self.request("step")?;
+        self.peak_bytes = v["peak_reserved_bytes"].as_u64().unwrap_or(0);
         let f = |k: &str| v[k].as_f64().with_context(|| format!("no {k} in PyTorch's answer"));
         Ok(Phases { body: f("body")?, head_loss: f("head_loss")?, backward: f("backward")?, probe: 0.0, optimizer: f("optimizer")? })
+    }
+
+    /// Operator calls (`aten::` events of PyTorch's profiler) of one micro-batch's forward, loss
+    /// and backward.
+    pub fn operator_calls(&mut self) -> anyhow::Result<u64> {
+        self.request("count")?["aten_calls"].as_u64().context("no aten_calls in PyTorch's answer")
     }
 
     /// GFLOP/s of each of `gemms` `(m, k, n)`, each alone.
@@ -203,12 +233,16 @@ impl Drop for Torch {
 /// none when it was not asked for, or why it could not run.
 pub type TheirSide = anyhow::Result<Option<(Vec<Phases>, usize)>>;
 
-/// Steps copus and (with `torch` threads) PyTorch on `shape` in turn, one step each per round,
-/// the first side alternating between rounds, so that the machine's drift falls on both: the
-/// phases of each side's timed steps, and per timed round PyTorch's step time over copus's.
-pub fn alternate(shape: &Shape, steps: usize, warmup: usize, torch: Option<usize>) -> (Vec<Phases>, TheirSide, Vec<f64>) {
-    let mut copus = CopusStep::new(shape);
-    let mut server = torch.map(|threads| Torch::start(shape, threads)).transpose();
+/// Steps `copus` and (when given) PyTorch in turn, one step each per round, the first side
+/// alternating between rounds, so that the machine's drift falls on both: the phases of each
+/// side's timed steps, and per timed round PyTorch's step time over copus's.
+pub fn alternate(
+    mut copus: CopusStep,
+    torch: Option<anyhow::Result<Torch>>,
+    steps: usize,
+    warmup: usize,
+) -> (Vec<Phases>, TheirSide, Vec<f64>) {
+    let mut server = torch.transpose();
     let (mut ours, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..warmup + steps {
         let their_step = |server: &mut anyhow::Result<Option<Torch>>| match server {
@@ -234,6 +268,47 @@ pub fn alternate(shape: &Shape, steps: usize, warmup: usize, torch: Option<usize
     }
     let theirs = server.map(|s| s.map(|t| (theirs, t.threads)));
     (ours, theirs, ratios)
+}
+
+/// Prints the phase table of an [`alternate`] run on `shape`: each phase's median for copus and
+/// PyTorch with their ratio, then tokens/s and the per-round ratio's median and range.
+pub fn phase_table(shape: &Shape, (ours, theirs, ratios): (Vec<Phases>, TheirSide, Vec<f64>)) {
+    let tokens = (shape.micro_batch * shape.spec.seq_len) as f64;
+    let ours = median_phases(&ours);
+    let theirs_phases = theirs.as_ref().ok().and_then(Option::as_ref).map(|(p, _)| median_phases(p));
+    println!("| phase | copus s | PyTorch s | PyTorch / copus |\n|---|---:|---:|---:|");
+    let rows: [(&str, PhaseOf); 6] = [
+        ("embedding + decoder layers + final norm, forward", |p| p.body),
+        ("LM head + loss, forward", |p| p.head_loss),
+        ("backward", |p| p.backward),
+        ("noise-scale probe: |g - g_prev|^2", |p| p.probe),
+        ("|g|^2 (clipping) + AdamW", |p| p.optimizer),
+        ("training step", Phases::step),
+    ];
+    for (name, f) in rows {
+        let (a, b) = (f(&ours), theirs_phases.as_ref().map(f));
+        match b {
+            Some(b) if name.starts_with("noise-scale probe") => println!("| {name} | {a:.4} | {b:.4} (none) | |"),
+            Some(b) => println!("| {name} | {a:.4} | {b:.4} | {:.2} |", b / a),
+            None => println!("| {name} | {a:.4} | | |"),
+        }
+    }
+    let step = ours.step();
+    match (&theirs, theirs_phases) {
+        (Ok(Some((_, threads))), Some(their)) => {
+            let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = ratios.iter().copied().fold(0.0, f64::max);
+            println!(
+                "tokens/s: copus {:.0}, PyTorch {:.0}; ratio (PyTorch step time / copus step time, the two stepping in turn): {:.2}, the median over {} rounds ({lo:.2}-{hi:.2}) (PyTorch reported {threads} threads)",
+                tokens / step,
+                tokens / their.step(),
+                median(ratios.clone()),
+                ratios.len(),
+            );
+        }
+        (Err(e), _) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
+        _ => println!("tokens/s: copus {:.0}", tokens / step),
+    }
 }
 
 /// Sets the number of threads of rayon's global pool (Flex's GEMM and the fused loss run on
@@ -425,47 +500,12 @@ pub fn run(steps: usize, warmup: usize, torch: bool, threads: usize) {
     );
     for shape in shapes() {
         let s = &shape.spec;
-        let tokens = (shape.micro_batch * s.seq_len) as f64;
         println!(
             "\n{}: d_model {}, {} layers, {} heads, {} kv heads, ffn {}, vocab {}, seq {}, micro-batch {}, fp32, AdamW",
             s.name, s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.ffn_hidden, s.vocab_size, s.seq_len, shape.micro_batch
         );
-        let (ours, theirs, ratios) = alternate(&shape, steps, warmup, torch.then_some(threads));
-        let ours = median_phases(&ours);
-        let theirs_phases = theirs.as_ref().ok().and_then(Option::as_ref).map(|(p, _)| median_phases(p));
-        println!("| phase | copus s | PyTorch s | PyTorch / copus |\n|---|---:|---:|---:|");
-        let rows: [(&str, PhaseOf); 6] = [
-            ("embedding + decoder layers + final norm, forward", |p| p.body),
-            ("LM head + loss, forward", |p| p.head_loss),
-            ("backward", |p| p.backward),
-            ("noise-scale probe: |g - g_prev|^2", |p| p.probe),
-            ("|g|^2 (clipping) + AdamW", |p| p.optimizer),
-            ("training step", Phases::step),
-        ];
-        for (name, f) in rows {
-            let (a, b) = (f(&ours), theirs_phases.as_ref().map(f));
-            match b {
-                Some(b) if name.starts_with("noise-scale probe") => println!("| {name} | {a:.4} | {b:.4} (none) | |"),
-                Some(b) => println!("| {name} | {a:.4} | {b:.4} | {:.2} |", b / a),
-                None => println!("| {name} | {a:.4} | | |"),
-            }
-        }
-        let step = ours.step();
-        match (&theirs, theirs_phases) {
-            (Ok(Some((_, threads))), Some(their)) => {
-                let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-                let hi = ratios.iter().copied().fold(0.0, f64::max);
-                println!(
-                    "tokens/s: copus {:.0}, PyTorch {:.0}; ratio (PyTorch step time / copus step time, the two stepping in turn): {:.2}, the median over {} rounds ({lo:.2}-{hi:.2}) (PyTorch reported {threads} threads)",
-                    tokens / step,
-                    tokens / their.step(),
-                    median(ratios.clone()),
-                    ratios.len(),
-                );
-            }
-            (Err(e), _) => println!("tokens/s: copus {:.0}; PyTorch eager: not measured ({e})", tokens / step),
-            _ => println!("tokens/s: copus {:.0}", tokens / step),
-        }
+        let server = torch.then(|| Torch::start(&shape, threads));
+        phase_table(&shape, alternate(CopusStep::new(&shape), server, steps, warmup));
         println!(
             "| probe, same split | step, probe on s | step, probe off s | whole-step cost | probe's work on ms | off ms | probe's work / step |\n|---|---:|---:|---:|---:|---:|---:|"
         );
