@@ -1,4 +1,4 @@
-//! With feature `tch`: compiles cpp/torch_glue.cpp (the vector-Jacobian product and the operator counter) against the
+//! With feature `tch`: compiles cpp/torch_glue.cpp (the vector-Jacobian product, the operator counter and AdamW in `_foreach_` operations) against the
 //! headers of the libtorch that the `tch` crate links, found the way tch's build finds it (the
 //! `LIBTORCH` folder, or with `LIBTORCH_USE_PYTORCH` the PyTorch of `python3`, or of
 //! `PYTHON_SYS_EXECUTABLE`).

@@ -47,6 +47,13 @@ pub struct HostTraffic {
     /// scalars), and parameters read for a report (the engine's `rank_params`; an export for a
     /// checkpoint or a layout change counts as `state`). Reported with the next step.
     pub evaluation: u64,
+    /// Uploads of token ids (each a transfer and, on a device, a wait): one a step on each rank
+    /// of the first or last stage where the stage runs as graphs (on a device, or in host
+    /// memory without tensor parallelism or checkpointing), whatever its number of
+    /// micro-batches; elsewhere one or two per micro-batch. A count, not bytes: it is in no sum
+    /// of bytes.
+    #[serde(default)]
+    pub batch_uploads: u64,
 }
 
 /// One kind of [`HostTraffic`].
@@ -103,6 +110,7 @@ impl HostTraffic {
         for k in [Kind::Batch, Kind::Activations, Kind::Collective, Kind::Probe, Kind::Constants, Kind::State, Kind::Evaluation] {
             *self.slot(k) += other.get(k);
         }
+        self.batch_uploads += other.batch_uploads;
     }
 }
 
@@ -145,6 +153,9 @@ pub fn read<const D: usize, K: Basic>(t: Tensor<D, K>, kind: Kind) -> TensorData
 /// A tensor on `device` from host `data`, counting its bytes as `kind`.
 pub fn upload<const D: usize, K: Basic>(data: TensorData, device: &Device, kind: Kind) -> Tensor<D, K> {
     count(kind, data.bytes().len());
+    if kind == Kind::Batch {
+        COUNTS.with(|c| c.set(HostTraffic { batch_uploads: c.get().batch_uploads + 1, ..c.get() }));
+    }
     Tensor::from_data(data, device)
 }
 
@@ -165,12 +176,12 @@ mod tests {
         // Another thread's counts are its own.
         std::thread::spawn(|| count(Kind::State, 1000)).join().unwrap();
         let got = take();
-        assert_eq!(got, HostTraffic { batch: 80, activations: 48, probe: 48, ..HostTraffic::default() });
+        assert_eq!(got, HostTraffic { batch: 80, activations: 48, probe: 48, batch_uploads: 1, ..HostTraffic::default() });
         assert_eq!((got.total(), got.beyond_batch()), (176, 96));
         assert_eq!(take(), HostTraffic::default());
         let mut sum = got;
         sum.add(&got);
-        assert_eq!(sum.get(Kind::Batch), 160);
+        assert_eq!((sum.get(Kind::Batch), sum.batch_uploads), (160, 2));
         // Counted as one kind: what the closure moves lands there, what came before stays.
         count(Kind::Probe, 4);
         let ids =

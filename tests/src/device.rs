@@ -193,6 +193,10 @@ pub fn ranks_train_like_flex_ranks(device: RankDevice) {
         assert_eq!(flex_host.collective > 0, l.ranks() > 1);
         assert_eq!(dev_host.collective, 0, "{l}: gradients staged on the host");
         assert!((l.ids()..=l.ids() * (l.tp * l.pp) as u64).contains(&dev_host.batch), "{l}: token ids {dev_host:?}");
+        // One upload of token ids a step on each rank of the first and the last stage, whatever
+        // its number of micro-batches.
+        let reading = (l.dp * l.tp * l.pp.min(2)) as u64;
+        assert_eq!(dev_host.batch_uploads, reading, "{l}: uploads of token ids in a step");
         assert!(dev_host.beyond_batch() <= 64 << 10, "{l}: {dev_host:?} beyond the token ids");
         assert!(dev_host.total() <= l.ids() + (64 << 10), "{l}: {dev_host:?} in all, the batch's ids {}", l.ids());
         // What is built on the host once (the rotary tables, the mask's index ranges) is

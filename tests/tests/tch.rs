@@ -236,8 +236,8 @@ fn a_failed_change_on_libtorch_rolls_back_with_nothing_lost() {
 /// `gradient_checkpointing()` devices run), in value and in the gradient of every input.
 mod fused_on_libtorch {
     use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-    use copus_burn::RankDevice;
     use copus_burn::fused;
+    use copus_burn::{OptimConfig, RankDevice};
 
     /// LibTorch under autodiff (the fused operations) and Burn's decomposed forms on it.
     fn devices() -> (Device, Device) {
@@ -398,5 +398,82 @@ mod fused_on_libtorch {
             values(fused::grouped_causal_attention(t(&q, 4), t(&kv, 2), t(&kv, 2), 0.35, 0))
         };
         assert_eq!(at(&plain), at(&tracked));
+    }
+
+    /// A model of a dozen parameters (embedding, linear weights and biases) for the optimizer.
+    #[derive(burn::module::Module, Debug)]
+    struct Net {
+        emb: burn::nn::Embedding,
+        layers: Vec<burn::nn::Linear>,
+    }
+
+    /// AdamW on LibTorch over all parameters at once (`_foreach_` operations, grouped by step
+    /// count and decay) gives the values and moments of the update one parameter at a time to
+    /// the bit: over five steps, with weight decay on the linear layers and none on the
+    /// embedding, a zero learning rate, and a parameter that joins after the first step (so two
+    /// step counts are grouped apart).
+    #[test]
+    fn adamw_over_all_parameters_at_once_is_the_per_parameter_update_to_the_bit() {
+        use burn::module::{Module, ModuleVisitor, Param, ParamId};
+        use burn::nn::{EmbeddingConfig, LinearConfig};
+        use burn::optim::GradientsParams;
+
+        let (device, _) = devices();
+        device.seed(7);
+        let net = Net {
+            emb: EmbeddingConfig::new(11, 6).init(&device),
+            layers: (0..5).map(|i| LinearConfig::new(6, 6).with_bias(i % 2 == 0).init(&device)).collect(),
+        };
+        let cfg = OptimConfig { weight_decay: 0.1, ..OptimConfig::default() };
+        let (mut grouped, mut single) = (cfg.adamw(&["emb".to_string()]), cfg.adamw(&["emb".to_string()]));
+        single.set_foreach(false);
+        /// Every parameter's id and the bits of its values.
+        fn bits(net: &Net) -> Vec<(ParamId, Vec<u32>)> {
+            struct V(Vec<(ParamId, Vec<u32>)>);
+            impl ModuleVisitor for V {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                    self.0.push((p.id, values(p.val()).iter().map(|x| x.to_bits()).collect()));
+                }
+            }
+            let mut v = V(Vec::new());
+            net.visit(&mut v);
+            v.0
+        }
+        // Gradients for every parameter, the embedding's only from the second step on.
+        let grads = |net: &Net, step: usize| {
+            struct G(GradientsParams, u64, bool, Device);
+            impl ModuleVisitor for G {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                    let dims = p.val().dims();
+                    if dims[..] == [11, 6] && !self.2 {
+                        return;
+                    }
+                    self.1 += 1;
+                    let v = random(dims.iter().product(), self.1);
+                    self.0.register::<D>(p.id, Tensor::<D>::from_data(TensorData::new(v, dims), &self.3));
+                }
+            }
+            let mut g = G(GradientsParams::new(), 100 * step as u64, step > 0, device.clone().inner());
+            net.visit(&mut g);
+            g.0
+        };
+        let (mut a, mut b) = (net.clone(), net);
+        for (step, lr) in [3e-3, 1e-3, 0.0, 2.5e-2, 7e-4].into_iter().enumerate() {
+            let (ga, gb) = (grads(&a, step), grads(&b, step));
+            a = grouped.step(lr, a, ga);
+            b = single.step(lr, b, gb);
+            assert_eq!(bits(&a), bits(&b), "parameters after step {step}");
+            assert!(a.layers[0].weight.val().is_require_grad(), "still a trainable parameter");
+        }
+        // Step 0: one group (the linear layers); then two a step (the layers and the embedding,
+        // a step count apart): nine calls, and none on the per-parameter side.
+        assert_eq!((grouped.grouped_updates(), single.grouped_updates()), (9, 0), "the grouped path ran");
+        for id in single.ids() {
+            let (x, y) = (grouped.moments(id).unwrap(), single.moments(id).unwrap());
+            assert_eq!((x.time, &x.shape), (y.time, &y.shape));
+            assert_eq!(values(x.m1.clone()), values(y.m1.clone()));
+            assert_eq!(values(x.m2.clone()), values(y.m2.clone()));
+        }
+        assert_eq!(grouped.len(), single.len());
     }
 }

@@ -78,7 +78,9 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let actions = build_schedule(self.cfg.schedule, dims.pp, a).map_err(|e| TrainError::Batch(e.to_string()))?;
         let my_actions = actions[self.plan.stage].clone();
         let (key, ctx) = self.take_context(self.cfg.seq_len);
-        let mut flights: Vec<InFlight> = (0..a).map(|_| InFlight::default()).collect();
+        // The step's tokens in one upload, each micro-batch's a view of it.
+        let mut flights: Vec<InFlight> =
+            self.step_tokens(batch, a).into_iter().map(|tokens| InFlight { tokens, ..InFlight::default() }).collect();
         let (prev, next) = (self.plan.stage.wrapping_sub(1), self.plan.stage + 1);
         // Each micro-batch's loss share and |g|^2, read back together after the last backward
         // pass (on a device: one wait for it per step, not two per micro-batch).

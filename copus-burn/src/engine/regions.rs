@@ -55,7 +55,15 @@ pub(super) struct InFlight {
     /// Under activation checkpointing: each segment of blocks `[start, end)` and the residual
     /// stream at its start (no graph), from which the backward pass recomputes the segment.
     pub(super) saved: Vec<(usize, usize, Boundary)>,
+    /// This stage's tokens of the micro-batch (inputs on the first stage, targets on the
+    /// last), views of the step's one upload ([`RankState::step_tokens`]); absent, the forward
+    /// pass uploads the micro-batch's own.
+    pub(super) tokens: Option<StageTokens>,
 }
+
+/// A stage's tokens of a micro-batch on its device: the inputs on the first stage, the targets
+/// on the last, `[B_m, seq]` each.
+pub(super) type StageTokens = (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>);
 
 /// An activation or its gradient at a pipeline stage boundary, or the residual stream kept at
 /// a checkpoint: a host buffer (Flex's tensor-parallel regions sum them there), or a tensor
@@ -148,7 +156,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     /// This stage's tokens of a micro-batch on its device: the inputs on the first stage, the
     /// targets on the last. A stage that is both uploads the `seq + 1` ids of each sequence once
     /// and takes both as views.
-    fn stage_tokens(&self, rows: &[i64]) -> (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>) {
+    fn stage_tokens(&self, rows: &[i64]) -> StageTokens {
         let (first, last) = (self.plan.is_first(), self.plan.is_last());
         if !(first && last) {
             return (first.then(|| self.tokens(rows, true)), last.then(|| self.tokens(rows, false)));
@@ -156,6 +164,24 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let (bm, s) = (self.rows_len(rows), self.cfg.seq_len);
         let rows: Tensor<2, Int> = traffic::upload(TensorData::new(rows.to_vec(), [bm, s + 1]), &self.device, Kind::Batch);
         (Some(rows.clone().narrow(1, 0, s)), Some(rows.narrow(1, 1, s)))
+    }
+
+    /// This stage's tokens of each of the step's `micro` micro-batches of `batch`, uploaded in
+    /// one copy for the whole step (the stage's ids of this rank's data-parallel share, the same
+    /// bytes as one upload per micro-batch) and handed out as views of it: one transfer, and
+    /// on a device one wait for it, instead of one per micro-batch. A stage that reads no tokens
+    /// uploads nothing; where the forward pass reads its tokens otherwise (Flex's regions), each
+    /// micro-batch gets `None`.
+    pub(super) fn step_tokens(&self, batch: &[i64], micro: usize) -> Vec<Option<StageTokens>> {
+        let (first, last) = (self.plan.is_first(), self.plan.is_last());
+        if !(first || last) || micro == 0 || !self.runs_as_graphs() {
+            return vec![None; micro];
+        }
+        let bm = self.cfg.micro_batch;
+        let rows: Vec<i64> = (0..micro).flat_map(|mb| self.micro_rows(batch, mb).iter().copied()).collect();
+        let (inputs, targets) = self.stage_tokens(&rows);
+        let view = |t: &Option<Tensor<2, Int>>, mb: usize| t.as_ref().map(|t| t.clone().narrow(0, mb * bm, bm));
+        (0..micro).map(|mb| Some((view(&inputs, mb), view(&targets, mb)))).collect()
     }
 
     /// A micro-batch's input (or target) tokens, row-major `[B_m, seq]`.
@@ -207,7 +233,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
                 _ => self.forward_segments(rows, scale, fl, ctx, group),
             };
         }
-        if self.cfg.checkpointing == Checkpointing::None && self.cfg.dims.tp == 1 {
+        if self.runs_as_graphs() {
             return self.forward_whole(rows, scale, fl, ctx, None);
         }
         let stage = self.stage();
@@ -252,6 +278,14 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let (loss, dz) = self.vocab_parallel_cross_entropy(host(z.clone()), rows, scale)?;
         fl.head = Some((x, z, Boundary::Host(dz)));
         Ok(Scalar::host(loss))
+    }
+
+    /// Whether the forward pass runs the stage as graphs on its device (device-resident, or one
+    /// graph in host memory without tensor parallelism or checkpointing), which take the step's
+    /// one upload of tokens; otherwise Flex's regions upload each micro-batch's inputs and read
+    /// its targets on the host.
+    fn runs_as_graphs(&self) -> bool {
+        self.device_resident() || (self.cfg.checkpointing == Checkpointing::None && self.cfg.dims.tp == 1)
     }
 
     /// Under checkpointing, the end of the segment that starts at block `i`, if one does.
@@ -380,7 +414,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
     ) -> Result<Scalar, RankError> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
-        let (inputs, targets) = self.stage_tokens(rows);
+        let (inputs, targets) = fl.tokens.take().unwrap_or_else(|| self.stage_tokens(rows));
         let g = group.as_ref();
         let (input, mut h) = if let Some(inputs) = inputs {
             (None, join(stage.embed(inputs), g)?)
@@ -494,7 +528,7 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         let stage = self.stage();
         let shape = self.shape_of(rows);
         let n = shape.iter().product::<usize>();
-        let (inputs, targets) = self.stage_tokens(rows);
+        let (inputs, targets) = fl.tokens.take().unwrap_or_else(|| self.stage_tokens(rows));
         let g = group.as_ref();
         let mut h = if let Some(inputs) = inputs {
             let e = join(stage.embed(inputs), g)?;

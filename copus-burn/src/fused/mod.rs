@@ -60,6 +60,8 @@ pub(crate) use rows::{picked, rescale_sums, row_stats, softmax_grad_in_place};
 pub(crate) use softmax::index_range;
 pub use softmax::{causal_softmax, softmax};
 #[cfg(feature = "tch")]
+pub(crate) use torch::{AdamwScalars, adamw_foreach, on_libtorch};
+#[cfg(feature = "tch")]
 pub use torch::{
     built as libtorch_operations, count_operator_calls, set_enabled as use_libtorch_operations, set_threads as set_libtorch_threads,
 };

@@ -85,6 +85,12 @@ fn input<const D: usize>(x: &Tensor<D>) -> Option<Input> {
     Some(Input { tensor, node: None })
 }
 
+/// Whether `t` is a LibTorch tensor outside autodiff, and the operations on LibTorch's kernels
+/// are on.
+pub(crate) fn on_libtorch<const D: usize>(t: &Tensor<D>) -> bool {
+    ENABLED.load(Ordering::Relaxed) && t.clone().try_into_primitive::<LibTorch>().is_ok()
+}
+
 /// An integer tensor on LibTorch (under autodiff or not).
 fn int_input<const D: usize>(x: &Tensor<D, Int>) -> Option<TchTensor> {
     if !ENABLED.load(Ordering::Relaxed) {
@@ -299,6 +305,21 @@ impl Backward<LibTorch, 1> for LossBackward {
 unsafe extern "C" {
     fn copus_operator_count_start();
     fn copus_operator_count() -> u64;
+    fn copus_adamw_foreach(
+        p: *const *mut c_void,
+        g: *const *mut c_void,
+        m1: *const *mut c_void,
+        m2: *const *mut c_void,
+        n: i32,
+        k: *const f64,
+        first: i32,
+        decay: i32,
+        out_p: *mut *mut c_void,
+        out_m1: *mut *mut c_void,
+        out_m2: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
     fn copus_vjp(
         out: *mut c_void,
         grad: *mut c_void,
@@ -352,4 +373,78 @@ pub fn count_operator_calls<T>(f: impl FnOnce() -> T) -> (T, u64) {
     // SAFETY: as above.
     let after = unsafe { copus_operator_count() };
     (out, after - before)
+}
+
+/// The scalars of one AdamW update, as the per-parameter form uses them (f32, Burn's).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamwScalars {
+    /// beta_1, 1 - beta_1, beta_2, 1 - beta_2, the two bias corrections, epsilon, the decay's
+    /// `1 - lr * weight_decay` (unused without decay) and the learning rate.
+    pub k: [f32; 9],
+    /// The first update: the moments start from the gradient alone.
+    pub first: bool,
+    /// Whether the weights decay (by `k[7]`).
+    pub decay: bool,
+}
+
+/// AdamW over many flat parameters on LibTorch in `_foreach_` operations (each of Burn's
+/// per-parameter operations once over the whole list: on CUDA a few multi-tensor kernels
+/// instead of about ten launches per parameter): the new values and moments, or `None` where a
+/// tensor is not a LibTorch tensor outside autodiff or the lists differ in length (the caller
+/// then updates parameter by parameter). `moments` is absent on the first update.
+#[allow(clippy::type_complexity)]
+pub(crate) fn adamw_foreach(
+    params: &[Tensor<1>],
+    grads: &[Tensor<1>],
+    moments: Option<(&[Tensor<1>], &[Tensor<1>])>,
+    k: AdamwScalars,
+) -> Option<(Vec<Tensor<1>>, Vec<Tensor<1>>, Vec<Tensor<1>>)> {
+    let n = params.len();
+    if !ENABLED.load(Ordering::Relaxed) || grads.len() != n || moments.is_some_and(|(a, b)| a.len() != n || b.len() != n) {
+        return None;
+    }
+    let tch = |ts: &[Tensor<1>]| -> Option<Vec<TchTensor>> { ts.iter().map(|t| t.clone().try_into_primitive::<LibTorch>().ok()).collect() };
+    let (p, g) = (tch(params)?, tch(grads)?);
+    let (m1, m2) = match moments {
+        Some((a, b)) => (tch(a)?, tch(b)?),
+        None => (Vec::new(), Vec::new()),
+    };
+    let handle = |t: &TchTensor| t.tensor.as_ptr().cast_mut().cast::<c_void>();
+    let handles = |ts: &[TchTensor]| ts.iter().map(handle).collect::<Vec<_>>();
+    let (hp, hg, h1, h2) = (handles(&p), handles(&g), handles(&m1), handles(&m2));
+    let (mut op, mut o1, mut o2) = (vec![std::ptr::null_mut::<c_void>(); n], vec![std::ptr::null_mut(); n], vec![std::ptr::null_mut(); n]);
+    let scalars: Vec<f64> = k.k.iter().map(|&x| f64::from(x)).collect();
+    let mut err = [0 as c_char; 512];
+    #[allow(unsafe_code)]
+    // SAFETY: every handle is a live tensor of tch's (an `at::Tensor*`) borrowed for the call
+    // (`m1` and `m2` are read only when `first` is 0, and then hold `n` each); `scalars` holds
+    // the 9 values read; the C++ side writes `n` fresh handles to each output (owned by the
+    // tensors made from them below, which tch frees) and at most `err.len()` bytes to `err`.
+    let failed = unsafe {
+        copus_adamw_foreach(
+            hp.as_ptr(),
+            hg.as_ptr(),
+            h1.as_ptr(),
+            h2.as_ptr(),
+            i32::try_from(n).ok()?,
+            scalars.as_ptr(),
+            i32::from(k.first),
+            i32::from(k.decay),
+            op.as_mut_ptr(),
+            o1.as_mut_ptr(),
+            o2.as_mut_ptr(),
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if failed != 0 {
+        // SAFETY: the C++ side wrote a NUL-terminated message within the buffer.
+        #[allow(unsafe_code)]
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+        panic!("LibTorch's AdamW over the parameters failed: {msg}");
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: each output is a fresh `at::Tensor*` the C++ side allocated for us alone.
+    let take = |hs: Vec<*mut c_void>| hs.into_iter().map(|h| plain(unsafe { tch::Tensor::from_ptr(h.cast()) })).collect();
+    Some((take(op), take(o1), take(o2)))
 }

@@ -88,6 +88,10 @@ pub struct AdamW {
     weight_decay: f32,
     no_decay: Vec<ParamGroup>,
     moments: HashMap<ParamId, Moments>,
+    /// Whether parameters on LibTorch are updated together (feature `tch`).
+    foreach: bool,
+    /// Calls that updated parameters together so far.
+    grouped: usize,
 }
 
 /// The scalars of one update.
@@ -112,12 +116,38 @@ impl AdamW {
     pub(crate) fn new(beta_1: f32, beta_2: f32, eps: f32, weight_decay: f32, no_decay: &[String]) -> Self {
         let no_decay =
             if weight_decay > 0.0 { no_decay.iter().map(|p| ParamGroup::from_predicate(p.clone())).collect() } else { Vec::new() };
-        Self { beta_1, beta_2, eps, weight_decay, no_decay, moments: HashMap::new() }
+        Self { beta_1, beta_2, eps, weight_decay, no_decay, moments: HashMap::new(), foreach: true, grouped: 0 }
     }
 
     /// Updates every parameter of `module` that has a gradient in `grads` at learning rate `lr`.
+    /// With feature `tch`, where every such parameter and gradient is a LibTorch tensor, the
+    /// parameters that share a step count and a weight decay are updated together, each
+    /// operation once over all of them ([`AdamW::set_foreach`]); elsewhere one by one.
     pub fn step<M: Module>(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        #[cfg(feature = "tch")]
+        let (module, grads) = match self.foreach.then(|| foreach::collect(self, &module, &grads)).flatten() {
+            Some(list) => return foreach::step(self, lr, module, grads, list),
+            None => (module, grads),
+        };
         module.map(&mut Stepper { optim: self, grads, lr, path: Vec::new() })
+    }
+
+    /// Whether [`AdamW::step`] updates the parameters on LibTorch together (the default), each
+    /// of Burn's operations once over all of them (PyTorch's `_foreach_` functions: on CUDA a few
+    /// multi-tensor kernels instead of about ten launches per parameter), or one by one as on
+    /// every other backend (for benchmarks that compare the two). The values are the same (to
+    /// the bit on LibTorch's CPU, tested; on CUDA the grouped form divides by a scalar as the
+    /// per-parameter form does there, untested without a GPU). ZeRO-1's sharded update
+    /// ([`crate::EngineConfig`]'s `zero1`) updates its pieces one by one.
+    pub fn set_foreach(&mut self, on: bool) {
+        self.foreach = on;
+    }
+
+    /// The calls so far that updated parameters together ([`AdamW::set_foreach`]; none
+    /// without feature `tch`): one per group of parameters that share a step count and a
+    /// decay in each step, more for a group larger than 2^26 elements.
+    pub fn grouped_updates(&self) -> usize {
+        self.grouped
     }
 
     /// The moments of parameter `id`, once it has been updated or restored.
@@ -168,7 +198,21 @@ impl AdamW {
         let dims = p.dims();
         let n = p.shape().num_elements();
         let state = self.moments.remove(&id);
-        let time = state.as_ref().map_or(1, |s| s.time + 1);
+        let (time, k) = self.coeffs(id, path, state.as_ref(), lr);
+        let (p, m1, m2) = match host_update(p, g, state, n, &k) {
+            Ok(done) => done,
+            Err((p, g, state)) => device_update(p, g, state, n, &k),
+        };
+        self.moments.insert(id, Moments { time, shape: dims.to_vec(), m1, m2 });
+        p
+    }
+}
+
+impl AdamW {
+    /// The scalars of the update of parameter `id` at `path` at learning rate `lr`, with the
+    /// moments it has (`None` before its first update).
+    fn coeffs(&self, id: ParamId, path: &str, state: Option<&Moments>, lr: f64) -> (usize, Coeffs) {
+        let time = state.map_or(1, |s| s.time + 1);
         let decay_rate = lr * f64::from(self.decay(id, path));
         let k = Coeffs {
             beta_1: self.beta_1,
@@ -182,12 +226,7 @@ impl AdamW {
             lr: lr as f32,
             first: state.is_none(),
         };
-        let (p, m1, m2) = match host_update(p, g, state, n, &k) {
-            Ok(done) => done,
-            Err((p, g, state)) => device_update(p, g, state, n, &k),
-        };
-        self.moments.insert(id, Moments { time, shape: dims.to_vec(), m1, m2 });
-        p
+        (time, k)
     }
 }
 
@@ -301,6 +340,153 @@ fn device_update<const D: usize>(
         None => p,
     };
     ((decayed - delta.mul_scalar(k.lr)).reshape(dims), m1, m2)
+}
+
+/// The update of many parameters at once on LibTorch (feature `tch`).
+#[cfg(feature = "tch")]
+mod foreach {
+    use std::collections::{BTreeMap, HashMap};
+
+    use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+    use burn::optim::GradientsParams;
+    use burn::tensor::Tensor;
+
+    use super::{AdamW, Coeffs, Moments, marked_as};
+    use crate::fused::{AdamwScalars, adamw_foreach};
+
+    /// What the parameters updated together share: step count, first update, and the bits of
+    /// the decay factor (none without decay).
+    type GroupKey = (usize, bool, Option<u32>);
+
+    /// A parameter to update: its id, module path, shape, and flat value and gradient.
+    pub(super) struct Entry {
+        id: ParamId,
+        path: String,
+        shape: Vec<usize>,
+        value: Tensor<1>,
+        grad: Tensor<1>,
+    }
+
+    /// Every parameter of `module` with a gradient in `grads`, when each is a LibTorch tensor
+    /// with its gradient on the same device and moments (if any) of its size; else `None`.
+    pub(super) fn collect<M: Module>(optim: &AdamW, module: &M, grads: &GradientsParams) -> Option<Vec<Entry>> {
+        struct V<'a> {
+            optim: &'a AdamW,
+            grads: &'a GradientsParams,
+            path: Vec<String>,
+            entries: Option<Vec<Entry>>,
+        }
+        impl ModuleVisitor for V<'_> {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let (Some(entries), Some(grad)) = (self.entries.as_mut(), self.grads.get::<D>(param.id)) else { return };
+                let value = param.val().inner();
+                let n = value.shape().num_elements();
+                use crate::fused::on_libtorch as on;
+                let fits =
+                    self.optim.moments.get(&param.id).is_none_or(|m| m.m1.dims()[0] == n && m.m2.dims()[0] == n && on(&m.m1) && on(&m.m2));
+                if grad.device() != value.device() || grad.shape().num_elements() != n || !fits || !on(&value) || !on(&grad) {
+                    self.entries = None;
+                    return;
+                }
+                let shape = value.dims().to_vec();
+                entries.push(Entry { id: param.id, path: self.path.join("."), shape, value: value.reshape([n]), grad: grad.reshape([n]) });
+            }
+        }
+        let mut v = V { optim, grads, path: Vec::new(), entries: Some(Vec::new()) };
+        module.visit(&mut v);
+        v.entries.filter(|e| !e.is_empty())
+    }
+
+    /// Elements of the parameters updated in one call at most: the call's intermediates are a
+    /// few lists of this size (2^26 f32 values, 256 MiB each), whatever the model's size.
+    const CHUNK: usize = 1 << 26;
+
+    /// The update of `list` (from [`collect`]): the parameters that share a step count and a
+    /// decay updated together, in calls of at most [`CHUNK`] elements, then written into
+    /// `module`. A call that cannot run (a tensor that left LibTorch meanwhile) updates its
+    /// parameters one by one instead.
+    pub(super) fn step<M: Module>(optim: &mut AdamW, lr: f64, module: M, grads: GradientsParams, list: Vec<Entry>) -> M {
+        // Every gradient is in `list`.
+        drop(grads);
+        // Grouped by (step count, first update, decay factor's bits): the scalars of one update.
+        let mut groups: BTreeMap<GroupKey, Vec<(Entry, Coeffs)>> = BTreeMap::new();
+        for e in list {
+            let (time, k) = optim.coeffs(e.id, &e.path, optim.moments.get(&e.id), lr);
+            groups.entry((time, k.first, k.keep.map(f32::to_bits))).or_default().push((e, k));
+        }
+        let mut updated = HashMap::new();
+        for ((time, _, _), group) in groups {
+            let k = group[0].1;
+            let scalars = AdamwScalars {
+                k: [k.beta_1, k.factor_1, k.beta_2, k.factor_2, k.correct_1, k.correct_2, k.eps, k.keep.unwrap_or(1.0), k.lr],
+                first: k.first,
+                decay: k.keep.is_some(),
+            };
+            for chunk in chunks(group.into_iter().map(|(e, _)| e).collect()) {
+                let (p, g): (Vec<Tensor<1>>, Vec<Tensor<1>>) = chunk.iter().map(|e| (e.value.clone(), e.grad.clone())).unzip();
+                let (m1, m2): (Vec<Tensor<1>>, Vec<Tensor<1>>) =
+                    chunk.iter().filter_map(|e| optim.moments.get(&e.id)).map(|s| (s.m1.clone(), s.m2.clone())).unzip();
+                let moments = (!k.first).then_some((&m1[..], &m2[..]));
+                let Some((np, n1, n2)) = adamw_foreach(&p, &g, moments, scalars) else {
+                    drop((p, g, m1, m2));
+                    for e in chunk {
+                        let value = optim.update(e.id, &e.path, e.value, e.grad, lr);
+                        if let Some(m) = optim.moments.get_mut(&e.id) {
+                            m.shape = e.shape;
+                        }
+                        updated.insert(e.id, value);
+                    }
+                    continue;
+                };
+                optim.grouped += 1;
+                for (((e, np), n1), n2) in chunk.into_iter().zip(np).zip(n1).zip(n2) {
+                    optim.moments.insert(e.id, Moments { time, shape: e.shape, m1: n1, m2: n2 });
+                    updated.insert(e.id, np);
+                }
+            }
+        }
+        module.map(&mut Assign { updated })
+    }
+
+    /// `entries` in runs of at most [`CHUNK`] elements (a larger parameter alone).
+    fn chunks(entries: Vec<Entry>) -> Vec<Vec<Entry>> {
+        let mut out: Vec<Vec<Entry>> = Vec::new();
+        let mut size = 0;
+        for e in entries {
+            let n = e.value.shape().num_elements();
+            match out.last_mut() {
+                Some(last) if size + n <= CHUNK => last.push(e),
+                _ => {
+                    size = 0;
+                    out.push(vec![e]);
+                }
+            }
+            size += n;
+        }
+        out
+    }
+
+    /// Writes the updated values into their parameters, marked as the old ones were.
+    struct Assign {
+        updated: HashMap<ParamId, Tensor<1>>,
+    }
+
+    impl ModuleMapper for Assign {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let Some(value) = self.updated.remove(&id) else { return Param::from_mapped_value(id, tensor, mapper) };
+            let dims: [usize; D] = tensor.dims();
+            let mark = marked_as(id, &tensor);
+            drop(tensor);
+            Param::from_mapped_value(id, mark(value.reshape(dims)), mapper)
+        }
+    }
 }
 
 /// Walks a module, updating each parameter that has a gradient.

@@ -169,7 +169,7 @@ mod tests {
 
     /// The meter against the transfers of a dp2 step of tiny-1m counted by hand from the
     /// model's shape: the `seq + 1` ids of each sequence (8 bytes each, uploaded once for
-    /// inputs and targets); per micro-batch, the loss's scalar and nothing else of the
+    /// inputs and targets, in one upload per rank for all its micro-batches); per micro-batch, the loss's scalar and nothing else of the
     /// activations (without tensor parallelism a stage is one graph on the device); per rank,
     /// the whole gradient read and written back for the data-parallel reduction; the probe's
     /// reads of it, once per micro-batch and once after the reduction. Then an evaluation read
@@ -184,6 +184,8 @@ mod tests {
         let micro_per_rank = b_g / (dp * b_m);
         let (h, largest) = steady_step_traffic(ParallelDims::new(2, 1, 1, 2).unwrap());
         assert_eq!(h.batch, b_g * (s + 1) * 8);
+        // Four micro-batches a rank, their ids in one upload.
+        assert_eq!((micro_per_rank, h.batch_uploads), (4, ranks), "one upload of token ids per rank and step");
         assert_eq!(h.activations, b_g / b_m * 4);
         assert_eq!(h.collective, ranks * 2 * p * 4);
         assert_eq!(h.probe, ranks * (micro_per_rank + 1) * p * 4);
