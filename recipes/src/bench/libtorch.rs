@@ -12,25 +12,14 @@ use burn::tensor::Device;
 use copus_burn::RankDevice;
 
 use super::step::{CopusStep, Torch, alternate, phase_table};
-use super::{Shape, int2, shapes, tokens};
+use super::{Shape, shapes};
 
 /// Operator calls of one micro-batch's forward, loss and backward of copus on `shape`, on
 /// LibTorch's CPU under autodiff.
 fn copus_calls(shape: &Shape, device: &Device) -> u64 {
-    use burn::optim::GradientsParams;
-    use copus_burn::cross_entropy_sum;
-    use copus_models::LlamaConfig;
-    device.seed(0);
-    let model = LlamaConfig::from_spec(&shape.spec).init(device);
-    let (ids, tgt) = tokens(&shape.spec, shape.micro_batch, 0);
-    let (inputs, targets) =
-        (int2(ids, [shape.micro_batch, shape.spec.seq_len], device), int2(tgt, [shape.micro_batch, shape.spec.seq_len], device));
-    let ((), calls) = copus_burn::fused::count_operator_calls(|| {
-        let loss = cross_entropy_sum(model.head(model.hidden(inputs)), targets);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        drop(grads);
-    });
-    calls
+    let step = CopusStep::on(shape, device.clone());
+    let (inputs, targets) = step.micro_batch(0);
+    copus_burn::fused::count_operator_calls(|| step.forward_backward(inputs, targets)).1
 }
 
 /// `shape` with `layers` decoder layers.

@@ -69,14 +69,25 @@ impl CopusStep {
         Self { device, model, optim, previous: None, spec: shape.spec.clone(), micro_batch: shape.micro_batch, steps: 0 }
     }
 
+    /// The inputs and targets of step `index`'s micro-batch, on the step's device.
+    pub fn micro_batch(&self, index: usize) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let (ids, tgt) = tokens(&self.spec, self.micro_batch, index);
+        let shape = [self.micro_batch, self.spec.seq_len];
+        (int2(ids, shape, &self.device), int2(tgt, shape, &self.device))
+    }
+
+    /// One micro-batch's forward pass, summed loss and backward pass, nothing updated: what an
+    /// operator count measures.
+    pub fn forward_backward(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) {
+        let loss = cross_entropy_sum(self.model.head(self.model.hidden(inputs)), targets);
+        drop(GradientsParams::from_grads(loss.backward(), &self.model));
+    }
+
     /// One training step, timed phase by phase.
     pub fn step(&mut self) -> Phases {
-        let (s, device) = (&self.spec, &self.device);
-        let n = (self.micro_batch * s.seq_len) as f64;
-        let (ids, tgt) = tokens(s, self.micro_batch, self.steps);
+        let n = (self.micro_batch * self.spec.seq_len) as f64;
+        let (inputs, targets) = self.micro_batch(self.steps);
         self.steps += 1;
-        let inputs = int2(ids, [self.micro_batch, s.seq_len], device);
-        let targets = int2(tgt, [self.micro_batch, s.seq_len], device);
         let mut p = Phases::default();
         let t = Instant::now();
         let h = self.model.hidden(inputs);
