@@ -351,7 +351,7 @@ mod foreach {
     use burn::optim::GradientsParams;
     use burn::tensor::Tensor;
 
-    use super::{AdamW, Coeffs, Moments, marked_as};
+    use crate::optim::adamw::{AdamW, Coeffs, Moments, marked_as};
     use crate::fused::{AdamwScalars, adamw_foreach};
 
     /// What the parameters updated together share: step count, first update, and the bits of
