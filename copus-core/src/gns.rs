@@ -7,6 +7,9 @@
 //! `|G|^2 ~ (n T - L) / (n - 1)`, `tr(Sigma) ~ B_m n (L - T) / (n - 1)`, `B_simple = tr(Sigma) / |G|^2`.
 //!
 //! Numerator and denominator are smoothed separately with a bias-corrected EMA, then divided.
+//! With [`Memory::Adaptive`] the smoothed estimate reaches further back while the noise scale
+//! holds still: a second, long average is kept beside the EMA and reported while the two agree,
+//! and restarted from the EMA when they part (see [`Memory`]).
 //! With one micro-batch per step (n = 1) consecutive steps are differenced instead:
 //! `E|g_t - g_{t-1}|^2 = tr(Sigma) (1/B_t + 1/B_{t-1})` and `E[g_t . g_{t-1}] = |G|^2`, which
 //! holds only while G stays put between steps, so such estimates are marked biased.
@@ -36,6 +39,14 @@ pub enum GnsError {
     /// EMA factor outside [0, 1).
     #[error("`theta` must be in [0, 1), got {0}")]
     BadTheta(f64),
+    /// An adaptive memory shorter than the EMA's, or not finite.
+    #[error("an adaptive memory's `max_steps` must be finite and at least the EMA's 1 / (1 - theta) = {ema}, got {value}")]
+    BadMemory {
+        /// The `max_steps` given.
+        value: f64,
+        /// The EMA's memory, 1 / (1 - theta).
+        ema: f64,
+    },
 }
 
 /// One estimate of the gradient's signal and noise.
@@ -131,6 +142,84 @@ impl Ema {
     }
 }
 
+/// How far back the smoothed estimate reaches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub enum Memory {
+    /// The EMA alone: about `1 / (1 - theta)` steps, however still the noise scale holds.
+    #[default]
+    Fixed,
+    /// Beside the EMA, a long average of the raw estimates that forgets `1 / max_steps` per
+    /// step (so it grows like a plain mean of every step since its start, up to about
+    /// `max_steps`), reported while the EMA agrees with it: while the noise scale holds still
+    /// its standard error keeps shrinking, where the EMA's stays that of ~20 steps. Each step,
+    /// for |G|^2 and tr(Sigma) alike, the difference of the two is compared with its own
+    /// standard error (`sd sqrt(1/n_ema - 1/n_long)`: the long average holds the EMA's steps);
+    /// beyond `RESTART_Z` of them the long average is restarted from the EMA (the same mean,
+    /// spread and effective count), so a noise scale that moves is followed within the EMA's
+    /// memory, with a lag of at most `RESTART_Z` of the EMA's standard errors.
+    ///
+    /// Why: at a small B_g the EMA's band of B_simple is wide and wanders; a rule reading it
+    /// over thousands of steps sees its chance excursions as often as it looks, however it
+    /// confirms them. The long average's band narrows with the time spent at a still noise
+    /// scale, so such excursions become rare without slowing the reaction to a real change
+    /// beyond the restart's lag.
+    Adaptive {
+        /// The longest memory, in steps (at least the EMA's).
+        max_steps: f64,
+    },
+}
+
+/// Standard errors by which the EMA and the long average of [`Memory::Adaptive`] may differ
+/// before the long average restarts (a false restart, about one per few thousand steps, only
+/// shortens the memory for a while).
+pub const RESTART_Z: f64 = 4.0;
+
+/// A weighted average of the raw estimates (|G|^2, tr(Sigma)) with its spread: sums of the
+/// weights, their squares, and the weighted values and squared values. Every weight decays by
+/// the same factor per step and a new step enters with weight 1, so the mean is a
+/// bias-corrected EMA and `(sum w)^2 / sum w^2` its effective count of observations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Window {
+    w: f64,
+    w2: f64,
+    y: [f64; 2],
+    yy: [f64; 2],
+}
+
+impl Window {
+    fn push(&mut self, decay: f64, y: [f64; 2]) {
+        self.w = decay * self.w + 1.0;
+        self.w2 = decay * decay * self.w2 + 1.0;
+        for i in 0..2 {
+            self.y[i] = decay * self.y[i] + y[i];
+            self.yy[i] = decay * self.yy[i] + y[i] * y[i];
+        }
+    }
+
+    /// A window of `count` equal weights with these means and mean squares (a summary of
+    /// another average: the long one restarts from the EMA's).
+    fn summary(count: f64, mean: [f64; 2], mean_sq: [f64; 2]) -> Self {
+        Self { w: count, w2: count, y: mean.map(|m| m * count), yy: mean_sq.map(|m| m * count) }
+    }
+
+    fn count(&self) -> f64 {
+        if self.w2 > 0.0 { (self.w * self.w / self.w2).max(1.0) } else { 0.0 }
+    }
+
+    fn mean(&self) -> Option<[f64; 2]> {
+        (self.w > 0.0).then(|| self.y.map(|y| y / self.w))
+    }
+
+    /// Standard errors of the two means: the weighted spread over the effective count.
+    fn standard_errors(&self) -> [f64; 2] {
+        let (Some(mean), n) = (self.mean(), self.count()) else { return [0.0; 2] };
+        if n < 2.0 {
+            return [0.0; 2];
+        }
+        [0, 1].map(|i| ((self.yy[i] / self.w - mean[i] * mean[i]).max(0.0) / n).sqrt())
+    }
+}
+
 /// Online, smoothed estimator; its state serialises for checkpoints.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GnsEstimator {
@@ -145,6 +234,15 @@ pub struct GnsEstimator {
     /// errors of the smoothed ones.
     #[serde(default)]
     moments: [Ema; 2],
+    /// How far back the reported estimate reaches.
+    #[serde(default)]
+    memory: Memory,
+    /// The long average of [`Memory::Adaptive`] (empty with [`Memory::Fixed`]).
+    #[serde(default)]
+    long: Window,
+    /// Times the long average restarted from the EMA.
+    #[serde(default)]
+    restarts: u64,
 }
 
 impl Default for GnsEstimator {
@@ -167,7 +265,32 @@ impl GnsEstimator {
             previous: None,
             observations: 0,
             moments: [Ema::default(); 2],
+            memory: Memory::Fixed,
+            long: Window::default(),
+            restarts: 0,
         })
+    }
+
+    /// The same estimator with `memory` (checked against the EMA's own).
+    pub fn with_memory(mut self, memory: Memory) -> Result<Self, GnsError> {
+        if let Memory::Adaptive { max_steps } = memory {
+            let ema = 1.0 / (1.0 - self.theta);
+            if !(max_steps.is_finite() && max_steps >= ema) {
+                return Err(GnsError::BadMemory { value: max_steps, ema });
+            }
+        }
+        self.memory = memory;
+        Ok(self)
+    }
+
+    /// How far back the reported estimate reaches.
+    pub fn memory(&self) -> Memory {
+        self.memory
+    }
+
+    /// Times the long average of [`Memory::Adaptive`] restarted from the EMA.
+    pub fn restarts(&self) -> u64 {
+        self.restarts
     }
 
     /// Feeds one step; returns that step's raw estimate (`None` for the first n == 1 step or
@@ -201,15 +324,61 @@ impl GnsEstimator {
                 m.update(self.theta, x);
             }
             self.observations += 1;
+            if let Memory::Adaptive { max_steps } = self.memory {
+                self.long.push(1.0 - 1.0 / max_steps, [e.grad_sq, e.trace]);
+                self.restart_if_parted();
+            }
         }
         Ok(raw)
     }
 
+    /// The EMA as a window: its means, mean squares and effective count.
+    fn ema_window(&self) -> Option<Window> {
+        let mean = [self.grad_sq.value()?, self.trace.value()?];
+        let mean_sq = [self.moments[0].value()?, self.moments[1].value()?];
+        Some(Window::summary(self.ema_count(), mean, mean_sq))
+    }
+
+    /// The EMA's effective count of observations, `(sum w)^2 / sum w^2` of a bias-corrected
+    /// EMA of k of them: `(1 + theta)(1 - theta^k) / ((1 - theta)(1 + theta^k))`.
+    fn ema_count(&self) -> f64 {
+        let th = self.theta;
+        let tk = th.powf(self.observations as f64);
+        if th == 0.0 { 1.0 } else { ((1.0 + th) * (1.0 - tk) / ((1.0 - th) * (1.0 + tk))).max(1.0) }
+    }
+
+    /// Restarts the long average from the EMA where either mean differs from the EMA's by
+    /// more than [`RESTART_Z`] standard errors of the difference, `sd sqrt(1/n_ema - 1/n_long)`
+    /// with the raw estimates' `sd` from the long average (once the long average holds at least
+    /// twice the EMA's count; before, the two are nearly the same steps).
+    fn restart_if_parted(&mut self) {
+        let Some(ema) = self.ema_window() else { return };
+        if self.long.count() < 2.0 * ema.count() {
+            return;
+        }
+        let (Some(a), Some(b)) = (ema.mean(), self.long.mean()) else { return };
+        // The spread of the raw estimates from the long average (many more of them than the
+        // EMA holds, so the test's own scale is not a noisy one), over the difference's count.
+        let sb = self.long.standard_errors();
+        let scale = (self.long.count() / ema.count() - 1.0).max(0.0).sqrt();
+        let parted = (0..2).any(|i| (a[i] - b[i]).abs() > RESTART_Z * sb[i] * scale);
+        if parted {
+            self.long = ema;
+            self.restarts += 1;
+        }
+    }
+
     /// The smoothed estimate so far; biased when differenced steps carry more than 1% of it.
+    /// With [`Memory::Adaptive`], the long average's means and standard errors.
     pub fn estimate(&self) -> Option<NoiseEstimate> {
+        let biased = self.from_differencing.value()? > 0.01;
+        if let (Memory::Adaptive { .. }, Some([g, t])) = (self.memory, self.long.mean()) {
+            let [grad_sq_se, trace_se] = self.long.standard_errors();
+            return Some(NoiseEstimate { grad_sq: g, trace: t, biased, grad_sq_se, trace_se });
+        }
         let (g, t) = (self.grad_sq.value()?, self.trace.value()?);
         let (grad_sq_se, trace_se) = self.standard_errors(g, t);
-        Some(NoiseEstimate { grad_sq: g, trace: t, biased: self.from_differencing.value()? > 0.01, grad_sq_se, trace_se })
+        Some(NoiseEstimate { grad_sq: g, trace: t, biased, grad_sq_se, trace_se })
     }
 
     /// Standard errors of the EMA means `g`, `t` of the raw estimates: their spread over the
@@ -221,9 +390,7 @@ impl GnsEstimator {
             return (0.0, 0.0);
         }
         let [gg, tt] = [self.moments[0], self.moments[1]].map(|m| m.value().unwrap_or(0.0));
-        let th = self.theta;
-        let tk = th.powf(self.observations as f64);
-        let n = if th == 0.0 { 1.0 } else { ((1.0 + th) * (1.0 - tk) / ((1.0 - th) * (1.0 + tk))).max(1.0) };
+        let n = self.ema_count();
         (((gg - g * g).max(0.0) / n).sqrt(), ((tt - t * t).max(0.0) / n).sqrt())
     }
 
@@ -371,8 +538,86 @@ mod tests {
     }
 
     #[test]
+    fn a_window_is_the_hand_weighted_average() {
+        // Decay 0.5 over 2, 4, 6: weights 0.25, 0.5, 1.
+        let mut w = Window::default();
+        for y in [2.0, 4.0, 6.0] {
+            w.push(0.5, [y, -y]);
+        }
+        let (ws, ys) = ([0.25, 0.5, 1.0], [2.0, 4.0, 6.0]);
+        let sw: f64 = ws.iter().sum();
+        let sw2: f64 = ws.iter().map(|w| w * w).sum();
+        let mean = ws.iter().zip(ys).map(|(w, y)| w * y).sum::<f64>() / sw;
+        let var = ws.iter().zip(ys).map(|(w, y)| w * (y - mean) * (y - mean)).sum::<f64>() / sw;
+        let n = sw * sw / sw2;
+        assert!((w.mean().unwrap()[0] - mean).abs() < 1e-12 && (w.mean().unwrap()[1] + mean).abs() < 1e-12);
+        assert!((w.count() - n).abs() < 1e-12, "{} vs {n}", w.count());
+        for se in w.standard_errors() {
+            assert!((se - (var / n).sqrt()).abs() < 1e-12, "{se}");
+        }
+        // A summary of equal weights has that count, mean and spread.
+        let s = Window::summary(4.0, [1.0, 2.0], [5.0, 4.0]);
+        assert_eq!((s.count(), s.mean()), (4.0, Some([1.0, 2.0])));
+        assert_eq!(s.standard_errors(), [(4.0f64 / 4.0).sqrt(), 0.0]);
+    }
+
+    /// Raw estimates of one step of `b_m` x `n` at (grad_sq, trace).
+    fn feed(est: &mut GnsEstimator, src: &mut Synthetic, b_m: usize, n: usize) {
+        let grads: Vec<Vec<f64>> = (0..n).map(|_| src.batch(b_m)).collect();
+        let l = grads.iter().map(|g| sq(g)).sum::<f64>() / n as f64;
+        let mean: Vec<f64> = (0..grads[0].len()).map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / n as f64).collect();
+        est.observe(&StepStats { micro_batch: b_m, num_micro: n, mean_micro_sq_norm: l, grad_sq_norm: sq(&mean), diff_sq_norm: None }).unwrap();
+    }
+
+    #[test]
+    fn an_adaptive_memory_narrows_on_a_still_noise_scale_and_follows_a_jump() {
+        let (grad_sq, trace) = (1.0, 400.0);
+        let mut fixed = GnsEstimator::new(0.95).unwrap();
+        let mut adaptive = GnsEstimator::new(0.95).unwrap().with_memory(Memory::Adaptive { max_steps: 2000.0 }).unwrap();
+        // The same draws for both: one source per estimator, same seed.
+        let (mut a, mut b) = (Synthetic::new(64, grad_sq, trace, 5), Synthetic::new(64, grad_sq, trace, 5));
+        for _ in 0..1500 {
+            feed(&mut fixed, &mut a, 4, 4);
+            feed(&mut adaptive, &mut b, 4, 4);
+        }
+        let (f, e) = (fixed.estimate().unwrap(), adaptive.estimate().unwrap());
+        // Still: the standard error of a memory of ~1000 steps against ~39 (the EMA's count),
+        // within 3 of them of the truth; no more than a false restart or two.
+        assert!(e.grad_sq_se < 0.35 * f.grad_sq_se, "{} vs {}", e.grad_sq_se, f.grad_sq_se);
+        assert!((e.grad_sq - grad_sq).abs() < 3.0 * e.grad_sq_se, "{e:?}");
+        assert!((e.trace - trace).abs() < 3.0 * e.trace_se, "{e:?}");
+        assert!(adaptive.restarts() <= 2, "{}", adaptive.restarts());
+        // The noise scale jumps 4x: within a few EMA memories the long average has restarted
+        // and reads the new trace, as the EMA does.
+        let restarts = adaptive.restarts();
+        let mut b = Synthetic::new(64, grad_sq, 4.0 * trace, 6);
+        for _ in 0..150 {
+            feed(&mut adaptive, &mut b, 4, 4);
+        }
+        let e = adaptive.estimate().unwrap();
+        assert!(adaptive.restarts() > restarts);
+        assert!(rel(e.trace, 4.0 * trace) < 0.1, "{e:?}");
+    }
+
+    #[test]
+    fn an_adaptive_memory_shorter_than_the_ema_is_refused() {
+        let err = GnsEstimator::new(0.95).unwrap().with_memory(Memory::Adaptive { max_steps: 10.0 }).unwrap_err();
+        assert!(err.to_string().contains("max_steps"), "{err}");
+        assert!(GnsEstimator::new(0.95).unwrap().with_memory(Memory::Adaptive { max_steps: f64::INFINITY }).is_err());
+        // Fixed is the EMA to the bit.
+        let mut a = GnsEstimator::new(0.9).unwrap();
+        let mut b = GnsEstimator::new(0.9).unwrap().with_memory(Memory::Fixed).unwrap();
+        for (l, t) in [(9.0, 3.0), (12.0, 2.0), (7.0, 2.5)] {
+            let s = StepStats { micro_batch: 2, num_micro: 4, mean_micro_sq_norm: l, grad_sq_norm: t, diff_sq_norm: None };
+            a.observe(&s).unwrap();
+            b.observe(&s).unwrap();
+        }
+        assert_eq!(a.estimate(), b.estimate());
+    }
+
+    #[test]
     fn estimator_state_round_trips_through_ron() {
-        let mut est = GnsEstimator::new(0.9).unwrap();
+        let mut est = GnsEstimator::new(0.9).unwrap().with_memory(Memory::Adaptive { max_steps: 100.0 }).unwrap();
         est.observe(&StepStats { micro_batch: 2, num_micro: 4, mean_micro_sq_norm: 9.0, grad_sq_norm: 3.0, diff_sq_norm: None }).unwrap();
         let text = ron::to_string(&est).unwrap();
         let back: GnsEstimator = ron::from_str(&text).unwrap();

@@ -20,7 +20,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{ChiSquared, Distribution, StandardNormal};
 
-use crate::gns::{GnsEstimator, NoiseEstimate, StepStats};
+use crate::gns::{GnsEstimator, Memory, NoiseEstimate, StepStats};
 use crate::goodput::Objective;
 use crate::policy::{Decision, Policy, Scorer, SwitchCosts, Trajectory};
 
@@ -131,6 +131,9 @@ pub enum SimNoise {
         p_eff: f64,
         /// The estimator's EMA factor (training uses 0.95).
         theta: f64,
+        /// How far back the estimate reaches (the EMA alone unless named).
+        #[serde(default)]
+        memory: Memory,
     },
 }
 
@@ -247,9 +250,9 @@ pub enum SimError {
     /// The starting configuration has no throughput.
     #[error("the initial configuration {0:?} is not a candidate of the scorer")]
     Initial(Candidate),
-    /// The estimator's EMA factor is out of range.
-    #[error("the estimator's theta must be in [0, 1), got {0}")]
-    Theta(f64),
+    /// The estimator's EMA factor or memory is out of range.
+    #[error("the noise estimator: {0}")]
+    Estimator(#[from] crate::gns::GnsError),
 }
 
 /// The noise scale at `progress` (piecewise constant).
@@ -355,7 +358,9 @@ impl NoiseSource {
     fn new(cfg: &SimConfig) -> Result<Self, SimError> {
         let rng = StdRng::seed_from_u64(cfg.seed);
         let estimator = match cfg.noise {
-            SimNoise::Estimator { theta, .. } => Some(GnsEstimator::new(theta).map_err(|_| SimError::Theta(theta))?),
+            SimNoise::Estimator { theta, memory, .. } => {
+                Some(GnsEstimator::new(theta).and_then(|e| e.with_memory(memory))?)
+            }
             SimNoise::LogNormal { .. } => None,
         };
         Ok(Self { rng, estimator, previous: None })
@@ -470,7 +475,7 @@ mod tests {
 
     /// The estimator-driven noise at the calibrated effective dimension.
     fn realistic(costs: SwitchCosts, seed: u64) -> SimConfig {
-        SimConfig { noise: SimNoise::Estimator { p_eff: 18.5, theta: 0.95 }, seed, ..config(costs) }
+        SimConfig { noise: SimNoise::Estimator { p_eff: 18.5, theta: 0.95, memory: Memory::Fixed }, seed, ..config(costs) }
     }
 
     /// Records the B_simple estimate each step; never changes anything.
@@ -530,7 +535,7 @@ mod tests {
         for seed in 0..3 {
             for p_eff in [6.0, 18.5] {
                 let cfg = SimConfig {
-                    noise: SimNoise::Estimator { p_eff, theta: 0.95 },
+                    noise: SimNoise::Estimator { p_eff, theta: 0.95, memory: Memory::Fixed },
                     seed,
                     ..config(SwitchCosts { batch: 0.5, layout: 20.0 })
                 };

@@ -16,10 +16,12 @@ use anyhow::{Context, anyhow};
 use copus_core::belief::FamilyPriors;
 use copus_core::goodput::ObjectiveKind;
 use copus_core::policy::{Learning, Rule, Scorer, hindsight_oracle, lineup, schedule_time};
-use copus_core::sim::{SimRun, perturbed, simulate, structured};
+use copus_core::gns::{GnsEstimator, Memory};
+use copus_core::policy::SwitchCosts;
+use copus_core::sim::{SimConfig, SimNoise, SimRun, perturbed, simulate, structured};
 use serde::{Deserialize, Serialize};
 
-use super::compare::schema::{default_rule, read_ron};
+use super::compare::schema::{Synthetic, default_rule, read_ron};
 use super::compare::synthetic::synthetic_scorer;
 use super::stats::{RatioInterval, paired_ratio};
 use super::suite::{Suite, SuiteScenario};
@@ -53,6 +55,10 @@ pub struct Evidence {
     pub test_seeds: Vec<u64>,
     /// The goals, checked in the report.
     pub goals: Goals,
+    /// How far back the noise estimate every policy reads reaches (`Fixed`, the EMA alone, when
+    /// absent, as judgements 1-4 ran; `Adaptive(max_steps: N)`: see copus-core `gns::Memory`).
+    #[serde(default)]
+    pub noise_memory: Memory,
 }
 
 /// The profiling pass every policy of `Profile` plans from.
@@ -117,9 +123,20 @@ impl Evidence {
             return Err(at("stress/profile", "stress and profile.error >= 0, profile.timed_steps >= 1"));
         }
         e.rule.validate().map_err(|err| at("rule", &err.to_string()))?;
+        GnsEstimator::default().with_memory(e.noise_memory).map_err(|err| at("noise_memory", &err.to_string()))?;
         let suite =
             Suite::load(Path::new(&e.scenarios_from)).with_context(|| format!("evidence field `scenarios_from` of {}", path.display()))?;
         Ok((e, suite))
+    }
+
+    /// The simulation of scenario `s` on `seed`, its noise estimate reaching as far back as
+    /// `noise_memory` says, without per-step records.
+    fn sim_config(&self, s: &Synthetic, costs: SwitchCosts, seed: u64) -> SimConfig {
+        let mut cfg = SimConfig { record_steps: false, ..s.sim_config(costs, seed) };
+        if let SimNoise::Estimator { memory, .. } = &mut cfg.noise {
+            *memory = self.noise_memory;
+        }
+        cfg
     }
 }
 
@@ -197,8 +214,7 @@ fn seed_arms(ev: &Evidence, suite: &Suite, sc: &SuiteScenario, truth: Truth, inf
         _ => (&sco.prior, ev.belief),
     };
     let trajectory = copus_core::policy::Trajectory::new(s.trajectory.clone(), s.end)?;
-    let cfg = s.sim_config(sc.costs, seed);
-    let cfg = copus_core::sim::SimConfig { record_steps: false, ..cfg };
+    let cfg = ev.sim_config(s, sc.costs, seed);
     let rule = suite.rule.unwrap_or(default_rule());
     let line = lineup(plan, rule, suite.cbs_c)?;
     let mut arms = SeedArms { profiling: sco.profiling, ..SeedArms::default() };
@@ -598,7 +614,7 @@ mod tests {
         };
         let s = &sc.scenario;
         let trajectory = copus_core::policy::Trajectory::new(s.trajectory.clone(), s.end).unwrap();
-        let cfg = copus_core::sim::SimConfig { record_steps: false, ..s.sim_config(sc.costs, seed) };
+        let cfg = ev.sim_config(s, sc.costs, seed);
         let line = lineup(plan, suite.rule.unwrap_or(default_rule()), suite.cbs_c).unwrap();
         let mut copus = Learning::new(plan.clone(), ev.rule, &belief, s.cluster.spec().unwrap().gpus_per_node).unwrap();
         let run = simulate(&mut copus, &sco.truth, &trajectory, line.copus_start, &cfg).unwrap();

@@ -188,7 +188,7 @@ impl Synthetic {
             b0: self.b0,
             noise: match self.estimate_error {
                 Some(error) => SimNoise::LogNormal { error },
-                None => SimNoise::Estimator { p_eff: self.p_eff, theta: 0.95 },
+                None => SimNoise::Estimator { p_eff: self.p_eff, theta: 0.95, memory: copus_core::gns::Memory::Fixed },
             },
             warmup_steps: self.warmup_steps,
             // A run that needs more has stalled (the longest shipped scenario takes under 1M).
