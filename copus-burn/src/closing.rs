@@ -83,6 +83,11 @@ impl StepCloser {
         Ok(Self { memory: ProbeMemory::new(), gns: GnsEstimator::new(theta)? })
     }
 
+    /// A closer around `gns` (the estimator an [`crate::optim::OptimConfig`] asks for).
+    pub fn with_estimator(gns: GnsEstimator) -> Self {
+        Self { memory: ProbeMemory::new(), gns }
+    }
+
     /// The probe memory (to difference against, to stage, to restore).
     pub fn memory(&self) -> &ProbeMemory {
         &self.memory

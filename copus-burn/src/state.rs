@@ -290,7 +290,7 @@ pub struct TrainingState {
 
 impl TrainingState {
     /// The state before the first step, from full parameters.
-    pub fn fresh(spec: &ModelSpec, full: &FullParams, gns_theta: f64) -> Result<Self, StateError> {
+    pub fn fresh(spec: &ModelSpec, full: &FullParams, gns: GnsEstimator) -> Result<Self, StateError> {
         let mut params = BTreeMap::new();
         for p in spec.param_specs() {
             let data = full.get(&p.name).ok_or_else(|| StateError::Shard(ShardError::Missing(p.name.clone())))?;
@@ -303,7 +303,6 @@ impl TrainingState {
         if let Some(extra) = full.keys().find(|k| !params.contains_key(*k)) {
             return Err(StateError::Shard(ShardError::Layout(format!("parameter `{extra}` is not part of the model"))));
         }
-        let gns = GnsEstimator::new(gns_theta).map_err(StateError::Gns)?;
         Ok(Self { params, optim: BTreeMap::new(), scalars: BTreeMap::new(), previous: None, step: 0, tokens_seen: 0, gns })
     }
 

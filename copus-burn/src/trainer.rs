@@ -172,7 +172,7 @@ impl<M: CausalLm> Trainer<M> {
     pub fn new(model: M, cfg: OptimConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
         let optim = cfg.adamw(&model.no_decay_predicates());
-        let closer = StepCloser::new(cfg.gns_theta)?;
+        let closer = StepCloser::with_estimator(cfg.gns_estimator()?);
         Ok(Self { model: Some(model), optim, cfg, closer, step: 0, tokens_seen: 0, last_stats: None, probe: true })
     }
 

@@ -124,8 +124,8 @@ pub enum SimNoise {
     /// the step's T) from their sampling distribution, with micro-batch gradients `G + xi`, xi
     /// Gaussian with isotropic covariance `tr(Sigma) / (p_eff B_m)` in `p_eff` dimensions,
     /// |G|^2 = 1 and tr(Sigma) = the trajectory's B_simple; they feed copus-core's
-    /// [`GnsEstimator`] with EMA factor `theta`, and the policies see only its output (noise,
-    /// lag and non-positive |G|^2 estimates included).
+    /// [`GnsEstimator`] with EMA factor `theta` and `memory`, and the policies see only its
+    /// output (noise, lag and non-positive |G|^2 estimates included).
     Estimator {
         /// Effective dimension of the gradient noise (smaller: noisier estimates).
         p_eff: f64,
@@ -358,9 +358,7 @@ impl NoiseSource {
     fn new(cfg: &SimConfig) -> Result<Self, SimError> {
         let rng = StdRng::seed_from_u64(cfg.seed);
         let estimator = match cfg.noise {
-            SimNoise::Estimator { theta, memory, .. } => {
-                Some(GnsEstimator::new(theta).and_then(|e| e.with_memory(memory))?)
-            }
+            SimNoise::Estimator { theta, memory, .. } => Some(GnsEstimator::new(theta).and_then(|e| e.with_memory(memory))?),
             SimNoise::LogNormal { .. } => None,
         };
         Ok(Self { rng, estimator, previous: None })

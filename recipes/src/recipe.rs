@@ -559,6 +559,8 @@ struct OptimSection {
     #[serde(default, deserialize_with = "present")]
     clip_norm: Option<Option<f64>>,
     gns_theta: Option<f64>,
+    /// Absent: the EMA alone; a number: the adaptive memory's longest, in steps.
+    gns_memory: Option<f64>,
 }
 
 /// A field that is present, whatever its value (`None` included).
@@ -592,6 +594,9 @@ fn optim_section<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OptimConfig, 
         clip_norm,
         gns_theta
     );
+    if s.gns_memory.is_some() {
+        c.gns_memory = s.gns_memory;
+    }
     Ok(c)
 }
 
@@ -907,6 +912,13 @@ mod tests {
         assert_eq!(again, r);
         let e = Recipe::parse(&GOOD.replace("train:", "optim: (lrr: 1.0), train:"), "r").unwrap_err().to_string();
         assert!(e.contains("lrr") && e.contains("warmup_steps"), "{e}");
+        // The noise estimate's adaptive memory: a number of steps, checked against the EMA's.
+        let r = Recipe::parse(&GOOD.replace("train:", "optim: (gns_memory: 500.0), train:"), "r").unwrap();
+        assert_eq!(r.optim, OptimConfig::new().with_gns_memory(Some(500.0)));
+        let again = Recipe::parse(&ron::ser::to_string_pretty(&r, ron::ser::PrettyConfig::default()).unwrap(), "again").unwrap();
+        assert_eq!(again, r);
+        let e = Recipe::parse(&GOOD.replace("train:", "optim: (gns_memory: 5.0), train:"), "r").unwrap_err().to_string();
+        assert!(e.contains("`gns_memory`") && e.contains("1 / (1 - gns_theta)"), "{e}");
     }
 
     #[test]

@@ -103,7 +103,8 @@ impl EngineConfig {
 impl<L: ParallelLm> Engine<L> {
     /// Starts one worker per rank of `cfg.dims`, each holding its shard of `full`.
     pub fn new(model: Arc<L>, full: &FullParams, cfg: EngineConfig) -> Result<Self, EngineError> {
-        let state = TrainingState::fresh(&model.spec(), full, cfg.optim.gns_theta)?;
+        let gns = cfg.optim.gns_estimator().map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
+        let state = TrainingState::fresh(&model.spec(), full, gns)?;
         Self::from_state(model, &state, cfg)
     }
 

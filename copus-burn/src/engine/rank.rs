@@ -166,7 +166,8 @@ impl<L: ParallelLm, C: Collective> RankState<L, C> {
         }
         let vocab_local = vocab.unwrap_or(0);
         let optim = cfg.optim.adamw(&stage.no_decay_predicates());
-        let closer = StepCloser::new(cfg.optim.gns_theta).map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
+        let gns = cfg.optim.gns_estimator().map_err(|e| EngineError::Train(TrainError::Gns(e)))?;
+        let closer = StepCloser::with_estimator(gns);
         let Groups { world, tp, dp, pp, mp } = groups;
         let mut state = Self {
             rank,

@@ -351,8 +351,8 @@ mod foreach {
     use burn::optim::GradientsParams;
     use burn::tensor::Tensor;
 
-    use crate::optim::adamw::{AdamW, Coeffs, Moments, marked_as};
     use crate::fused::{AdamwScalars, adamw_foreach};
+    use crate::optim::adamw::{AdamW, Coeffs, Moments, marked_as};
 
     /// What the parameters updated together share: step count, first update, and the bits of
     /// the decay factor (none without decay).

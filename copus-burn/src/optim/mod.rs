@@ -8,6 +8,7 @@ mod adamw;
 use burn::config::Config;
 use burn::module::ParamGroup;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
+use copus_core::gns::{GnsError, GnsEstimator, Memory};
 use copus_core::goodput::LrRule;
 
 pub use adamw::{AdamW, Moments};
@@ -75,6 +76,11 @@ pub struct OptimConfig {
     /// EMA factor of the noise-scale estimator.
     #[config(default = 0.95)]
     pub gns_theta: f64,
+    /// How far back the noise-scale estimate reaches: `None`, the EMA alone; `Some(n)`, a long
+    /// average of up to about `n` steps beside it, reported while the two agree and restarted
+    /// from the EMA when they part (copus-core `gns::Memory::Adaptive`).
+    #[config(default = "None")]
+    pub gns_memory: Option<f64>,
 }
 
 /// What advances a learning-rate schedule.
@@ -110,7 +116,18 @@ impl OptimConfig {
         if let Some(c) = self.clip_norm {
             check("clip_norm", c, c > 0.0, "> 0 (or None)")?;
         }
-        check("gns_theta", self.gns_theta, (0.0..1.0).contains(&self.gns_theta), "in [0, 1)")
+        check("gns_theta", self.gns_theta, (0.0..1.0).contains(&self.gns_theta), "in [0, 1)")?;
+        if let Some(m) = self.gns_memory {
+            let ema = 1.0 / (1.0 - self.gns_theta);
+            check("gns_memory", m, m >= ema, "at least the EMA's 1 / (1 - gns_theta) steps (or None)")?;
+        }
+        Ok(())
+    }
+
+    /// The noise-scale estimator these settings ask for (`gns_theta`, `gns_memory`).
+    pub fn gns_estimator(&self) -> Result<GnsEstimator, GnsError> {
+        let memory = self.gns_memory.map_or(Memory::Fixed, |max_steps| Memory::Adaptive { max_steps });
+        GnsEstimator::new(self.gns_theta)?.with_memory(memory)
     }
 
     /// Schedule factor at `step` (0-based) counted in steps: linear warmup to 1, cosine to
@@ -174,5 +191,26 @@ impl OptimConfig {
     pub fn adamw(&self, no_decay: &[String]) -> AdamW {
         let no_decay = if self.decay_norms_and_embeddings { &[] } else { no_decay };
         AdamW::new(self.beta1 as f32, self.beta2 as f32, self.eps as f32, self.weight_decay as f32, no_decay)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `gns_memory` builds the estimator it names; one shorter than the EMA's memory (20 steps
+    /// at theta 0.95) or not finite is refused, naming the field.
+    #[test]
+    fn the_noise_memory_builds_the_estimator_it_names() {
+        assert_eq!(OptimConfig::new().gns_estimator().unwrap().memory(), Memory::Fixed);
+        let c = OptimConfig::new().with_gns_memory(Some(500.0));
+        c.validate().unwrap();
+        assert_eq!(c.gns_estimator().unwrap().memory(), Memory::Adaptive { max_steps: 500.0 });
+        OptimConfig::new().with_gns_memory(Some(20.0)).validate().unwrap();
+        for bad in [19.0, f64::NAN, f64::INFINITY] {
+            let e = OptimConfig::new().with_gns_memory(Some(bad)).validate().unwrap_err();
+            assert_eq!(e.field, "gns_memory", "{bad}");
+            assert!(OptimConfig::new().with_gns_memory(Some(bad)).gns_estimator().is_err(), "{bad}");
+        }
     }
 }

@@ -14,10 +14,10 @@ use std::path::Path;
 
 use anyhow::{Context, anyhow};
 use copus_core::belief::FamilyPriors;
-use copus_core::goodput::ObjectiveKind;
-use copus_core::policy::{Learning, Rule, Scorer, hindsight_oracle, lineup, schedule_time};
 use copus_core::gns::{GnsEstimator, Memory};
+use copus_core::goodput::ObjectiveKind;
 use copus_core::policy::SwitchCosts;
+use copus_core::policy::{Learning, Rule, Scorer, hindsight_oracle, lineup, schedule_time};
 use copus_core::sim::{SimConfig, SimNoise, SimRun, perturbed, simulate, structured};
 use serde::{Deserialize, Serialize};
 
@@ -589,6 +589,29 @@ mod tests {
             assert_eq!(a.prior.throughput(c), prior.throughput(c));
         }
         assert!(a.profiling > 0.0 && a.profiling.is_finite());
+    }
+
+    /// The shipped file's noise memory reaches the simulation every policy runs in; a memory
+    /// shorter than the estimator's EMA is refused, naming the field.
+    #[test]
+    fn the_noise_memory_reaches_the_simulation_and_a_bad_one_is_named() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let suite = Suite::load(&root.join("recipes/suite-paper.ron")).unwrap();
+        let text = std::fs::read_to_string(root.join("recipes/evidence-structured.ron")).unwrap();
+        let ev: Evidence = ron::from_str(&text).unwrap();
+        let memory = Memory::Adaptive { max_steps: 1000.0 };
+        assert_eq!(ev.noise_memory, memory);
+        let cfg = ev.sim_config(&suite.scenarios[0].scenario, suite.scenarios[0].costs, 7);
+        assert!(matches!(cfg.noise, SimNoise::Estimator { memory: m, .. } if m == memory), "{:?}", cfg.noise);
+        assert!(!cfg.record_steps);
+        let dir = tempfile::tempdir().unwrap();
+        let bad = text
+            .replace("max_steps: 1000.0", "max_steps: 5.0")
+            .replace("\"recipes/suite-paper.ron\"", &format!("{:?}", root.join("recipes/suite-paper.ron")));
+        let path = dir.path().join("bad.ron");
+        std::fs::write(&path, bad).unwrap();
+        let err = Evidence::load(&path).unwrap_err().to_string();
+        assert!(err.contains("evidence field `noise_memory`") && err.contains("max_steps"), "{err}");
     }
 
     /// A development aid, not a check: Copus's switches on one scenario, seed and information
