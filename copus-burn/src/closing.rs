@@ -80,7 +80,7 @@ pub struct StepCloser {
 impl StepCloser {
     /// A closer whose estimator smooths with EMA factor `theta`.
     pub fn new(theta: f64) -> Result<Self, GnsError> {
-        Ok(Self { memory: ProbeMemory::new(), gns: GnsEstimator::new(theta)? })
+        Ok(Self::with_estimator(GnsEstimator::new(theta)?))
     }
 
     /// A closer around `gns` (the estimator an [`crate::optim::OptimConfig`] asks for).
